@@ -1,0 +1,106 @@
+"""Fake quantization of input activations: symmetric signed integers, per token (dynamic) or per tensor (static).
+
+Used by LRQ during block reconstruction (METHODS.md section 2: W8A8 with per-tensor static activations, W4A8
+with per-token activations) and by the quantized linear modules at run time. The grid for ``bits`` b is the
+symmetric range ``-(2**(b-1) - 1) .. 2**(b-1) - 1`` (e.g. -127..127 for 8 bits)::
+
+    q(x) = clamp(round(x / scale), -qmax, qmax) * scale
+
+Rounding uses a straight-through estimator so the functions can sit inside a training graph: the gradient
+with respect to ``x`` is 1 inside the grid range and 0 where the value was clipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+GRANULARITIES = ("token", "tensor")
+_EPS = 1e-8
+
+
+def _check_bits(bits) -> None:
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits < 2:
+        raise ValueError(f"bits must be an integer >= 2 (>= 16 means no quantization), got {bits!r}")
+
+
+def _qmax(bits: int) -> int:
+    return 2 ** (bits - 1) - 1
+
+
+def _round_ste(v: torch.Tensor) -> torch.Tensor:
+    # round(v) in the forward pass (bitwise: round(v) - v is exact in floating point), identity gradient.
+    return v + (torch.round(v) - v).detach()
+
+
+def quantize_activations(
+    x: torch.Tensor, bits: int, granularity: str, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Fake-quantize ``x`` [..., features] to signed ``bits``-bit integers; same shape and dtype as ``x``.
+
+    ``granularity`` "token": one dynamic scale per row of the last dimension, ``absmax(x[..., :]) / qmax``
+    (``scale`` must be None). "tensor": the static scalar ``scale`` from ``calibrate_act_scale`` (required);
+    values beyond ``qmax * scale`` are clipped. ``bits >= 16`` returns ``x`` unchanged. The arithmetic runs
+    in float32 whatever the dtype of ``x``.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    _check_bits(bits)
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if granularity == "token" and scale is not None:
+        raise ValueError("scale must be None for granularity 'token' (the scale is computed per token)")
+    if granularity == "tensor":
+        if scale is None:
+            raise ValueError("granularity 'tensor' needs a static scale (from calibrate_act_scale), got None")
+        if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
+            raise ValueError(f"scale must be a tensor with one element, got {scale!r}")
+    if bits >= 16:
+        return x
+    if x.ndim == 0:
+        raise ValueError("x must have at least one dimension (features last)")
+    qmax = _qmax(bits)
+    xf = x.float()
+    if granularity == "token":
+        # The dynamic scale is treated as a constant: gradients flow through the rounding only.
+        step = (xf.detach().abs().amax(dim=-1, keepdim=True) / qmax).clamp(min=_EPS)
+    else:
+        # The positivity check would force a device sync on accelerators, so it only runs for CPU scales.
+        if scale.device.type == "cpu" and not bool(scale.detach().reshape(()) > 0):
+            raise ValueError(f"scale must be positive, got {float(scale)}")
+        step = scale.detach().to(device=x.device, dtype=torch.float32).reshape(())
+    q = torch.clamp(_round_ste(xf / step), -qmax, qmax) * step
+    return q.to(x.dtype)
+
+
+def calibrate_act_scale(samples: Iterable[torch.Tensor], bits: int, percentile: float = 1.0) -> torch.Tensor:
+    """Static per-tensor scale (0-dim float32) from calibration activations.
+
+    Each sample (any shape) contributes the ``percentile`` quantile of its absolute values (1.0 = absmax);
+    the scale is the largest of these divided by ``qmax = 2**(bits-1) - 1``, so with ``percentile=1.0`` no
+    calibration value is clipped. Taking the maximum over samples lets callers stream samples (or batches,
+    for ``percentile=1.0``) without holding them all.
+    """
+    _check_bits(bits)
+    if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 0.0 < percentile <= 1.0:
+        raise ValueError(f"percentile must be a number in (0, 1] (1.0 = absmax), got {percentile!r}")
+    qmax = _qmax(min(bits, 16))
+    best: torch.Tensor | None = None
+    count = 0
+    for sample in samples:
+        if not isinstance(sample, torch.Tensor):
+            raise TypeError(f"samples must yield torch.Tensor, got {type(sample).__name__}")
+        if sample.numel() == 0:
+            continue
+        flat = sample.detach().reshape(-1).float().abs()
+        if percentile >= 1.0:
+            value = flat.max()
+        else:
+            k = max(1, min(flat.numel(), round(percentile * flat.numel())))
+            value = flat.kthvalue(k).values
+        best = value if best is None else torch.maximum(best, value.to(best.device))
+        count += 1
+    if count == 0:
+        raise ValueError("samples must contain at least one non-empty tensor")
+    return (best / qmax).clamp(min=_EPS).cpu()

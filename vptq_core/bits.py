@@ -1,0 +1,93 @@
+"""Bits per weight, counted two ways: index (or code) bits alone, and total bits including codebooks,
+outlier codebooks and indices, normalisation scales/biases, permutations and scalar grids.
+
+Every stored float (centroid, scale, zero point) counts 16 bits; a permutation entry counts 16 bits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .config import LRQConfig, ScalarConfig, VPTQConfig
+from .formats import ScalarLayerState, VQLayerState
+
+FLOAT_BITS = 16
+
+
+@dataclass(frozen=True)
+class BitsInfo:
+    weights: int  # number of weights served
+    index_bits: int  # total index/code bits
+    total_bits: int  # index bits + every overhead
+
+    @property
+    def index_bits_per_weight(self) -> float:
+        return self.index_bits / self.weights
+
+    @property
+    def total_bits_per_weight(self) -> float:
+        return self.total_bits / self.weights
+
+    def __add__(self, other: BitsInfo) -> BitsInfo:
+        return BitsInfo(self.weights + other.weights, self.index_bits + other.index_bits,
+                        self.total_bits + other.total_bits)
+
+
+def vq_bits(
+    out_features: int, in_features: int, vector_len: int, num_centroids: int, num_res_centroids: int = 0,
+    outlier_size: int = 0, outlier_vector_len: int = 0, outlier_centroids: int = 0, group_num: int = 1,
+    norm: bool = False, perm: bool = False,
+) -> BitsInfo:
+    """Exact storage of one VPTQ layer (indices counted unpadded, as bit streams)."""
+    b = int(math.log2(num_centroids))
+    br = int(math.log2(num_res_centroids)) if num_res_centroids > 0 else 0
+    group_size = (in_features - outlier_size) // group_num
+    rows = math.ceil(out_features / vector_len)
+    index = group_num * rows * group_size * (b + br)
+    codebooks = group_num * vector_len * (num_centroids + max(num_res_centroids, 0)) * FLOAT_BITS
+    if outlier_size:
+        index += math.ceil(out_features / outlier_vector_len) * outlier_size * int(math.log2(outlier_centroids))
+        codebooks += outlier_vector_len * outlier_centroids * FLOAT_BITS
+    extra = (2 * in_features * FLOAT_BITS if norm else 0) + (in_features * 16 if perm else 0)
+    return BitsInfo(out_features * in_features, index, index + codebooks + extra)
+
+
+def scalar_bits(out_features: int, in_features: int, bits: int, group_size: int) -> BitsInfo:
+    """Codes plus one scale and one zero point per (row, group)."""
+    gs = in_features if group_size <= 0 or group_size >= in_features else group_size
+    groups = math.ceil(in_features / gs)
+    index = out_features * in_features * bits
+    return BitsInfo(out_features * in_features, index, index + 2 * out_features * groups * FLOAT_BITS)
+
+
+def state_bits(state: VQLayerState | ScalarLayerState) -> BitsInfo:
+    if isinstance(state, VQLayerState):
+        return vq_bits(
+            state.out_features, state.in_features, state.vector_len, state.num_centroids,
+            max(state.num_res_centroids, 0), state.outlier_size, state.outlier_vector_len,
+            state.num_outlier_centroids, state.group_num, state.enable_norm, state.enable_perm,
+        )
+    return scalar_bits(state.out_features, state.in_features, state.bits, state.group_size)
+
+
+def config_bits(config: VPTQConfig | ScalarConfig | LRQConfig, out_features: int, in_features: int) -> BitsInfo:
+    """Bits a layer of this shape will take under ``config`` (what the app shows before a run)."""
+    if isinstance(config, VPTQConfig):
+        from .vptq import outlier_columns
+
+        outliers = outlier_columns(in_features, config.outlier_percent, config.group_num)
+        return vq_bits(
+            out_features, in_features, config.vector_len, config.num_centroids, config.num_res_centroids,
+            outliers, config.outlier_vector_len, config.outlier_centroids, config.group_num,
+            config.enable_norm, config.enable_perm or outliers > 0,
+        )
+    return scalar_bits(out_features, in_features, config.bits, config.group_size)
+
+
+def model_bits(config, shapes: list[tuple[int, int]]) -> BitsInfo:
+    """Sum of ``config_bits`` over linear shapes [(out, in), ...]."""
+    total = BitsInfo(0, 0, 0)
+    for out_f, in_f in shapes:
+        total = total + config_bits(config, out_f, in_f)
+    return total

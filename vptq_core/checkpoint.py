@@ -1,0 +1,472 @@
+"""Packed checkpoints: write a quantized model as a Hugging Face style directory and read it back.
+
+Layout of a checkpoint directory::
+
+    config.json          model config + quantization_config
+    model.safetensors    every non-quantized tensor in the model dtype + the packed quantized tensors
+    generation_config.json, tokenizer files
+    quant_report.json    the caller's report + sizes (quantized linears on disk vs their bf16 size)
+
+VPTQ checkpoints use the public schema, ``quantization_config = {"quant_method": "vptq", "config_for_layers":
+{module_name: layer_config}, "shared_layer_config": {}}`` with the public tensor names, so the ``vptq``
+package and ``transformers`` (through ``vptq_core.hf_integration``) read them too. Scalar methods (RTN, GPTQ,
+LRQ) use ``quant_method = "vptq_core_scalar"`` with per-layer bits, group size and activation settings.
+
+Loading never unpickles: JSON and safetensors only. Every tensor is checked against the module that will
+hold it (name, shape, dtype, index ranges) before anything is assigned, so a damaged or inconsistent
+checkpoint fails with one ``ValueError`` naming the file, the tensor and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .formats import ScalarLayerState, VQLayerState
+from .quantized_linear import (
+    ScalarQLinear,
+    VQLinear,
+    module_from_state,
+    scalar_config_from_dict,
+    set_submodule,
+    vq_spec_from_config,
+)
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+REPORT_NAME = "quant_report.json"
+VQ_METHOD = "vptq"
+SCALAR_METHOD = "vptq_core_scalar"
+SCALAR_FORMAT_VERSION = 1
+QUANT_METHODS = (VQ_METHOD, SCALAR_METHOD)
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int32: "I32", torch.int16: "I16",
+    torch.int64: "I64", torch.uint8: "U8", torch.int8: "I8", torch.bool: "BOOL", torch.float64: "F64",
+}
+_INDEX_TENSORS = ("indices", "outlier_indices", "codes")
+_CODEBOOK_TENSORS = ("centroids.weight", "res_centroids.weight", "outlier_centroids.weight")
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def dtype_from_name(name: object, where: str) -> torch.dtype:
+    """"bfloat16" / "torch.bfloat16" / a torch float dtype -> torch.dtype (ValueError naming ``where``)."""
+    if isinstance(name, torch.dtype) and name in _DTYPE_NAMES:
+        return name
+    if isinstance(name, str):
+        for dtype, dtype_name in _DTYPE_NAMES.items():
+            if name.removeprefix("torch.") == dtype_name:
+                return dtype
+    raise ValueError(f"{where}: dtype must be one of {sorted(_DTYPE_NAMES.values())}, got {name!r}")
+
+
+def _read_json(path: Path) -> object:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read ({exc})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: invalid JSON ({exc})") from None
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    for param in model.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return torch.float32
+
+
+def _tied_targets(model: nn.Module) -> set[str]:
+    """State-dict keys that alias another tensor (tied embeddings): neither saved nor expected on load."""
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    return set(tied)
+
+
+def quantized_module_types() -> tuple[type, ...]:
+    return (VQLinear, ScalarQLinear)
+
+
+def build_quantized_module(quant_method: str, layer_config: dict, dtype: torch.dtype | None, device=None) -> nn.Module:
+    """An empty quantized module for one ``config_for_layers`` entry of ``quant_method``."""
+    if quant_method == VQ_METHOD:
+        return VQLinear.from_config(layer_config, dtype=dtype, device=device)
+    if quant_method == SCALAR_METHOD:
+        return ScalarQLinear.from_config(layer_config, dtype=dtype, device=device)
+    raise ValueError(f"quant_method must be one of {QUANT_METHODS}, got {quant_method!r}")
+
+
+def layer_configs_for_model(
+    model: nn.Module, config_for_layers: dict, shared_layer_config: dict | None = None
+) -> dict[str, dict]:
+    """Module name -> layer config for every linear to quantize; checks each against the model's ``nn.Linear``.
+
+    ``shared_layer_config`` (public schema: keyed by the last name component, e.g. "q_proj") applies to linears
+    not listed in ``config_for_layers``; their in/out features and bias come from the model.
+    """
+    if not isinstance(config_for_layers, dict):
+        raise ValueError(f"config_for_layers must be a JSON object, got {type(config_for_layers).__name__}")
+    shared = shared_layer_config or {}
+    if not isinstance(shared, dict):
+        raise ValueError(f"shared_layer_config must be a JSON object, got {type(shared).__name__}")
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    configs: dict[str, dict] = {}
+    for name, layer_config in config_for_layers.items():
+        if name not in linears:
+            what = "no such module" if name not in dict(model.named_modules()) else "not an nn.Linear"
+            raise ValueError(f"config_for_layers names {name!r}: {what} in {type(model).__name__}")
+        configs[name] = layer_config
+    for name, linear in linears.items():
+        tail = name.rpartition(".")[2]
+        if name not in configs and tail in shared:
+            entry = {"in_features": linear.in_features, "out_features": linear.out_features,
+                     "bias": linear.bias is not None, **shared[tail]}
+            configs[name] = entry
+    for name, layer_config in configs.items():
+        linear = linears[name]
+        if not isinstance(layer_config, dict):
+            raise ValueError(f"layer config of {name!r} must be a JSON object, got {type(layer_config).__name__}")
+        dims = (layer_config.get("in_features"), layer_config.get("out_features"))
+        if dims != (linear.in_features, linear.out_features):
+            raise ValueError(
+                f"layer config of {name!r} says in/out features {dims}, the model's linear is "
+                f"({linear.in_features}, {linear.out_features})"
+            )
+        if bool(layer_config.get("bias", False)) != (linear.bias is not None):
+            raise ValueError(
+                f"layer config of {name!r} says bias={layer_config.get('bias', False)}, the model's linear "
+                f"{'has' if linear.bias is not None else 'has no'} bias"
+            )
+    return configs
+
+
+def swap_quantized_modules(
+    model: nn.Module, quant_method: str, config_for_layers: dict, shared_layer_config: dict | None = None,
+    dtype: torch.dtype | None = None, device=None,
+) -> dict[str, nn.Module]:
+    """Replace the linears named by a quantization config with empty quantized modules (on ``device``, e.g.
+    "meta"); returns name -> new module. Shared by ``load_quantized`` and the transformers integration."""
+    configs = layer_configs_for_model(model, config_for_layers, shared_layer_config)
+    modules = {}
+    for name, layer_config in configs.items():
+        try:
+            modules[name] = build_quantized_module(quant_method, layer_config, dtype, device)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"layer config of {name!r}: {exc}") from None
+    for name, module in modules.items():
+        set_submodule(model, name, module)
+    return modules
+
+
+def _layer_dims(state: VQLayerState | ScalarLayerState) -> tuple[int, int]:
+    return state.in_features, state.out_features
+
+
+# ------------------------------------------------------------------------------------------------- saving
+def save_quantized(
+    model: nn.Module,
+    tokenizer,
+    states: dict[str, VQLayerState | ScalarLayerState],
+    out_dir: str | os.PathLike,
+    report: dict | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Write a packed checkpoint directory and return its path.
+
+    ``model``: the model the states belong to (its quantized linears may still be dense ``nn.Linear`` or
+    already swapped modules: the ``states`` are the source of truth). ``states``: full module name -> layer
+    state, all VPTQ or all scalar. ``tokenizer`` may be None. ``dtype`` (default: the model's float dtype)
+    is the storage dtype of every float tensor. ``report`` must be JSON-serialisable; it is written to
+    ``quant_report.json`` with a ``sizes`` entry added.
+    """
+    from safetensors.torch import save_file
+
+    if not isinstance(states, dict) or not states:
+        raise ValueError("states must be a non-empty dict of module name -> VQLayerState/ScalarLayerState")
+    kinds = {type(s) for s in states.values()}
+    if kinds == {VQLayerState}:
+        quant_method = VQ_METHOD
+    elif kinds == {ScalarLayerState}:
+        quant_method = SCALAR_METHOD
+    else:
+        names = sorted(k.__name__ for k in kinds)
+        raise ValueError(f"states must be all VQLayerState or all ScalarLayerState, got {names}")
+    if report is not None and not isinstance(report, dict):
+        raise TypeError(f"report must be a dict or None, got {type(report).__name__}")
+    try:
+        report_out = json.loads(json.dumps(report or {}))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"report is not JSON-serialisable: {exc}") from None
+    dtype = dtype_from_name(dtype, "save_quantized") if dtype is not None else _model_dtype(model)
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        raise TypeError(f"model must be a transformers PreTrainedModel with a config, got {type(model).__name__}")
+
+    tied = _tied_targets(model)
+    modules = {}
+    for name, state in states.items():
+        current = model.get_submodule(name) if _has_submodule(model, name) else None
+        if current is None:
+            raise ValueError(f"states names {name!r}: no such module in {type(model).__name__}")
+        if not isinstance(current, (nn.Linear, *quantized_module_types())):
+            raise ValueError(f"states names {name!r}: it is a {type(current).__name__}, not a linear layer")
+        dims = (current.in_features, current.out_features)
+        if _layer_dims(state) != dims:
+            raise ValueError(f"state of {name!r} is {_layer_dims(state)} (in, out) but the module is {dims}")
+        if f"{name}.weight" in tied:
+            raise ValueError(f"{name!r} shares its weight with the input embeddings (tied); cannot quantize it")
+        modules[name] = module_from_state(state, dtype, device="cpu")
+
+    tensors: dict[str, torch.Tensor] = {}
+    prefixes = tuple(f"{name}." for name in modules)
+    for key, tensor in model.state_dict().items():
+        if key in tied or key.startswith(prefixes):
+            continue
+        tensor = tensor.detach().to("cpu")
+        tensors[key] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
+    sizes = {"quantized_linears": len(modules), "quantized_weights": 0, "quantized_linear_bytes": 0,
+             "index_bytes": 0, "codebook_bytes": 0, "other_quantized_bytes": 0, "bf16_linear_bytes": 0}
+    layer_configs = {}
+    for name, module in modules.items():
+        layer_configs[name] = module.layer_config()
+        sizes["quantized_weights"] += module.in_features * module.out_features
+        sizes["bf16_linear_bytes"] += 2 * module.in_features * module.out_features
+        if module.bias is not None:
+            sizes["bf16_linear_bytes"] += 2 * module.out_features
+        for key, tensor in module.state_dict().items():
+            nbytes = tensor.numel() * tensor.element_size()
+            kind = ("index_bytes" if key in _INDEX_TENSORS else
+                    "codebook_bytes" if key in _CODEBOOK_TENSORS else "other_quantized_bytes")
+            sizes[kind] += nbytes
+            sizes["quantized_linear_bytes"] += nbytes
+            tensors[f"{name}.{key}"] = tensor.detach().contiguous()
+    sizes["ratio_to_bf16"] = sizes["quantized_linear_bytes"] / max(sizes["bf16_linear_bytes"], 1)
+    sizes["bits_per_weight"] = 8 * sizes["quantized_linear_bytes"] / max(sizes["quantized_weights"], 1)
+    sizes["other_tensor_bytes"] = sum(
+        t.numel() * t.element_size() for k, t in tensors.items() if not k.startswith(prefixes)
+    )
+
+    if quant_method == VQ_METHOD:
+        quantization_config = {"quant_method": VQ_METHOD, "config_for_layers": layer_configs,
+                               "shared_layer_config": {}}
+    else:
+        quantization_config = {"quant_method": SCALAR_METHOD, "format_version": SCALAR_FORMAT_VERSION,
+                               "config_for_layers": layer_configs}
+    config_dict = config.to_dict()
+    config_dict["quantization_config"] = quantization_config
+    config_dict["dtype"] = _DTYPE_NAMES[dtype]
+    config_dict.pop("torch_dtype", None)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / (WEIGHTS_NAME + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / WEIGHTS_NAME)
+    sizes["safetensors_file_bytes"] = (out / WEIGHTS_NAME).stat().st_size
+    (out / CONFIG_NAME).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(str(out))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    report_out["sizes"] = sizes
+    report_out["checkpoint"] = {"quant_method": quant_method, "dtype": _DTYPE_NAMES[dtype], "versions": _versions()}
+    (out / REPORT_NAME).write_text(json.dumps(report_out, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def _has_submodule(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _versions() -> dict:
+    import safetensors
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "safetensors": safetensors.__version__}
+
+
+def checkpoint_size(path: str | os.PathLike) -> int:
+    """Total bytes of the files in a checkpoint directory (recursively)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ValueError(f"checkpoint path {str(root)!r} is not a directory")
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+# ------------------------------------------------------------------------------------------------ loading
+def read_quantization_config(path: str | os.PathLike) -> tuple[dict, dict]:
+    """(config.json dict, validated quantization_config dict) of a checkpoint directory."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ValueError(f"checkpoint path {str(root)!r} is not a directory")
+    config_path = root / CONFIG_NAME
+    config = _read_json(config_path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
+    quantization_config = config.get("quantization_config")
+    if not isinstance(quantization_config, dict):
+        raise ValueError(f"{config_path}: 'quantization_config' is missing or not an object")
+    method = quantization_config.get("quant_method")
+    if method not in QUANT_METHODS:
+        raise ValueError(f"{config_path}: quant_method must be one of {QUANT_METHODS}, got {method!r}")
+    layers = quantization_config.get("config_for_layers")
+    if not isinstance(layers, dict):
+        raise ValueError(f"{config_path}: quantization_config.config_for_layers must be an object")
+    if method == SCALAR_METHOD and quantization_config.get("format_version") != SCALAR_FORMAT_VERSION:
+        raise ValueError(f"{config_path}: unsupported scalar format_version "
+                         f"{quantization_config.get('format_version')!r} (expected {SCALAR_FORMAT_VERSION})")
+    for name, layer_config in layers.items():
+        try:
+            if method == VQ_METHOD:
+                vq_spec_from_config(layer_config)
+            else:
+                scalar_config_from_dict(layer_config)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{config_path}: layer {name!r}: {exc}") from None
+    return config, quantization_config
+
+
+def _open_safetensors(path: Path):
+    from safetensors import SafetensorError, safe_open
+
+    if not path.is_file():
+        raise ValueError(f"{path}: file not found")
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+        raise ValueError(f"{path}: not a valid safetensors file ({exc})") from None
+
+
+def _check_tensor_values(name: str, tensor: torch.Tensor, module: nn.Module, what: str) -> None:
+    """Index ranges a lookup would otherwise trip over deep inside a kernel."""
+    if isinstance(module, VQLinear):
+        spec = module.spec
+        if what == "outlier_indices":
+            values = tensor.to(torch.int64) & 0xFFFF
+            if values.numel() and int(values.max()) >= spec.num_outlier_centroids:
+                raise ValueError(f"tensor {name!r}: outlier index {int(values.max())} >= num_outlier_centroids "
+                                 f"({spec.num_outlier_centroids})")
+        elif what == "perm":
+            values = tensor.to(torch.int64) & 0xFFFF
+            if not torch.equal(torch.sort(values).values, torch.arange(spec.in_features)):
+                raise ValueError(f"tensor {name!r}: not a permutation of range({spec.in_features})")
+    elif isinstance(module, ScalarQLinear) and what == "act_scale":
+        if not bool(torch.isfinite(tensor).all()) or float(tensor) <= 0:
+            raise ValueError(f"tensor {name!r}: activation scale must be positive and finite, got {float(tensor)}")
+
+
+def load_quantized(
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None
+):
+    """Read a checkpoint written by ``save_quantized`` (or a public VPTQ checkpoint with one safetensors file).
+
+    Returns ``(model, tokenizer)``, the model in eval mode on ``device`` with float tensors in ``dtype``
+    (default: the stored dtype); ``tokenizer`` is None when the directory holds none. Raises ValueError
+    naming the file/tensor for anything missing, damaged or inconsistent.
+    """
+    import accelerate
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import initialization as hf_init
+
+    root = Path(path)
+    config_dict, quantization_config = read_quantization_config(root)
+    config_path = root / CONFIG_NAME
+    stored_dtype = dtype_from_name(config_dict.get("dtype", config_dict.get("torch_dtype")), str(config_path))
+    target_dtype = stored_dtype if dtype is None else dtype_from_name(dtype, "load_quantized dtype")
+    try:
+        model_config = AutoConfig.from_pretrained(str(root))
+    except Exception as exc:  # transformers raises many types for a bad config; one clear error instead
+        raise ValueError(f"{config_path}: cannot build the model config ({type(exc).__name__}: {exc})") from None
+
+    with accelerate.init_empty_weights(include_buffers=False), hf_init.no_init_weights():
+        try:
+            model = AutoModelForCausalLM.from_config(model_config, dtype=target_dtype)
+        except Exception as exc:  # unknown architecture, inconsistent sizes, ...
+            raise ValueError(f"{config_path}: cannot build the model ({type(exc).__name__}: {exc})") from None
+    try:
+        modules = swap_quantized_modules(
+            model, quantization_config["quant_method"], quantization_config["config_for_layers"],
+            quantization_config.get("shared_layer_config"), dtype=target_dtype, device="meta",
+        )
+    except ValueError as exc:
+        raise ValueError(f"{config_path}: {exc}") from None
+
+    tied = _tied_targets(model)
+    expected = {k: t for k, t in model.state_dict().items() if k not in tied}
+    weights_path = root / WEIGHTS_NAME
+    tensors = _read_checked_tensors(weights_path, expected, modules, stored_dtype, target_dtype)
+    result = model.load_state_dict(tensors, strict=False, assign=True)
+    assert not result.unexpected_keys and set(result.missing_keys) <= tied, result
+    model.tie_weights()
+    left_on_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
+    if left_on_meta:
+        raise ValueError(f"{weights_path}: no data for {left_on_meta[:5]}")
+    model.config.quantization_config = quantization_config
+    model.config.dtype = target_dtype
+    if (root / "generation_config.json").is_file():
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(str(root))
+        except Exception as exc:  # malformed generation settings
+            raise ValueError(f"{root / 'generation_config.json'}: cannot read ({exc})") from None
+    return model.to(device).eval(), _load_tokenizer(root)
+
+
+def _read_checked_tensors(
+    weights_path: Path, expected: dict[str, torch.Tensor], modules: dict[str, nn.Module],
+    stored_dtype: torch.dtype, target_dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """Every expected tensor from the file, after checking names, shapes, dtypes and index ranges."""
+    handle = _open_safetensors(weights_path)
+    with handle as f:
+        present = set(f.keys())
+        missing = sorted(set(expected) - present)
+        if missing:
+            raise ValueError(f"{weights_path}: missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        unexpected = sorted(present - set(expected))
+        if unexpected:
+            raise ValueError(f"{weights_path}: unexpected tensors {unexpected[:8]}"
+                             f"{' ...' if len(unexpected) > 8 else ''}")
+        tensors = {}
+        for name, like in expected.items():
+            slice_ = f.get_slice(name)
+            shape, stored = tuple(slice_.get_shape()), slice_.get_dtype()
+            want = _SAFETENSORS_DTYPES[stored_dtype if like.is_floating_point() else like.dtype]
+            if shape != tuple(like.shape):
+                raise ValueError(f"{weights_path}: tensor {name!r} has shape {shape}, expected {tuple(like.shape)}")
+            if stored != want:
+                raise ValueError(f"{weights_path}: tensor {name!r} has dtype {stored}, expected {want}")
+            try:
+                tensor = f.get_tensor(name)
+            except Exception as exc:  # a truncated or damaged data section
+                raise ValueError(f"{weights_path}: cannot read tensor {name!r} ({exc})") from None
+            owner, _, what = name.rpartition(".")
+            module = modules.get(owner) or modules.get(owner.rpartition(".")[0])
+            if module is not None:
+                _check_tensor_values(name, tensor, module, what)
+            tensors[name] = tensor.to(target_dtype) if tensor.is_floating_point() else tensor
+    return tensors
+
+
+def _load_tokenizer(root: Path):
+    if not any((root / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(root))
+    except Exception as exc:  # damaged tokenizer files
+        raise ValueError(f"{root}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from None

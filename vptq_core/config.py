@@ -1,0 +1,209 @@
+"""Validated, frozen settings for every quantization method and for calibration.
+
+Every bad value raises ``ValueError`` naming the field, the value and what is allowed; the CLI turns that
+into exit code 2 and the app into a visible error.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+METHODS = ("vptq", "gptq", "rtn", "lrq")
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        allowed = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+
+
+def _check_pow2(name: str, value, lo: int, hi: int) -> None:
+    _check_int(name, value, lo, hi)
+    if not _is_pow2(value):
+        raise ValueError(f"{name} must be a power of two in {lo}..{hi}, got {value}")
+
+
+def _check_float(name: str, value, lo: float, hi: float, lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value < lo or value > hi or (lo_open and value == lo):
+        bracket = "(" if lo_open else "["
+        raise ValueError(f"{name} must be in {bracket}{lo}, {hi}], got {value}")
+
+
+class _Base:
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict):
+        names = {f.name for f in fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} settings {sorted(unknown)}; allowed: {sorted(names)}")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class VPTQConfig(_Base):
+    """VPTQ settings. ``num_res_centroids=0`` disables the residual codebook, ``outlier_percent=0`` outliers.
+
+    Index bits per weight = log2(num_centroids)/vector_len (+ log2(num_res_centroids)/vector_len).
+    """
+
+    vector_len: int = 6
+    num_centroids: int = 4096
+    num_res_centroids: int = 0
+    outlier_percent: float = 0.0
+    outlier_vector_len: int = 4
+    outlier_centroids: int = 4096
+    group_num: int = 1
+    enable_norm: bool = False
+    enable_perm: bool = True
+    kmeans_iters: int = 10
+    kmeans_sample: int = 65536
+    damp_percent: float = 0.01
+    block_size: int = 128
+    finetune_iters: int = 0
+    finetune_lr: float = 1e-4
+    second_order: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("vector_len", self.vector_len, 1, 16)
+        _check_pow2("num_centroids", self.num_centroids, 2, 65536)
+        if self.num_res_centroids != 0:
+            _check_pow2("num_res_centroids", self.num_res_centroids, 2, 65536)
+        if int(math.log2(self.num_centroids)) + self.res_bits > 32:
+            raise ValueError("log2(num_centroids) + log2(num_res_centroids) must be <= 32")
+        _check_float("outlier_percent", self.outlier_percent, 0.0, 50.0)
+        _check_int("outlier_vector_len", self.outlier_vector_len, 1, 16)
+        _check_pow2("outlier_centroids", self.outlier_centroids, 2, 65536)
+        _check_int("group_num", self.group_num, 1, 64)
+        _check_int("kmeans_iters", self.kmeans_iters, 0, 1000)
+        _check_int("kmeans_sample", self.kmeans_sample, 1024)
+        _check_float("damp_percent", self.damp_percent, 0.0, 1.0, lo_open=True)
+        _check_int("block_size", self.block_size, 1, 4096)
+        _check_int("finetune_iters", self.finetune_iters, 0, 100000)
+        _check_float("finetune_lr", self.finetune_lr, 0.0, 1.0, lo_open=True)
+        _check_int("seed", self.seed, 0)
+        for name in ("enable_norm", "enable_perm", "second_order"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    @property
+    def index_bits(self) -> int:
+        return int(math.log2(self.num_centroids))
+
+    @property
+    def res_bits(self) -> int:
+        return int(math.log2(self.num_res_centroids)) if self.num_res_centroids else 0
+
+    @property
+    def bits_per_index_weight(self) -> float:
+        return (self.index_bits + self.res_bits) / self.vector_len
+
+
+@dataclass(frozen=True)
+class ScalarConfig(_Base):
+    """RTN / GPTQ settings. ``group_size=0`` means one scale per output channel."""
+
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = False
+    act_order: bool = True
+    damp_percent: float = 0.01
+    block_size: int = 128
+    clip_search: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("bits", self.bits, 1, 8)
+        _check_int("group_size", self.group_size, 0)
+        _check_float("damp_percent", self.damp_percent, 0.0, 1.0, lo_open=True)
+        _check_int("block_size", self.block_size, 1, 4096)
+        for name in ("sym", "act_order", "clip_search"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class LRQConfig(_Base):
+    """LRQ settings (METHODS.md section 2).
+
+    ``rank=0`` picks the rank from the layer size (``auto_rank``); ``full_scale=True`` learns one scale per
+    weight instead of the low-rank matrix (FlexRound-style, for comparison). ``act_bits`` 16 = weight-only;
+    8 with ``act_granularity`` "token" (dynamic per token) or "tensor" (static, from calibration).
+    """
+
+    bits: int = 4
+    group_size: int = 0
+    rank: int = 0
+    iters: int = 200
+    lr: float = 1e-3
+    batch_size: int = 2
+    clip_search: bool = True
+    full_scale: bool = False
+    act_bits: int = 16
+    act_granularity: str = "token"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("bits", self.bits, 2, 8)
+        _check_int("group_size", self.group_size, 0)
+        _check_int("rank", self.rank, 0, 8192)
+        _check_int("iters", self.iters, 0, 100000)
+        _check_float("lr", self.lr, 0.0, 1.0, lo_open=True)
+        _check_int("batch_size", self.batch_size, 1, 1024)
+        _check_int("seed", self.seed, 0)
+        if self.act_bits not in (4, 8, 16):
+            raise ValueError(f"act_bits must be 4, 8 or 16 (16 = no activation quantization), got {self.act_bits}")
+        if self.act_granularity not in ("token", "tensor"):
+            raise ValueError(f"act_granularity must be 'token' or 'tensor', got {self.act_granularity!r}")
+        for name in ("clip_search", "full_scale"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class CalibConfig(_Base):
+    """Calibration data: ``text`` is "wiki" (bundled Wikipedia, even articles) or a path to a UTF-8 file."""
+
+    text: str = "wiki"
+    samples: int = 64
+    seqlen: int = 512
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text, str) or not self.text:
+            raise ValueError(f"calibration text must be 'wiki' or a file path, got {self.text!r}")
+        _check_int("samples", self.samples, 1, 100000)
+        _check_int("seqlen", self.seqlen, 8, 131072)
+        _check_int("seed", self.seed, 0)
+
+
+def method_config(method: str, settings: dict | None = None):
+    """Build the config object for ``method`` from a plain dict (CLI, app, JSON)."""
+    settings = dict(settings or {})
+    if method == "vptq":
+        return VPTQConfig.from_dict(settings)
+    if method in ("gptq", "rtn"):
+        return ScalarConfig.from_dict(settings)
+    if method == "lrq":
+        return LRQConfig.from_dict(settings)
+    raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
+
+
+# Presets sized for small models (SmolLM2-135M): per-layer codebooks must stay small next to the layer,
+# so the codebook overhead in total bits stays well below the index bits. Keys: preset name -> settings.
+VPTQ_PRESETS: dict[str, dict] = {
+    "2 bits": {"vector_len": 6, "num_centroids": 4096},
+    "3 bits": {"vector_len": 4, "num_centroids": 4096},
+    "4 bits": {"vector_len": 4, "num_centroids": 256, "num_res_centroids": 256},
+}

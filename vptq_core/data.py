@@ -1,0 +1,125 @@
+"""Calibration and evaluation text.
+
+"wiki" is the English Wikipedia sample shipped in the ``gensim`` wheel, split WikiText-style: even articles
+are calibration text, odd articles evaluation text, so the two never overlap. Any UTF-8 text file works too.
+"""
+
+from __future__ import annotations
+
+import bz2
+import functools
+import importlib.metadata
+import json
+import os
+import re
+import xml.etree.ElementTree as ET
+
+import torch
+
+WIKI = "wiki"
+_WIKI_FILE = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+SPLITS = ("calib", "eval")
+
+
+@functools.lru_cache(maxsize=1)
+def wiki_articles() -> tuple[str, ...]:
+    """Cleaned plain-text articles (markup removed), in file order; cached as JSON after the first parse."""
+    from .models import cache_dir
+
+    cached = cache_dir() / "wiki_articles_v1.json"
+    if cached.is_file():
+        with open(cached, encoding="utf-8") as f:
+            return tuple(json.load(f))
+    articles = _parse_wiki()
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(list(articles), f)
+    tmp.replace(cached)
+    return articles
+
+
+def _parse_wiki() -> tuple[str, ...]:
+    try:
+        path = str(importlib.metadata.distribution("gensim").locate_file(_WIKI_FILE))
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError("the bundled 'wiki' text needs the gensim package: pip install gensim") from None
+    from gensim.corpora.wikicorpus import filter_wiki
+
+    articles = []
+    with bz2.open(path, "rb") as f:
+        for _, elem in ET.iterparse(f, events=("end",)):
+            if not elem.tag.endswith("}page"):
+                continue
+            title = next((c.text for c in elem.iter() if c.tag.endswith("}title")), "") or ""
+            ns = next((c.text for c in elem.iter() if c.tag.endswith("}ns")), "0")
+            text = next((c.text for c in elem.iter() if c.tag.endswith("}text")), "") or ""
+            elem.clear()
+            if ns != "0" or text.lstrip().lower().startswith("#redirect"):
+                continue
+            body = _clean(filter_wiki(text))
+            if len(body) > 200:
+                articles.append(f"{title}\n\n{body}")
+    return tuple(articles)
+
+
+def _clean(text: str) -> str:
+    lines = []
+    for line in text.splitlines():
+        line = re.sub(r"[ \t]+", " ", re.sub(r"'{2,}", "", line)).strip()
+        if line and not re.fullmatch(r"[=\W\d]*", line):
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def load_text(source: str, split: str) -> str:
+    """Text of ``source`` ("wiki" or a UTF-8 file path) for ``split`` ("calib" or "eval")."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if source == WIKI:
+        articles = wiki_articles()
+        chosen = articles[0::2] if split == "calib" else articles[1::2]
+        return "\n\n".join(chosen)
+    if not isinstance(source, str) or not os.path.isfile(source):
+        raise ValueError(f"text source must be 'wiki' or an existing UTF-8 text file, got {source!r}")
+    try:
+        with open(source, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"text file {source!r} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    if not text.strip():
+        raise ValueError(f"text file {source!r} is empty")
+    return text
+
+
+def tokenize_text(tokenizer, text: str) -> torch.Tensor:
+    """Token ids [n] of the whole text, no special tokens."""
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def calibration_windows(tokenizer, source: str, samples: int, seqlen: int, seed: int = 0) -> torch.Tensor:
+    """``samples`` random windows of ``seqlen`` tokens from the calibration split -> [samples, seqlen]."""
+    ids = tokenize_text(tokenizer, load_text(source, "calib"))
+    if ids.numel() <= seqlen:
+        raise ValueError(
+            f"calibration text has {ids.numel()} tokens, fewer than seqlen+1 ({seqlen + 1}); use a longer text "
+            "or a shorter --seqlen"
+        )
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, ids.numel() - seqlen, (samples,), generator=gen)
+    return torch.stack([ids[s : s + seqlen] for s in starts.tolist()])
+
+
+def eval_windows(tokenizer, source: str, seqlen: int, max_windows: int | None = None) -> torch.Tensor:
+    """Standard perplexity protocol: tokenize the evaluation split once, cut into non-overlapping windows
+    of ``seqlen`` tokens, drop the remainder -> [windows, seqlen]."""
+    ids = tokenize_text(tokenizer, load_text(source, "eval"))
+    n = ids.numel() // seqlen
+    if n == 0:
+        raise ValueError(f"evaluation text has {ids.numel()} tokens, fewer than one window of {seqlen}")
+    if max_windows is not None:
+        if max_windows < 1:
+            raise ValueError(f"max_windows must be >= 1, got {max_windows}")
+        n = min(n, max_windows)
+    return ids[: n * seqlen].view(n, seqlen)

@@ -1,0 +1,152 @@
+"""In-memory forms of a quantized linear layer: the contract between quantizers, checkpoints and kernels.
+
+``VQLayerState`` follows the public VPTQ layout (docs: "The packed checkpoint format") with the indices
+kept *unpacked* (int64); ``kernels.packing`` turns them into the packed int32 bit streams that checkpoints
+and the fused kernels use.
+
+Dequantization of a ``VQLayerState`` (see ``kernels.reference.vq_dequantize``)::
+
+    main[r*v + t, g*group_size + c] = centroids[g, idx[g, r, c]*v + t] (+ res_centroids[g, ridx[g, r, c]*v + t])
+    outl[r*vo + t, c]               = outlier_centroids[0, oidx[0, r, c]*vo + t]
+    Wp = cat([outl[:out], main[:out]], dim=1)       # [out, in], columns in stored (permuted) order
+    W  = Wp[:, argsort(perm)]                       # back to the original column order (perm[i] = source column)
+    W  = W * weight_scale + weight_bias             # per input column, when norm is enabled
+
+``ScalarLayerState`` holds integer codes for the scalar methods (RTN, GPTQ, LRQ)::
+
+    W[o, j] = scales[o, j // group_size] * (codes[o, j] - zeros[o, j // group_size])
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class VQLayerState:
+    """One VPTQ-quantized linear layer, indices unpacked.
+
+    Shapes (G = group_num, R = ceil(out/v), Ro = ceil(out/vo)):
+      centroids [G, k*v]; indices [G, R, group_size] int64;
+      res_centroids [G, k_res*v] | None; res_indices [G, R, group_size] | None;
+      outlier_centroids [1, k_o*vo] | None; outlier_indices [1, Ro, outlier_size] | None;
+      perm [in] int64 | None; weight_scale, weight_bias [in] | None; bias [out] | None.
+    """
+
+    in_features: int
+    out_features: int
+    vector_len: int
+    num_centroids: int
+    group_num: int
+    group_size: int
+    centroids: torch.Tensor
+    indices: torch.Tensor
+    num_res_centroids: int = -1
+    res_centroids: torch.Tensor | None = None
+    res_indices: torch.Tensor | None = None
+    outlier_vector_len: int = -1
+    num_outlier_centroids: int = -1
+    outlier_size: int = 0
+    outlier_centroids: torch.Tensor | None = None
+    outlier_indices: torch.Tensor | None = None
+    perm: torch.Tensor | None = None
+    weight_scale: torch.Tensor | None = None
+    weight_bias: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        rows = math.ceil(self.out_features / self.vector_len)
+        expected = (self.group_num, rows, self.group_size)
+        if tuple(self.indices.shape) != expected:
+            raise ValueError(f"indices shape {tuple(self.indices.shape)} != expected {expected}")
+        if self.outlier_size + self.group_num * self.group_size != self.in_features:
+            raise ValueError(
+                f"outlier_size ({self.outlier_size}) + group_num*group_size "
+                f"({self.group_num}*{self.group_size}) must equal in_features ({self.in_features})"
+            )
+        if tuple(self.centroids.shape) != (self.group_num, self.num_centroids * self.vector_len):
+            raise ValueError(f"centroids shape {tuple(self.centroids.shape)} does not match config")
+        if (self.res_centroids is None) != (self.num_res_centroids <= 0):
+            raise ValueError("res_centroids must be given exactly when num_res_centroids > 0")
+        if (self.outlier_centroids is None) != (self.outlier_size <= 0):
+            raise ValueError("outlier_centroids must be given exactly when outlier_size > 0")
+
+    @property
+    def index_bits(self) -> int:
+        return int(math.log2(self.num_centroids))
+
+    @property
+    def res_index_bits(self) -> int:
+        return int(math.log2(self.num_res_centroids)) if self.num_res_centroids > 0 else 0
+
+    @property
+    def enable_norm(self) -> bool:
+        return self.weight_scale is not None
+
+    @property
+    def enable_perm(self) -> bool:
+        return self.perm is not None
+
+    def layer_config(self) -> dict:
+        """The per-layer entry of ``quantization_config["config_for_layers"]`` (public VPTQ schema)."""
+        return {
+            "bias": self.bias is not None,
+            "enable_norm": self.enable_norm,
+            "enable_perm": self.enable_perm,
+            "group_num": self.group_num,
+            "group_size": self.group_size,
+            "in_features": self.in_features,
+            "indices_as_float": False,
+            "is_indice_packed": True,
+            "num_centroids": [self.num_outlier_centroids, self.num_centroids],
+            "num_res_centroids": [-1, self.num_res_centroids],
+            "out_features": self.out_features,
+            "outlier_size": self.outlier_size,
+            "vector_lens": [self.outlier_vector_len, self.vector_len],
+        }
+
+
+@dataclass
+class ScalarLayerState:
+    """One scalar-quantized linear layer (RTN / GPTQ / LRQ).
+
+    codes [out, in] int (0 .. 2**bits-1); scales, zeros [out, n_groups] float
+    (n_groups = ceil(in / group_size); group_size == in_features means one group per output channel);
+    bias [out] | None. ``act_bits``/``act_granularity``/``act_scale`` describe optional input activation
+    quantization (per-token dynamic or per-tensor static), applied by the module at run time.
+    """
+
+    in_features: int
+    out_features: int
+    bits: int
+    group_size: int
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    bias: torch.Tensor | None = None
+    method: str = "rtn"
+    act_bits: int = 16
+    act_granularity: str = "token"
+    act_scale: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.bits <= 8:
+            raise ValueError(f"bits must be in 1..8, got {self.bits}")
+        n_groups = math.ceil(self.in_features / self.group_size)
+        if tuple(self.codes.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"codes shape {tuple(self.codes.shape)} != ({self.out_features}, {self.in_features})")
+        for name in ("scales", "zeros"):
+            shape = tuple(getattr(self, name).shape)
+            if shape != (self.out_features, n_groups):
+                raise ValueError(f"{name} shape {shape} != ({self.out_features}, {n_groups})")
+
+    def dequantize(self) -> torch.Tensor:
+        """Return W [out, in] in the dtype of ``scales``."""
+        idx = torch.arange(self.in_features, device=self.codes.device) // self.group_size
+        scales = self.scales[:, idx]
+        zeros = self.zeros[:, idx]
+        return scales * (self.codes.to(scales.dtype) - zeros)

@@ -1,0 +1,65 @@
+"""Layer Hessians ``H = 2 XᵀX / n`` of the reconstruction loss, damping and the inverse Cholesky factor."""
+
+from __future__ import annotations
+
+import torch
+
+
+class HessianAccumulator:
+    """Accumulates ``H = 2/n · Σ xᵀx`` over batches of inputs ``x`` [..., in_features] (float64 sums)."""
+
+    def __init__(self, in_features: int, device: torch.device | str = "cpu") -> None:
+        self.in_features = in_features
+        self.sum = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
+        self.tokens = 0
+
+    def add_batch(self, x: torch.Tensor) -> None:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input has {x.shape[-1]} features, Hessian expects {self.in_features}")
+        x = x.reshape(-1, self.in_features).to(self.sum.device, torch.float32)
+        self.sum.addmm_(x.T, x)
+        self.tokens += x.shape[0]
+
+    @property
+    def hessian(self) -> torch.Tensor:
+        if self.tokens == 0:
+            raise ValueError("no calibration tokens were accumulated")
+        return self.sum * (2.0 / self.tokens)
+
+
+def prepare_hessian(W: torch.Tensor, H: torch.Tensor, damp_percent: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dead input columns (H_jj == 0) get H_jj = 1 and zero weight; add ``damp_percent · mean(diag H)``.
+
+    Returns (W', H') as new float32 tensors.
+    """
+    W = W.float().clone()
+    H = H.float().clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    damp = damp_percent * torch.mean(torch.diag(H))
+    H.diagonal().add_(damp)
+    return W, H
+
+
+def inverse_hessian_cholesky(H: torch.Tensor) -> torch.Tensor:
+    """Upper Cholesky factor ``U`` of ``H⁻¹`` (``H⁻¹ = UᵀU``), retrying with more damping if needed."""
+    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    extra = 0.0
+    for _ in range(6):
+        L, info = torch.linalg.cholesky_ex(H + extra * eye)
+        if info == 0:
+            H_inv = torch.cholesky_inverse(L)
+            U, info = torch.linalg.cholesky_ex(H_inv, upper=True)
+            if info == 0:
+                return U
+        extra = max(extra * 10, 1e-4 * float(torch.mean(torch.diag(H))))
+    raise ValueError("Hessian is not positive definite even after extra damping; increase damp_percent")
+
+
+def proxy_loss(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> tuple[float, float]:
+    """``tr(ΔW H ΔWᵀ)`` and its value relative to ``tr(W H Wᵀ)``."""
+    dW = (W_hat.float() - W.float())
+    num = float(torch.sum((dW @ H) * dW))
+    den = float(torch.sum((W.float() @ H) * W.float()))
+    return num, num / den if den > 0 else float("inf")

@@ -1,0 +1,374 @@
+"""LRQ: scalar quantization with a learned low-rank weight scaling (METHODS.md section 2, arXiv 2407.11534).
+
+Per linear layer (weight ``W`` [out, in], b bits, asymmetric, per output channel or per (channel, group))::
+
+    D     = L @ U + r + c                  # L [out, rank] = 0, U [rank, in] Kaiming-uniform, r [out, 1] = 0, c [1, in] = 0
+    W_int = clamp(round(W / (s1 * exp(D))) + z, 0, 2**b - 1)
+    W_hat = s1 * (W_int - z)               # s1, z [out, n_groups] broadcast over each group's columns
+
+``s1`` and ``z`` start from round-to-nearest (``scalar.rtn_quantize``, optional clipping search) and ``z`` stays
+fixed, so training starts exactly at RTN. ``log s1``, ``L``, ``U``, ``r`` and ``c`` are learned by Adam (cosine
+schedule to 0) to make the block's output match the full-precision block's output (MSE), with straight-through
+rounding. ``full_scale=True`` learns a full [out, in] matrix instead of ``L @ U`` (FlexRound). After training
+``D`` is folded into the integer codes: a ``ScalarLayerState`` with codes, ``s1`` and ``z`` reproduces the
+trained weight exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .act_quant import calibrate_act_scale, quantize_activations
+from .config import LRQConfig
+from .formats import ScalarLayerState
+from .scalar import effective_group_size, rtn_quantize
+
+MAX_CURVE_POINTS = 100
+
+
+def auto_rank(out_features: int, in_features: int) -> int:
+    """Rank of ``L @ U`` when ``LRQConfig.rank == 0``.
+
+    The paper uses rank 1024 for LLaMA 7B/13B/30B layers (smaller dimension 4096..6656) and 2048 when both
+    dimensions are >= 8192 (70B). For smaller layers the rank keeps the 7B ratio, a quarter of the smaller
+    dimension, so ``L @ U`` keeps about as many parameters per weight as in the paper (SmolLM2-135M: 144 for
+    576-wide layers, 48 for the 192-wide k/v projections)::
+
+        min(out, in) >= 8192 -> 2048;  otherwise min(1024, max(1, min(out, in) // 4))
+    """
+    for name, value in (("out_features", out_features), ("in_features", in_features)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    smaller = min(out_features, in_features)
+    if smaller >= 8192:
+        return 2048
+    return min(1024, max(1, smaller // 4))
+
+
+def _round_ste(v: torch.Tensor) -> torch.Tensor:
+    # Forward value is exactly round(v) (round(v) - v is exact in floating point); gradient is the identity.
+    return v + (torch.round(v) - v).detach()
+
+
+class LRQWeightQuantizer(nn.Module):
+    """Learnable fake quantizer for one weight ``W`` [out, in] (float32); ``forward()`` returns ``W_hat``.
+
+    ``scales``/``zeros`` [out, n_groups] are the RTN grid (``rtn_quantize``); ``rank`` > 0 learns ``L @ U``,
+    ``rank == 0`` with ``full_scale`` learns a full [out, in] matrix. At initialisation ``forward()`` equals
+    the RTN dequantized weight bitwise.
+    """
+
+    def __init__(
+        self, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group_size: int,
+        rank: int, full_scale: bool = False, generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        out_features, in_features = weight.shape
+        n_groups = math.ceil(in_features / group_size)
+        if tuple(scales.shape) != (out_features, n_groups) or tuple(zeros.shape) != (out_features, n_groups):
+            raise ValueError(
+                f"scales/zeros must have shape ({out_features}, {n_groups}), got {tuple(scales.shape)}"
+                f" and {tuple(zeros.shape)}"
+            )
+        if not full_scale and rank < 1:
+            raise ValueError(f"rank must be >= 1 unless full_scale is set, got {rank}")
+        device = weight.device
+        self.bits = bits
+        self.group_size = group_size
+        self.rank = 0 if full_scale else rank
+        self.register_buffer("weight", weight.detach().float().clone())
+        self.register_buffer("scale_init", scales.detach().float().clone())
+        self.register_buffer("zeros", zeros.detach().float().clone())
+        # s1 = scale_init * exp(log_scale_delta): learning log s1 up to a constant, and exp(0) == 1 exactly,
+        # so the initial grid is the RTN grid bit for bit.
+        self.log_scale_delta = nn.Parameter(torch.zeros(out_features, n_groups, device=device))
+        self.row_bias = nn.Parameter(torch.zeros(out_features, 1, device=device))
+        self.col_bias = nn.Parameter(torch.zeros(1, in_features, device=device))
+        if full_scale:
+            self.full = nn.Parameter(torch.zeros(out_features, in_features, device=device))
+            self.left = self.right = None
+        else:
+            self.full = None
+            self.left = nn.Parameter(torch.zeros(out_features, rank, device=device))
+            right = torch.empty(rank, in_features)
+            nn.init.kaiming_uniform_(right, a=math.sqrt(5), generator=generator)
+            self.right = nn.Parameter(right.to(device))
+        if n_groups > 1:
+            self.register_buffer("group_index", torch.arange(in_features, device=device) // group_size)
+        else:
+            self.group_index = None
+
+    def _expand(self, t: torch.Tensor) -> torch.Tensor:
+        # [out, n_groups] -> broadcastable against [out, in]
+        return t if self.group_index is None else t[:, self.group_index]
+
+    def step_scales(self) -> torch.Tensor:
+        """s1 [out, n_groups]."""
+        return self.scale_init * torch.exp(self.log_scale_delta)
+
+    def log_scaling(self) -> torch.Tensor:
+        """D = L @ U + r + c (or full + r + c) [out, in]."""
+        base = self.full if self.full is not None else self.left @ self.right
+        return base + self.row_bias + self.col_bias
+
+    def _codes(self, s1: torch.Tensor, ste: bool) -> torch.Tensor:
+        v = self.weight / (self._expand(s1) * torch.exp(self.log_scaling()))
+        rounded = _round_ste(v) if ste else torch.round(v)
+        return torch.clamp(rounded + self._expand(self.zeros), 0, 2**self.bits - 1)
+
+    def forward(self) -> torch.Tensor:
+        """W_hat [out, in] float32, differentiable (straight-through rounding)."""
+        s1 = self.step_scales()
+        return self._expand(s1) * (self._codes(s1, ste=True) - self._expand(self.zeros))
+
+    @torch.no_grad()
+    def to_state(self, bias: torch.Tensor | None = None, **fields) -> ScalarLayerState:
+        """Fold ``D`` into integer codes: ``ScalarLayerState.dequantize()`` equals ``forward()`` exactly."""
+        s1 = self.step_scales()
+        codes = self._codes(s1, ste=False)
+        out_features, in_features = self.weight.shape
+        return ScalarLayerState(
+            in_features=in_features, out_features=out_features, bits=self.bits, group_size=self.group_size,
+            codes=codes.to(torch.uint8), scales=s1.clone(), zeros=self.zeros.clone(),
+            bias=None if bias is None else bias.detach().clone(), method="lrq", **fields,
+        )
+
+
+class _FakeQuantLinear(nn.Module):
+    """Stands in for an ``nn.Linear`` during training: (activation fake-quant) -> F.linear(x, W_hat, bias)."""
+
+    def __init__(
+        self, quantizer: LRQWeightQuantizer, bias: torch.Tensor | None, act_bits: int, act_granularity: str,
+        act_scale: torch.Tensor | None,
+    ) -> None:
+        super().__init__()
+        self.quantizer = quantizer
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.act_bits = act_bits
+        self.act_granularity = act_granularity
+        self.act_scale = act_scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_bits < 16:
+            x = quantize_activations(x, self.act_bits, self.act_granularity, self.act_scale)
+        return F.linear(x, self.quantizer(), self.bias)
+
+
+@dataclass
+class LRQBlockResult:
+    """Outcome of ``lrq_quantize_block``: one folded state per linear name, block MSE before (RTN start) and
+    after training over all calibration samples, wall time, and the training loss curve (mean minibatch loss
+    over consecutive chunks of steps, at most ``MAX_CURVE_POINTS`` points)."""
+
+    states: dict[str, ScalarLayerState]
+    loss_before: float
+    loss_after: float
+    seconds: float
+    losses: list[float] = field(default_factory=list)
+    iters_done: int = 0
+    ranks: dict[str, int] = field(default_factory=dict)
+
+
+def _block_linears(block: nn.Module) -> list[str]:
+    return [name for name, module in block.named_modules() if isinstance(module, nn.Linear)]
+
+
+def _check_arguments(
+    block: nn.Module, linear_names: list[str], inputs: torch.Tensor, targets: torch.Tensor, config: LRQConfig,
+    act_scales: dict[str, torch.Tensor] | None,
+) -> None:
+    if not isinstance(block, nn.Module):
+        raise TypeError(f"block must be a torch.nn.Module, got {type(block).__name__}")
+    if not isinstance(config, LRQConfig):
+        raise TypeError(f"config must be an LRQConfig, got {type(config).__name__}")
+    if isinstance(linear_names, str) or not linear_names:
+        raise ValueError(f"linear_names must be a non-empty list of names, got {linear_names!r}")
+    available = _block_linears(block)
+    for name in linear_names:
+        if name not in available:
+            raise ValueError(f"linear name {name!r} is not an nn.Linear of the block; the block's linears: {available}")
+    if len(set(linear_names)) != len(linear_names):
+        raise ValueError(f"linear_names must not repeat a name, got {linear_names}")
+    for arg, t in (("inputs", inputs), ("targets", targets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != 3 or t.shape[0] < 1:
+            raise ValueError(f"{arg} must have shape [samples, seq, hidden] with samples >= 1, got {tuple(t.shape)}")
+    if inputs.shape != targets.shape:
+        raise ValueError(f"inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} must have the same shape")
+    if act_scales is not None:
+        if config.act_bits >= 16 or config.act_granularity != "tensor":
+            raise ValueError(
+                "act_scales only apply to static per-tensor activation quantization (act_bits < 16 and "
+                f"act_granularity 'tensor'), got act_bits={config.act_bits}, act_granularity={config.act_granularity!r}"
+            )
+        missing = [name for name in linear_names if name not in act_scales]
+        if missing:
+            raise ValueError(f"act_scales lacks a scale for {missing}")
+        for name in linear_names:
+            scale = act_scales[name]
+            if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or not float(scale) > 0:
+                raise ValueError(f"act_scales[{name!r}] must be a positive one-element tensor, got {scale!r}")
+
+
+def _batches(n: int, batch_size: int):
+    for start in range(0, n, batch_size):
+        yield torch.arange(start, min(n, start + batch_size))
+
+
+def _run(forward, block, inputs, idx, device) -> torch.Tensor:
+    x = inputs[idx].to(device=device, dtype=torch.float32)
+    out = forward(block, x)
+    if not isinstance(out, torch.Tensor) or out.shape != x.shape:
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"forward(block, x) must return hidden states of shape {tuple(x.shape)}, got {shape}")
+    return out.float()
+
+
+@torch.no_grad()
+def _mean_loss(forward, block, inputs, targets, batch_size, device) -> float:
+    total = 0.0
+    for idx in _batches(inputs.shape[0], batch_size):
+        out = _run(forward, block, inputs, idx, device)
+        total += float(F.mse_loss(out, targets[idx].to(device=device, dtype=torch.float32), reduction="sum"))
+    return total / targets.numel()
+
+
+@torch.no_grad()
+def _calibrate_scales(forward, block, names, inputs, bits, batch_size, device) -> dict[str, torch.Tensor]:
+    """Static per-tensor activation scales (absmax) of each linear's input over the calibration inputs."""
+    found: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    modules = dict(block.named_modules())
+
+    def hook(name):
+        return lambda module, args: found[name].append(calibrate_act_scale([args[0]], bits))
+
+    handles = [modules[name].register_forward_pre_hook(hook(name)) for name in names]
+    try:
+        for idx in _batches(inputs.shape[0], batch_size):
+            _run(forward, block, inputs, idx, device)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: torch.stack(values).max() for name, values in found.items()}
+
+
+def lrq_quantize_block(
+    block: nn.Module,
+    linear_names: list[str],
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    config: LRQConfig,
+    act_scales: dict[str, torch.Tensor] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> LRQBlockResult:
+    """Quantize the ``linear_names`` of ``block`` with LRQ by block-output reconstruction.
+
+    inputs [n, seq, hidden]: the block's inputs (from the already quantized previous blocks);
+    targets [n, seq, hidden]: the full-precision block's outputs; ``forward(block, x)`` maps [b, seq, hidden]
+    to [b, seq, hidden]. Training runs in float32 on a private copy of the block (the block itself is not
+    modified), ``config.batch_size`` samples per step, for ``config.iters`` steps or until ``should_stop()``.
+    With ``config.act_bits < 16`` the inputs of the quantized linears are fake-quantized (per token, or per
+    tensor with ``act_scales`` [name] -> scalar; when not given they are calibrated as the absmax of each
+    linear's input over ``inputs`` with the full-precision weights).
+    """
+    start_time = time.perf_counter()
+    _check_arguments(block, linear_names, inputs, targets, config, act_scales)
+    try:
+        device = next(block.parameters()).device
+    except StopIteration:
+        device = inputs.device
+    n = inputs.shape[0]
+    batch_size = min(config.batch_size, n)
+    generator = torch.Generator().manual_seed(config.seed)
+
+    with torch.inference_mode(False), torch.enable_grad():
+        work = copy.deepcopy(block).float().eval()
+        work.requires_grad_(False)
+        modules = dict(work.named_modules())
+        originals = {name: modules[name] for name in linear_names}
+
+        scales = None
+        if config.act_bits < 16 and config.act_granularity == "tensor":
+            if act_scales is None:
+                act_scales = _calibrate_scales(forward, work, linear_names, inputs, config.act_bits, batch_size, device)
+            scales = {name: act_scales[name].detach().float().reshape(()).cpu() for name in linear_names}
+
+        quantizers: dict[str, LRQWeightQuantizer] = {}
+        ranks: dict[str, int] = {}
+        for name in linear_names:
+            linear = originals[name]
+            out_features, in_features = linear.weight.shape
+            group_size = effective_group_size(config.group_size, in_features)
+            rtn = rtn_quantize(linear.weight.detach(), config.bits, group_size, clip_search=config.clip_search)
+            rank = 0 if config.full_scale else min(config.rank or auto_rank(out_features, in_features),
+                                                    out_features, in_features)
+            quantizer = LRQWeightQuantizer(
+                linear.weight.detach(), rtn.scales.to(device), rtn.zeros.to(device), config.bits, group_size,
+                rank, full_scale=config.full_scale, generator=generator,
+            )
+            quantizers[name] = quantizer
+            ranks[name] = quantizer.rank
+            parent_name, _, child = name.rpartition(".")
+            parent = work.get_submodule(parent_name) if parent_name else work
+            act_scale = None if scales is None else scales[name].to(device)
+            setattr(parent, child, _FakeQuantLinear(
+                quantizer, linear.bias, config.act_bits, config.act_granularity, act_scale))
+
+        loss_before = _mean_loss(forward, work, inputs, targets, batch_size, device)
+
+        params = [p for q in quantizers.values() for p in q.parameters()]
+        optimizer = torch.optim.Adam(params, lr=config.lr)
+        iters = config.iters
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: 0.5 * (1.0 + math.cos(math.pi * min(step, iters) / max(iters, 1))))
+        chunk = max(1, math.ceil(iters / MAX_CURVE_POINTS))
+        curve: list[float] = []
+        running, counted = 0.0, 0
+        order = torch.randperm(n, generator=generator)
+        position = 0
+        iters_done = 0
+        for step in range(iters):
+            if should_stop is not None and should_stop():
+                break
+            if position + batch_size > n:
+                order = torch.randperm(n, generator=generator)
+                position = 0
+            idx = order[position : position + batch_size]
+            position += batch_size
+            out = _run(forward, work, inputs, idx, device)
+            loss = F.mse_loss(out, targets[idx].to(device=device, dtype=torch.float32))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            iters_done = step + 1
+            running, counted = running + loss.item(), counted + 1
+            if counted == chunk:
+                curve.append(running / counted)
+                running, counted = 0.0, 0
+        if counted:
+            curve.append(running / counted)
+
+        loss_after = _mean_loss(forward, work, inputs, targets, batch_size, device) if iters_done else loss_before
+
+        states = {}
+        for name in linear_names:
+            states[name] = quantizers[name].to_state(
+                bias=block.get_submodule(name).bias, act_bits=config.act_bits, act_granularity=config.act_granularity,
+                act_scale=None if scales is None else scales[name].clone(),
+                extra={"rank": ranks[name], "full_scale": config.full_scale, "iters": iters_done},
+            )
+    return LRQBlockResult(
+        states=states, loss_before=loss_before, loss_after=loss_after, seconds=time.perf_counter() - start_time,
+        losses=curve, iters_done=iters_done, ranks=ranks,
+    )

@@ -1,0 +1,360 @@
+"""Block-by-block quantization of a causal LM: the one driver the CLI, the app's job runner and tests share.
+
+For each transformer block: (A) run the original block on the inputs coming from the already quantized
+blocks, accumulating one Hessian per distinct linear input (q/k/v share one, gate/up share one) and keeping
+the block's outputs as targets; quantize every linear; (B) run the quantized block to get the next block's
+inputs and the block's relative output error. Only the current block's working set lives beside the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from .bits import BitsInfo, state_bits
+from .config import LRQConfig, ScalarConfig, VPTQConfig
+from .hessian import HessianAccumulator, proxy_loss
+from .models import block_linears, blocks_prefix, decoder_blocks
+
+OnLayer = Callable[["LayerReport"], None]
+ShouldStop = Callable[[], bool]
+
+
+class Cancelled(Exception):
+    """Raised inside the pipeline when ``should_stop()`` turns true; caught by ``quantize_model``."""
+
+
+@dataclass
+class LayerReport:
+    """Metrics for one quantized linear, published through ``on_layer`` as soon as it is quantized.
+
+    ``rel_output_error`` (``||Y_q - Y||² / ||Y||²`` of the whole block on calibration data) is known only
+    once every linear of the block is quantized: it is filled in on the same object when the block ends.
+    """
+
+    block: int
+    name: str  # full module name, e.g. "model.layers.3.mlp.down_proj"
+    module: str  # name inside the block, e.g. "mlp.down_proj"
+    out_features: int
+    in_features: int
+    method: str
+    rel_proxy_loss: float
+    rel_weight_error: float
+    index_bits: float
+    total_bits: float
+    seconds: float
+    rel_output_error: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class QuantizeResult:
+    method: str
+    config: dict
+    states: dict  # full module name -> VQLayerState | ScalarLayerState
+    reports: list[LayerReport]
+    bits: BitsInfo
+    seconds: float
+    cancelled: bool = False
+    blocks_done: int = 0
+
+    def summary(self) -> dict:
+        return {
+            "method": self.method, "config": self.config, "layers": len(self.states),
+            "blocks_done": self.blocks_done, "cancelled": self.cancelled, "seconds": round(self.seconds, 2),
+            "index_bits_per_weight": self.bits.index_bits_per_weight if self.bits.weights else None,
+            "total_bits_per_weight": self.bits.total_bits_per_weight if self.bits.weights else None,
+        }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Running blocks one by one
+
+
+class _StopForward(Exception):
+    pass
+
+
+@torch.no_grad()
+def capture_block_inputs(model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Hidden states entering block 0 for every row of ``input_ids`` [n, seq] -> ([n, seq, hidden], kwargs).
+
+    ``kwargs`` are the extra arguments the model passes to its blocks (rotary embeddings, mask, ...),
+    captured from the first row; blocks are then called with ``use_cache=False`` and no cache object
+    (a cache would silently stack keys across calibration batches).
+    """
+    blocks = decoder_blocks(model)
+    captured: list[torch.Tensor] = []
+    block_kwargs: dict = {}
+
+    def hook(_module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        captured.append(hidden.detach())
+        if not block_kwargs:
+            block_kwargs.update({k: v for k, v in kwargs.items() if k != "hidden_states"})
+        raise _StopForward
+
+    handle = blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
+    device = next(model.parameters()).device
+    try:
+        for row in input_ids:
+            try:
+                model(row.unsqueeze(0).to(device), use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        handle.remove()
+    for key in ("past_key_values", "past_key_value", "use_cache", "cache_position"):
+        block_kwargs.pop(key, None)
+    return torch.cat(captured, dim=0), block_kwargs
+
+
+def run_block(block: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """One block on [b, seq, hidden] -> [b, seq, hidden], no cache."""
+    out = block(hidden, use_cache=False, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _kwargs_to(kwargs: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    def move(v):
+        if isinstance(v, torch.Tensor):
+            return v.to(device, dtype) if v.is_floating_point() else v.to(device)
+        if isinstance(v, tuple):
+            return tuple(move(x) for x in v)
+        return v
+
+    return {k: move(v) for k, v in kwargs.items()}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The driver
+
+
+def _quantize_linear(method: str, W: torch.Tensor, H: torch.Tensor, config, bias):
+    if method == "vptq":
+        from .vptq import vptq_quantize
+
+        return vptq_quantize(W, H, config, bias)
+    from .gptq import gptq_layer, rtn_layer
+
+    return (gptq_layer if method == "gptq" else rtn_layer)(W, H, config, bias)
+
+
+def _check_method(method: str, config) -> None:
+    expected = {"vptq": VPTQConfig, "gptq": ScalarConfig, "rtn": ScalarConfig, "lrq": LRQConfig}
+    if method not in expected:
+        raise ValueError(f"unknown method {method!r}; allowed: {', '.join(expected)}")
+    if not isinstance(config, expected[method]):
+        raise TypeError(f"method {method!r} takes a {expected[method].__name__}, got {type(config).__name__}")
+
+
+@torch.no_grad()
+def quantize_model(
+    model: nn.Module,
+    calib_ids: torch.Tensor,
+    method: str,
+    config,
+    on_layer: OnLayer | None = None,
+    should_stop: ShouldStop | None = None,
+    device: str | torch.device | None = None,
+    inplace: bool = False,
+    skip: Callable[[str], bool] | None = None,
+) -> tuple[nn.Module, QuantizeResult]:
+    """Quantize every linear of every decoder block of ``model``.
+
+    Args:
+        model: a Hugging Face causal LM (llama / qwen2 / mistral families: blocks at ``model.layers``).
+        calib_ids: calibration token ids [n, seq] (see ``data.calibration_windows``).
+        method: "vptq" | "gptq" | "rtn" | "lrq"; config: the matching config object.
+        on_layer: called with a ``LayerReport`` as each linear finishes.
+        should_stop: polled between linears; when it returns True the run stops cleanly and the result
+            has ``cancelled=True`` with the layers done so far.
+        device: where blocks are processed ("cuda" when available by default); the model stays put.
+        inplace: quantize ``model`` itself instead of a copy.
+        skip: optional predicate on full module names to leave some linears unquantized.
+
+    Returns (fake-quantized model whose linears hold the dequantized weights, ``QuantizeResult`` with the
+    per-layer states to pack and save). Only the blocks' linears are quantized; embeddings, norms and the
+    LM head stay as they are.
+    """
+    _check_method(method, config)
+    if calib_ids.dim() != 2 or calib_ids.shape[0] < 1:
+        raise ValueError(f"calib_ids must be [samples, seqlen], got shape {tuple(calib_ids.shape)}")
+    on_layer = on_layer or (lambda _r: None)
+    should_stop = should_stop or (lambda: False)
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not inplace:
+        model = copy.deepcopy(model)
+    model.eval()
+    start_time = time.perf_counter()
+    states: dict = {}
+    reports: list[LayerReport] = []
+    bits = BitsInfo(0, 0, 0)
+    result = QuantizeResult(method, config.to_dict(), states, reports, bits, 0.0)
+
+    blocks = decoder_blocks(model)
+    prefix = blocks_prefix(model)
+    model_dtype = next(model.parameters()).dtype
+    inps, kwargs = capture_block_inputs(model, calib_ids)
+    inps = inps.to(dev, torch.float32)
+    kwargs = _kwargs_to(kwargs, dev, torch.float32)
+    try:
+        for b, block in enumerate(blocks):
+            if should_stop():
+                raise Cancelled
+            orig_device = next(block.parameters()).device
+            block.to(dev, torch.float32)
+            linears = {n: m for n, m in block_linears(block).items() if not (skip and skip(f"{prefix}.{b}.{n}"))}
+            hessians, targets = _pass_a(block, linears, inps, kwargs)
+            block_reports = []
+            if method == "lrq":
+                block_reports = _lrq_block(b, prefix, block, linears, hessians, inps, targets, kwargs, config,
+                                           should_stop, states, on_layer)
+            else:
+                for name, linear in linears.items():
+                    if should_stop():
+                        raise Cancelled
+                    t0 = time.perf_counter()
+                    H = hessians[name]
+                    res = _quantize_linear(method, linear.weight.data, H, config, linear.bias)
+                    linear.weight.data.copy_(res.weight.to(linear.weight.dtype))
+                    full = f"{prefix}.{b}.{name}"
+                    states[full] = res.state
+                    report = _report(b, full, name, linear, method, res.state, res.rel_proxy_loss,
+                                     res.rel_weight_error, time.perf_counter() - t0)
+                    block_reports.append(report)
+                    reports.append(report)
+                    on_layer(report)
+                if method == "vptq" and config.finetune_iters > 0:
+                    from .finetune import finetune_block_centroids
+
+                    ft = finetune_block_centroids(
+                        block, {n: states[f"{prefix}.{b}.{n}"] for n in linears}, inps, targets,
+                        lambda blk, x: run_block(blk, x, kwargs), config,
+                    )
+                    for rep in block_reports:
+                        rep.extra.update(ft)
+            outs = torch.empty_like(inps)
+            for i in range(inps.shape[0]):
+                outs[i : i + 1] = run_block(block, inps[i : i + 1], kwargs)
+            err = float(((outs - targets) ** 2).sum() / (targets**2).sum().clamp(min=1e-20))
+            for rep in block_reports:
+                rep.rel_output_error = err
+                result.bits = result.bits + state_bits(states[rep.name])
+            block.to(orig_device, model_dtype)
+            inps = outs
+            result.blocks_done = b + 1
+    except Cancelled:
+        result.cancelled = True
+    result.seconds = time.perf_counter() - start_time
+    return model, result
+
+
+def _pass_a(block: nn.Module, linears: dict, inps: torch.Tensor, kwargs: dict):
+    """Run the original block: Hessians per distinct linear input, and the outputs (targets)."""
+    groups: dict[int, list[str]] = {}
+    accumulators: dict[str, HessianAccumulator] = {}
+    owner: dict[str, str] = {}
+
+    def make_hook(name: str):
+        def hook(_m, args, _out):
+            x = args[0]
+            if name not in owner:
+                key = x.data_ptr()
+                groups.setdefault(key, []).append(name)
+                owner[name] = groups[key][0]
+                if owner[name] == name:
+                    accumulators[name] = HessianAccumulator(x.shape[-1], device=x.device)
+            if owner[name] == name:
+                accumulators[name].add_batch(x)
+
+        return hook
+
+    handles = [m.register_forward_hook(make_hook(n)) for n, m in linears.items()]
+    targets = torch.empty_like(inps)
+    try:
+        for i in range(inps.shape[0]):
+            targets[i : i + 1] = run_block(block, inps[i : i + 1], kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    hessians = {n: accumulators[owner[n]].hessian for n in linears}
+    return hessians, targets
+
+
+def _report(b, full, name, linear, method, state, rel_proxy, rel_w, seconds, extra=None) -> LayerReport:
+    info = state_bits(state)
+    return LayerReport(
+        block=b, name=full, module=name, out_features=linear.out_features, in_features=linear.in_features,
+        method=method, rel_proxy_loss=rel_proxy, rel_weight_error=rel_w,
+        index_bits=info.index_bits_per_weight, total_bits=info.total_bits_per_weight, seconds=seconds,
+        extra=extra or {},
+    )
+
+
+def _lrq_block(b, prefix, block, linears, hessians, inps, targets, kwargs, config, should_stop, states, on_layer):
+    from .lrq import lrq_quantize_block
+
+    t0 = time.perf_counter()
+    with torch.enable_grad():
+        res = lrq_quantize_block(
+            block, list(linears), inps, targets, lambda blk, x: run_block(blk, x, kwargs), config,
+            should_stop=should_stop,
+        )
+    if should_stop():
+        raise Cancelled
+    per_layer = (time.perf_counter() - t0) / max(len(linears), 1)
+    reports = []
+    for name, linear in linears.items():
+        state = res.states[name]
+        W = linear.weight.data.float()
+        W_hat = state.dequantize().float()
+        _, rel = proxy_loss(W, W_hat, hessians[name])
+        rel_w = float(torch.linalg.norm(W_hat - W) / torch.linalg.norm(W).clamp(min=1e-12))
+        linear.weight.data.copy_(W_hat.to(linear.weight.dtype))
+        full = f"{prefix}.{b}.{name}"
+        states[full] = state
+        report = _report(b, full, name, linear, "lrq", state, rel, rel_w, per_layer,
+                         {"block_loss_before": res.loss_before, "block_loss_after": res.loss_after})
+        reports.append(report)
+        on_layer(report)
+    if config.act_bits < 16:
+        _install_act_quant(block, linears, {n: res.states[n] for n in linears})
+    return reports
+
+
+def _install_act_quant(block, linears, block_states) -> None:
+    """Fake-quantize the inputs of quantized linears (W4A8 / W8A8) in the returned model too."""
+    from .act_quant import quantize_activations
+
+    for name, linear in linears.items():
+        st = block_states[name]
+
+        def pre_hook(_m, args, st=st):
+            return (quantize_activations(args[0], st.act_bits, st.act_granularity, st.act_scale),) + args[1:]
+
+        linear.register_forward_pre_hook(pre_hook)
+
+
+def total_linear_shapes(model: nn.Module) -> list[tuple[int, int]]:
+    """(out, in) of every block linear: what the app uses to show bits and size before a run."""
+    shapes = []
+    for block in decoder_blocks(model):
+        shapes.extend((m.out_features, m.in_features) for m in block_linears(block).values())
+    return shapes
+
+
+def expected_size_bytes(model: nn.Module, config) -> int:
+    """Bytes the quantized block linears will take (everything else stays as it is)."""
+    from .bits import model_bits
+
+    return math.ceil(model_bits(config, total_linear_shapes(model)).total_bits / 8)
