@@ -1,0 +1,34 @@
+"""vptq_core: extreme low-bit quantization of LLMs (VPTQ, LRQ, GPTQ, RTN), packed checkpoints, evaluation.
+
+Python API::
+
+    from vptq_core import load_model, quantize_model, evaluate, VPTQConfig
+    from vptq_core.data import calibration_windows
+"""
+
+__version__ = "0.1.0"
+
+from .config import CalibConfig, LRQConfig, ScalarConfig, VPTQConfig  # noqa: E402
+from .eval import EvalResult, evaluate  # noqa: E402
+from .models import load_model  # noqa: E402
+from .pipeline import LayerReport, QuantizeResult, quantize_model  # noqa: E402
+
+
+def load_quantized(path, device="cpu", dtype=None):
+    """Load a packed checkpoint directory -> (model, tokenizer); see ``vptq_core.checkpoint``."""
+    from .checkpoint import load_quantized as _load
+
+    return _load(path, device=device, dtype=dtype)
+
+
+def save_quantized(model, tokenizer, states, out_dir, report=None, dtype=None):
+    """Write a packed checkpoint directory; see ``vptq_core.checkpoint``."""
+    from .checkpoint import save_quantized as _save
+
+    return _save(model, tokenizer, states, out_dir, report=report, dtype=dtype)
+
+
+__all__ = [
+    "CalibConfig", "EvalResult", "LRQConfig", "LayerReport", "QuantizeResult", "ScalarConfig", "VPTQConfig",
+    "__version__", "evaluate", "load_model", "load_quantized", "quantize_model", "save_quantized",
+]

@@ -1,0 +1,125 @@
+"""Streaming chat with a (quantized or original) model: chat template, sampling settings, stop, stats."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class GenerationStats:
+    tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def model_memory_bytes(model: torch.nn.Module) -> int:
+    """Bytes held by the model's parameters and buffers (shared tensors counted once)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        key = (t.untyped_storage().data_ptr(), t.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> None:
+    if not isinstance(max_new_tokens, int) or not 1 <= max_new_tokens <= 4096:
+        raise ValueError(f"max_new_tokens must be an integer in 1..4096, got {max_new_tokens!r}")
+    if not 0.0 <= float(temperature) <= 5.0:
+        raise ValueError(f"temperature must be in [0, 5] (0 = greedy), got {temperature}")
+    if not 0.0 < float(top_p) <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+class ChatSession:
+    """A conversation with one model. ``stream`` yields text pieces as tokens are generated."""
+
+    def __init__(self, model, tokenizer, system_prompt: str | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
+        self.history: list[dict] = []
+        self.last_stats = GenerationStats()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+    def reset(self) -> None:
+        self.history = []
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def prompt_ids(self, messages: list[dict]) -> torch.Tensor:
+        msgs = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + messages
+        if getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt",
+                                                     return_dict=True)["input_ids"]
+        else:
+            text = "\n".join(f"{m['role']}: {m['content']}" for m in msgs) + "\nassistant:"
+            ids = self.tokenizer(text, return_tensors="pt")["input_ids"]
+        return ids
+
+    def stream(self, prompt: str, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+               seed: int = 0) -> Iterator[str]:
+        """Add ``prompt`` as a user turn, yield the reply piece by piece, then append it to the history."""
+        from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
+
+        check_sampling(max_new_tokens, temperature, top_p)
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError("prompt must be a non-empty string")
+        messages = self.history + [{"role": "user", "content": prompt}]
+        ids = self.prompt_ids(messages)
+        device = next(self.model.parameters()).device
+        streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=600)
+        stop_event = self._stop
+        stop_event.clear()
+        counter = {"n": 0}
+
+        class _Stop(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                counter["n"] = input_ids.shape[1] - ids.shape[1]
+                return stop_event.is_set()
+
+        kwargs = dict(
+            input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device), max_new_tokens=max_new_tokens,
+            streamer=streamer, stopping_criteria=StoppingCriteriaList([_Stop()]),
+            pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+        )
+        if temperature > 0:
+            kwargs.update(do_sample=True, temperature=float(temperature), top_p=float(top_p))
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                torch.manual_seed(seed)
+                with torch.no_grad():
+                    self.model.generate(**kwargs)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                errors.append(exc)
+                streamer.end()
+
+        with self._lock:
+            t0 = time.perf_counter()
+            thread = threading.Thread(target=run, daemon=True)
+            thread.start()
+            reply = ""
+            for piece in streamer:
+                reply += piece
+                yield piece
+            thread.join()
+            self.last_stats = GenerationStats(tokens=max(counter["n"], 0), seconds=time.perf_counter() - t0)
+        if errors:
+            raise RuntimeError(f"generation failed: {errors[0]}") from errors[0]
+        self.history = messages + [{"role": "assistant", "content": reply}]
