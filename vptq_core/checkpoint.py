@@ -91,8 +91,7 @@ def _tied_targets(model: nn.Module) -> set[str]:
     return set(tied)
 
 
-def quantized_module_types() -> tuple[type, ...]:
-    return (VQLinear, ScalarQLinear)
+QUANTIZED_TYPES = (VQLinear, ScalarQLinear)
 
 
 def build_quantized_module(quant_method: str, layer_config: dict, dtype: torch.dtype | None, device=None) -> nn.Module:
@@ -113,10 +112,12 @@ def layer_configs_for_model(
     not listed in ``config_for_layers``; their in/out features and bias come from the model.
     """
     if not isinstance(config_for_layers, dict):
-        raise ValueError(f"config_for_layers must be a JSON object, got {type(config_for_layers).__name__}")
+        raise ValueError(  # noqa: TRY004 - a malformed config file is a bad value
+            f"config_for_layers must be a JSON object, got {type(config_for_layers).__name__}"
+        )
     shared = shared_layer_config or {}
     if not isinstance(shared, dict):
-        raise ValueError(f"shared_layer_config must be a JSON object, got {type(shared).__name__}")
+        raise ValueError(f"shared_layer_config must be a JSON object, got {type(shared).__name__}")  # noqa: TRY004
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     configs: dict[str, dict] = {}
     for name, layer_config in config_for_layers.items():
@@ -133,7 +134,9 @@ def layer_configs_for_model(
     for name, layer_config in configs.items():
         linear = linears[name]
         if not isinstance(layer_config, dict):
-            raise ValueError(f"layer config of {name!r} must be a JSON object, got {type(layer_config).__name__}")
+            raise ValueError(  # noqa: TRY004 - a malformed config file is a bad value
+                f"layer config of {name!r} must be a JSON object, got {type(layer_config).__name__}"
+            )
         dims = (layer_config.get("in_features"), layer_config.get("out_features"))
         if dims != (linear.in_features, linear.out_features):
             raise ValueError(
@@ -153,21 +156,19 @@ def swap_quantized_modules(
     dtype: torch.dtype | None = None, device=None,
 ) -> dict[str, nn.Module]:
     """Replace the linears named by a quantization config with empty quantized modules (on ``device``, e.g.
-    "meta"); returns name -> new module. Shared by ``load_quantized`` and the transformers integration."""
+    "meta"; float tensors in ``dtype``, default: the replaced linear's weight dtype); returns name -> new
+    module. Shared by ``load_quantized`` and the transformers integration."""
     configs = layer_configs_for_model(model, config_for_layers, shared_layer_config)
     modules = {}
     for name, layer_config in configs.items():
+        module_dtype = dtype if dtype is not None else model.get_submodule(name).weight.dtype
         try:
-            modules[name] = build_quantized_module(quant_method, layer_config, dtype, device)
+            modules[name] = build_quantized_module(quant_method, layer_config, module_dtype, device)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"layer config of {name!r}: {exc}") from None
     for name, module in modules.items():
         set_submodule(model, name, module)
     return modules
-
-
-def _layer_dims(state: VQLayerState | ScalarLayerState) -> tuple[int, int]:
-    return state.in_features, state.out_features
 
 
 # ------------------------------------------------------------------------------------------------- saving
@@ -211,48 +212,20 @@ def save_quantized(
         raise TypeError(f"model must be a transformers PreTrainedModel with a config, got {type(model).__name__}")
 
     tied = _tied_targets(model)
-    modules = {}
-    for name, state in states.items():
-        current = model.get_submodule(name) if _has_submodule(model, name) else None
-        if current is None:
-            raise ValueError(f"states names {name!r}: no such module in {type(model).__name__}")
-        if not isinstance(current, (nn.Linear, *quantized_module_types())):
-            raise ValueError(f"states names {name!r}: it is a {type(current).__name__}, not a linear layer")
-        dims = (current.in_features, current.out_features)
-        if _layer_dims(state) != dims:
-            raise ValueError(f"state of {name!r} is {_layer_dims(state)} (in, out) but the module is {dims}")
-        if f"{name}.weight" in tied:
-            raise ValueError(f"{name!r} shares its weight with the input embeddings (tied); cannot quantize it")
-        modules[name] = module_from_state(state, dtype, device="cpu")
-
-    tensors: dict[str, torch.Tensor] = {}
+    modules = _modules_from_states(model, states, dtype, tied)
     prefixes = tuple(f"{name}." for name in modules)
+    tensors: dict[str, torch.Tensor] = {}
     for key, tensor in model.state_dict().items():
         if key in tied or key.startswith(prefixes):
             continue
         tensor = tensor.detach().to("cpu")
         tensors[key] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
-    sizes = {"quantized_linears": len(modules), "quantized_weights": 0, "quantized_linear_bytes": 0,
-             "index_bytes": 0, "codebook_bytes": 0, "other_quantized_bytes": 0, "bf16_linear_bytes": 0}
+    sizes = _size_summary(modules, tensors)
     layer_configs = {}
     for name, module in modules.items():
         layer_configs[name] = module.layer_config()
-        sizes["quantized_weights"] += module.in_features * module.out_features
-        sizes["bf16_linear_bytes"] += 2 * module.in_features * module.out_features
-        if module.bias is not None:
-            sizes["bf16_linear_bytes"] += 2 * module.out_features
         for key, tensor in module.state_dict().items():
-            nbytes = tensor.numel() * tensor.element_size()
-            kind = ("index_bytes" if key in _INDEX_TENSORS else
-                    "codebook_bytes" if key in _CODEBOOK_TENSORS else "other_quantized_bytes")
-            sizes[kind] += nbytes
-            sizes["quantized_linear_bytes"] += nbytes
             tensors[f"{name}.{key}"] = tensor.detach().contiguous()
-    sizes["ratio_to_bf16"] = sizes["quantized_linear_bytes"] / max(sizes["bf16_linear_bytes"], 1)
-    sizes["bits_per_weight"] = 8 * sizes["quantized_linear_bytes"] / max(sizes["quantized_weights"], 1)
-    sizes["other_tensor_bytes"] = sum(
-        t.numel() * t.element_size() for k, t in tensors.items() if not k.startswith(prefixes)
-    )
 
     if quant_method == VQ_METHOD:
         quantization_config = {"quant_method": VQ_METHOD, "config_for_layers": layer_configs,
@@ -281,6 +254,49 @@ def save_quantized(
     report_out["checkpoint"] = {"quant_method": quant_method, "dtype": _DTYPE_NAMES[dtype], "versions": _versions()}
     (out / REPORT_NAME).write_text(json.dumps(report_out, indent=2) + "\n", encoding="utf-8")
     return out
+
+
+def _modules_from_states(
+    model: nn.Module, states: dict, dtype: torch.dtype, tied: set[str]
+) -> dict[str, VQLinear | ScalarQLinear]:
+    """Filled quantized modules (CPU, ``dtype``) for ``states``, checked against the model's layers."""
+    modules = {}
+    for name, state in states.items():
+        if not _has_submodule(model, name):
+            raise ValueError(f"states names {name!r}: no such module in {type(model).__name__}")
+        current = model.get_submodule(name)
+        if not isinstance(current, (nn.Linear, *QUANTIZED_TYPES)):
+            raise TypeError(f"states names {name!r}: it is a {type(current).__name__}, not a linear layer")
+        dims = (current.in_features, current.out_features)
+        if (state.in_features, state.out_features) != dims:
+            raise ValueError(
+                f"state of {name!r} is {(state.in_features, state.out_features)} (in, out) but the module is {dims}"
+            )
+        if f"{name}.weight" in tied:
+            raise ValueError(f"{name!r} shares its weight with the input embeddings (tied); cannot quantize it")
+        modules[name] = module_from_state(state, dtype, device="cpu")
+    return modules
+
+
+def _size_summary(modules: dict[str, VQLinear | ScalarQLinear], plain_tensors: dict[str, torch.Tensor]) -> dict:
+    """Bytes of the quantized linears as stored (by kind) vs the same linears in bf16."""
+    sizes = {"quantized_linears": len(modules), "quantized_weights": 0, "quantized_linear_bytes": 0,
+             "index_bytes": 0, "codebook_bytes": 0, "other_quantized_bytes": 0, "bf16_linear_bytes": 0}
+    for module in modules.values():
+        sizes["quantized_weights"] += module.in_features * module.out_features
+        sizes["bf16_linear_bytes"] += 2 * module.in_features * module.out_features
+        if module.bias is not None:
+            sizes["bf16_linear_bytes"] += 2 * module.out_features
+        for key, tensor in module.state_dict().items():
+            nbytes = tensor.numel() * tensor.element_size()
+            kind = ("index_bytes" if key in _INDEX_TENSORS else
+                    "codebook_bytes" if key in _CODEBOOK_TENSORS else "other_quantized_bytes")
+            sizes[kind] += nbytes
+            sizes["quantized_linear_bytes"] += nbytes
+    sizes["ratio_to_bf16"] = sizes["quantized_linear_bytes"] / max(sizes["bf16_linear_bytes"], 1)
+    sizes["bits_per_weight"] = 8 * sizes["quantized_linear_bytes"] / max(sizes["quantized_weights"], 1)
+    sizes["other_tensor_bytes"] = sum(t.numel() * t.element_size() for t in plain_tensors.values())
+    return sizes
 
 
 def _has_submodule(model: nn.Module, name: str) -> bool:
@@ -316,16 +332,16 @@ def read_quantization_config(path: str | os.PathLike) -> tuple[dict, dict]:
     config_path = root / CONFIG_NAME
     config = _read_json(config_path)
     if not isinstance(config, dict):
-        raise ValueError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
+        raise ValueError(f"{config_path}: expected a JSON object, got {type(config).__name__}")  # noqa: TRY004
     quantization_config = config.get("quantization_config")
     if not isinstance(quantization_config, dict):
-        raise ValueError(f"{config_path}: 'quantization_config' is missing or not an object")
+        raise ValueError(f"{config_path}: 'quantization_config' is missing or not an object")  # noqa: TRY004
     method = quantization_config.get("quant_method")
     if method not in QUANT_METHODS:
         raise ValueError(f"{config_path}: quant_method must be one of {QUANT_METHODS}, got {method!r}")
     layers = quantization_config.get("config_for_layers")
     if not isinstance(layers, dict):
-        raise ValueError(f"{config_path}: quantization_config.config_for_layers must be an object")
+        raise ValueError(f"{config_path}: quantization_config.config_for_layers must be an object")  # noqa: TRY004
     if method == SCALAR_METHOD and quantization_config.get("format_version") != SCALAR_FORMAT_VERSION:
         raise ValueError(f"{config_path}: unsupported scalar format_version "
                          f"{quantization_config.get('format_version')!r} (expected {SCALAR_FORMAT_VERSION})")
@@ -364,9 +380,10 @@ def _check_tensor_values(name: str, tensor: torch.Tensor, module: nn.Module, wha
             values = tensor.to(torch.int64) & 0xFFFF
             if not torch.equal(torch.sort(values).values, torch.arange(spec.in_features)):
                 raise ValueError(f"tensor {name!r}: not a permutation of range({spec.in_features})")
-    elif isinstance(module, ScalarQLinear) and what == "act_scale":
-        if not bool(torch.isfinite(tensor).all()) or float(tensor) <= 0:
-            raise ValueError(f"tensor {name!r}: activation scale must be positive and finite, got {float(tensor)}")
+    elif isinstance(module, ScalarQLinear) and what == "act_scale" and (
+        not bool(torch.isfinite(tensor).all()) or float(tensor) <= 0
+    ):
+        raise ValueError(f"tensor {name!r}: activation scale must be positive and finite, got {float(tensor)}")
 
 
 def load_quantized(
@@ -389,13 +406,13 @@ def load_quantized(
     target_dtype = stored_dtype if dtype is None else dtype_from_name(dtype, "load_quantized dtype")
     try:
         model_config = AutoConfig.from_pretrained(str(root))
-    except Exception as exc:  # transformers raises many types for a bad config; one clear error instead
+    except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"{config_path}: cannot build the model config ({type(exc).__name__}: {exc})") from None
 
     with accelerate.init_empty_weights(include_buffers=False), hf_init.no_init_weights():
         try:
             model = AutoModelForCausalLM.from_config(model_config, dtype=target_dtype)
-        except Exception as exc:  # unknown architecture, inconsistent sizes, ...
+        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
             raise ValueError(f"{config_path}: cannot build the model ({type(exc).__name__}: {exc})") from None
     try:
         modules = swap_quantized_modules(
@@ -420,7 +437,7 @@ def load_quantized(
     if (root / "generation_config.json").is_file():
         try:
             model.generation_config = GenerationConfig.from_pretrained(str(root))
-        except Exception as exc:  # malformed generation settings
+        except (ValueError, OSError, TypeError) as exc:
             raise ValueError(f"{root / 'generation_config.json'}: cannot read ({exc})") from None
     return model.to(device).eval(), _load_tokenizer(root)
 
@@ -430,6 +447,8 @@ def _read_checked_tensors(
     stored_dtype: torch.dtype, target_dtype: torch.dtype,
 ) -> dict[str, torch.Tensor]:
     """Every expected tensor from the file, after checking names, shapes, dtypes and index ranges."""
+    from safetensors import SafetensorError
+
     handle = _open_safetensors(weights_path)
     with handle as f:
         present = set(f.keys())
@@ -451,7 +470,7 @@ def _read_checked_tensors(
                 raise ValueError(f"{weights_path}: tensor {name!r} has dtype {stored}, expected {want}")
             try:
                 tensor = f.get_tensor(name)
-            except Exception as exc:  # a truncated or damaged data section
+            except (SafetensorError, RuntimeError, OSError) as exc:
                 raise ValueError(f"{weights_path}: cannot read tensor {name!r} ({exc})") from None
             owner, _, what = name.rpartition(".")
             module = modules.get(owner) or modules.get(owner.rpartition(".")[0])
@@ -468,5 +487,5 @@ def _load_tokenizer(root: Path):
 
     try:
         return AutoTokenizer.from_pretrained(str(root))
-    except Exception as exc:  # damaged tokenizer files
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises bare Exception for damaged files
         raise ValueError(f"{root}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from None

@@ -9,7 +9,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 from .config import CalibConfig, LRQConfig, ScalarConfig, VPTQConfig

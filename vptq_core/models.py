@@ -99,7 +99,19 @@ def _load_hf_dir(path: str | Path, dtype: torch.dtype | None):
 
 
 def _load_hub(name: str, dtype: torch.dtype | None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     try:
+        # The local hub cache first; the network only when the hub is not switched off.
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                name, dtype=dtype or torch.float32, attn_implementation="sdpa", local_files_only=True
+            )
+            return model, AutoTokenizer.from_pretrained(name, local_files_only=True)
+        except OSError:
+            if offline:
+                raise OSError("not in the local hub cache and HF_HUB_OFFLINE is set") from None
         return _load_hf_dir(name, dtype)
     except Exception as exc:  # noqa: BLE001 - any hub/network failure becomes one clear message
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -197,7 +209,9 @@ def tiny_random_llama(seed: int = 0, num_layers: int = 2, hidden: int = 64, inte
 
 def decoder_blocks(model: nn.Module) -> nn.ModuleList:
     """The list of transformer blocks of a causal LM (llama, qwen2, mistral, phi3, gemma, ... families)."""
-    for path in ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers", "model.language_model.layers"):
+    candidates = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers",
+                  "model.language_model.layers")
+    for path in candidates:
         obj = model
         for part in path.split("."):
             obj = getattr(obj, part, None)

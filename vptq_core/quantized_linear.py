@@ -72,14 +72,16 @@ def _pair(name: str, value: object) -> tuple[int, int]:
 
 def _flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, got {value!r}")
+        raise ValueError(f"{name} must be true or false, got {value!r}")  # noqa: TRY004 - a config value
     return value
 
 
 def vq_spec_from_config(layer_config: dict) -> VQSpec:
     """Validate a public ``config_for_layers`` entry and return its ``VQSpec`` (ValueError naming the key)."""
     if not isinstance(layer_config, dict):
-        raise ValueError(f"a VPTQ layer config must be a JSON object, got {type(layer_config).__name__}")
+        raise ValueError(  # noqa: TRY004 - a malformed config file is a bad value
+            f"a VPTQ layer config must be a JSON object, got {type(layer_config).__name__}"
+        )
     unknown = set(layer_config) - set(VQ_CONFIG_KEYS) - set(_VQ_IGNORED_KEYS)
     if unknown:
         raise ValueError(f"unknown VPTQ layer config keys {sorted(unknown)}; allowed: {list(VQ_CONFIG_KEYS)}")
@@ -283,16 +285,19 @@ def _check_vq_state(state: VQLayerState) -> None:
         tensor = getattr(state, name)
         if tensor is not None and tuple(tensor.shape) != (expected,):
             raise ValueError(f"{name} shape {tuple(tensor.shape)} != expected ({expected},)")
-    if state.perm is not None:
-        if not torch.equal(torch.sort(state.perm.to(torch.int64)).values, torch.arange(state.in_features)):
-            raise ValueError("perm must be a permutation of range(in_features)")
+    if state.perm is not None and not torch.equal(
+        torch.sort(state.perm.to(torch.int64)).values, torch.arange(state.in_features)
+    ):
+        raise ValueError("perm must be a permutation of range(in_features)")
 
 
 # ------------------------------------------------------------------------------------------------ scalar
 def scalar_config_from_dict(layer_config: dict) -> dict:
     """Validate a scalar ``config_for_layers`` entry (ValueError naming the key); returns it normalised."""
     if not isinstance(layer_config, dict):
-        raise ValueError(f"a scalar layer config must be a JSON object, got {type(layer_config).__name__}")
+        raise ValueError(  # noqa: TRY004 - a malformed config file is a bad value
+            f"a scalar layer config must be a JSON object, got {type(layer_config).__name__}"
+        )
     unknown = set(layer_config) - set(SCALAR_CONFIG_KEYS)
     if unknown:
         raise ValueError(f"unknown scalar layer config keys {sorted(unknown)}; allowed: {list(SCALAR_CONFIG_KEYS)}")
@@ -311,7 +316,7 @@ def scalar_config_from_dict(layer_config: dict) -> dict:
     if config["act_granularity"] not in ("token", "tensor"):
         raise ValueError(f"act_granularity must be 'token' or 'tensor', got {config['act_granularity']!r}")
     if not isinstance(config["method"], str):
-        raise ValueError(f"method must be a string, got {config['method']!r}")
+        raise ValueError(f"method must be a string, got {config['method']!r}")  # noqa: TRY004 - a config value
     _flag("bias", config["bias"])
     return config
 
@@ -443,7 +448,7 @@ def get_linear(model: nn.Module, name: str) -> nn.Linear:
     except AttributeError:
         raise ValueError(f"model has no submodule {name!r}") from None
     if not isinstance(module, nn.Linear):
-        raise ValueError(f"module {name!r} is a {type(module).__name__}, expected nn.Linear")
+        raise TypeError(f"module {name!r} is a {type(module).__name__}, expected nn.Linear")
     return module
 
 
@@ -456,6 +461,10 @@ def replace_linears(
         raise TypeError(f"states must be a dict of module name -> layer state, got {type(states).__name__}")
     modules = {}
     for name, state in states.items():
+        if not isinstance(state, (VQLayerState, ScalarLayerState)):
+            raise TypeError(
+                f"state for {name!r} must be a VQLayerState or ScalarLayerState, got {type(state).__name__}"
+            )
         linear = get_linear(model, name)
         if (state.in_features, state.out_features) != (linear.in_features, linear.out_features):
             raise ValueError(

@@ -211,7 +211,8 @@ def vptq_quantize(
         centroids=torch.stack([seg.centroids.reshape(-1) for seg in main]),
         indices=torch.stack([seg.indices for seg in main]),
         num_res_centroids=config.num_res_centroids if config.num_res_centroids > 0 else -1,
-        res_centroids=torch.stack([seg.res_centroids.reshape(-1) for seg in main]) if config.num_res_centroids else None,
+        res_centroids=(torch.stack([seg.res_centroids.reshape(-1) for seg in main])
+                       if config.num_res_centroids else None),
         res_indices=torch.stack([seg.res_indices for seg in main]) if config.num_res_centroids else None,
         outlier_vector_len=config.outlier_vector_len if outlier_size else -1,
         num_outlier_centroids=config.outlier_centroids if outlier_size else -1,

@@ -1,0 +1,28 @@
+"""Shared fixtures: a seeded tiny random llama and calibration ids (built once per session)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    from vptq_core.models import tiny_random_llama
+
+    return tiny_random_llama()
+
+
+@pytest.fixture(scope="session")
+def calib_ids() -> torch.Tensor:
+    return torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture
+def correlated_layer():
+    """A weight [96, 64] and a non-diagonal Hessian [64, 64] from correlated, unevenly scaled inputs."""
+    gen = torch.Generator().manual_seed(0)
+    W = torch.randn(96, 64, generator=gen)
+    X = torch.randn(4096, 64, generator=gen) @ torch.randn(64, 64, generator=gen) * 0.3
+    X = X * torch.linspace(0.2, 3.0, 64)
+    return W, 2 * X.T @ X / X.shape[0]

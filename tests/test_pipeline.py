@@ -1,0 +1,72 @@
+import pytest
+import torch
+
+from vptq_core.config import ScalarConfig, VPTQConfig
+from vptq_core.models import decoder_blocks
+from vptq_core.pipeline import capture_block_inputs, quantize_model, run_block
+
+TINY_VQ = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=3)
+
+
+def test_pass_through_reproduces_logits_exactly(tiny_model, calib_ids):
+    model, _ = tiny_model
+    with torch.no_grad():
+        ref = model(calib_ids, use_cache=False).logits
+        hidden, kwargs = capture_block_inputs(model, calib_ids)
+        for block in decoder_blocks(model):
+            hidden = run_block(block, hidden, kwargs)
+        logits = model.lm_head(model.model.norm(hidden))
+    assert torch.equal(logits, ref)
+
+
+def test_reports_stream_per_linear_and_model_matches_states(tiny_model, calib_ids):
+    model, _ = tiny_model
+    seen = []
+    qmodel, result = quantize_model(model, calib_ids, "vptq", TINY_VQ, on_layer=seen.append)
+    assert [r.name for r in seen] == list(result.states) and len(seen) == 14
+    assert seen[0].name == "model.layers.0.self_attn.q_proj" and seen[0].block == 0
+    for r in seen:
+        assert r.rel_output_error is not None and 0 < r.rel_output_error < 1
+        assert r.index_bits == 1.0 and r.total_bits > 1.0
+    # the returned model holds exactly the dequantized states; the input model is untouched
+    from vptq_core.vptq import dequantize_state
+
+    q = qmodel.get_submodule("model.layers.1.mlp.down_proj").weight
+    torch.testing.assert_close(q, dequantize_state(result.states["model.layers.1.mlp.down_proj"]))
+    assert not torch.equal(q, model.get_submodule("model.layers.1.mlp.down_proj").weight)
+    assert result.blocks_done == 2 and not result.cancelled
+
+
+def test_quantized_error_grows_as_bits_shrink(tiny_model, calib_ids):
+    model, _ = tiny_model
+    errs = []
+    for bits in (2, 4, 8):
+        _, res = quantize_model(model, calib_ids, "gptq", ScalarConfig(bits=bits, group_size=32))
+        errs.append(res.reports[-1].rel_output_error)
+    assert errs[0] > errs[1] > errs[2]
+
+
+def test_cancel_stops_between_layers(tiny_model, calib_ids):
+    model, _ = tiny_model
+    seen = []
+    _, result = quantize_model(model, calib_ids, "rtn", ScalarConfig(bits=4), on_layer=seen.append,
+                               should_stop=lambda: len(seen) >= 3)
+    assert result.cancelled and len(seen) == 3 and len(result.states) == 3
+
+
+def test_bad_method_and_config(tiny_model, calib_ids):
+    model, _ = tiny_model
+    with pytest.raises(ValueError, match="unknown method 'awq'"):
+        quantize_model(model, calib_ids, "awq", TINY_VQ)
+    with pytest.raises(TypeError, match="method 'gptq' takes a ScalarConfig, got VPTQConfig"):
+        quantize_model(model, calib_ids, "gptq", TINY_VQ)
+    with pytest.raises(ValueError, match=r"calib_ids must be \[samples, seqlen\]"):
+        quantize_model(model, calib_ids[0], "vptq", TINY_VQ)
+
+
+def test_finetune_lowers_block_loss(tiny_model, calib_ids):
+    model, _ = tiny_model
+    cfg = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=3, finetune_iters=8, finetune_lr=2e-3)
+    _, result = quantize_model(model, calib_ids, "vptq", cfg)
+    extra = result.reports[0].extra
+    assert extra["finetune_loss_after"] < extra["finetune_loss_before"]
