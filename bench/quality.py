@@ -1,0 +1,145 @@
+"""Quality vs bits on SmolLM2-135M-Instruct: bf16, RTN, GPTQ, VPTQ (and LRQ) with the same data and code.
+
+Each row quantizes the model with the block pipeline (calibration: bundled wiki, even articles), then
+evaluates the quantized model in bf16 against the bf16 original on held-out text (odd articles):
+perplexity, mean KL(P_bf16 || P_quant) and top-1 agreement. Results are appended to a JSON-lines file
+so an interrupted run resumes; the table is printed from that file.
+
+    python bench/quality.py                       # every row (tens of minutes on 2 cores)
+    python bench/quality.py --rows rtn-3 vptq-2   # some rows
+    python bench/quality.py --list
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vptq_core.config import LRQConfig, ScalarConfig, VPTQConfig  # noqa: E402
+from vptq_core.data import calibration_windows  # noqa: E402
+from vptq_core.eval import evaluate  # noqa: E402
+from vptq_core.models import load_model  # noqa: E402
+from vptq_core.pipeline import quantize_model  # noqa: E402
+
+ROWS: dict[str, tuple[str, object, str]] = {
+    "rtn-2": ("rtn", ScalarConfig(bits=2, group_size=64), "RTN 2-bit g64"),
+    "gptq-2": ("gptq", ScalarConfig(bits=2, group_size=64), "GPTQ 2-bit g64"),
+    "vptq-2-v4k256": ("vptq", VPTQConfig(vector_len=4, num_centroids=256), "VPTQ v4 k256"),
+    "vptq-2-v6k4096": ("vptq", VPTQConfig(vector_len=6, num_centroids=4096), "VPTQ v6 k4096"),
+    "vptq-2-v6k4096-nearest": ("vptq", VPTQConfig(vector_len=6, num_centroids=4096, second_order=False),
+                               "VPTQ v6 k4096, nearest centroid (no 2nd-order)"),
+    "vptq-2-v8k256r256": ("vptq", VPTQConfig(vector_len=8, num_centroids=256, num_res_centroids=256),
+                          "VPTQ v8 k256 + residual k256"),
+    "vptq-1-v8k256": ("vptq", VPTQConfig(vector_len=8, num_centroids=256), "VPTQ v8 k256 (no residual)"),
+    "rtn-3": ("rtn", ScalarConfig(bits=3, group_size=64), "RTN 3-bit g64"),
+    "gptq-3": ("gptq", ScalarConfig(bits=3, group_size=64), "GPTQ 3-bit g64"),
+    "vptq-3-v4k4096": ("vptq", VPTQConfig(vector_len=4, num_centroids=4096), "VPTQ v4 k4096"),
+    "vptq-3-v4k64r64": ("vptq", VPTQConfig(vector_len=4, num_centroids=64, num_res_centroids=64),
+                        "VPTQ v4 k64 + residual k64"),
+    "rtn-4": ("rtn", ScalarConfig(bits=4, group_size=64), "RTN 4-bit g64 (flattered: model was Q4_1)"),
+    "gptq-4": ("gptq", ScalarConfig(bits=4, group_size=64), "GPTQ 4-bit g64 (flattered: model was Q4_1)"),
+    "vptq-4-v4k256r256": ("vptq", VPTQConfig(vector_len=4, num_centroids=256, num_res_centroids=256),
+                          "VPTQ v4 k256 + residual k256"),
+    "lrq-w3a16": ("lrq", LRQConfig(bits=3), "LRQ W3A16"),
+    "rtn-w3a16-pc": ("rtn", ScalarConfig(bits=3, group_size=0), "RTN W3A16 per-channel"),
+    "gptq-w3a16-pc": ("gptq", ScalarConfig(bits=3, group_size=0), "GPTQ W3A16 per-channel"),
+    "lrq-w4a16": ("lrq", LRQConfig(bits=4), "LRQ W4A16"),
+    "rtn-w4a16-pc": ("rtn", ScalarConfig(bits=4, group_size=0), "RTN W4A16 per-channel"),
+    "gptq-w4a16-pc": ("gptq", ScalarConfig(bits=4, group_size=0), "GPTQ W4A16 per-channel"),
+    "lrq-w4a8": ("lrq", LRQConfig(bits=4, act_bits=8, act_granularity="token"), "LRQ W4A8 (per-token)"),
+    "lrq-w8a8": ("lrq", LRQConfig(bits=8, act_bits=8, act_granularity="tensor"), "LRQ W8A8 (per-tensor static)"),
+    "lrq-w3a16-full": ("lrq", LRQConfig(bits=3, full_scale=True), "FlexRound-style full scale W3A16"),
+}
+
+
+def run_row(key: str, model, tok, calib: torch.Tensor, args) -> dict:
+    method, config, label = ROWS[key]
+    t0 = time.perf_counter()
+    qmodel, result = quantize_model(model, calib, method, config, device="cpu")
+    seconds = time.perf_counter() - t0
+    qmodel = qmodel.to(torch.bfloat16)
+    ev = evaluate(qmodel, tok, text="wiki", seqlen=args.seqlen, max_windows=args.windows, reference=args.reference)
+    return {
+        "row": key, "label": label, "method": method, "config": config.to_dict(),
+        "index_bits": result.bits.index_bits_per_weight, "total_bits": result.bits.total_bits_per_weight,
+        "perplexity": ev.perplexity, "kl": ev.kl_divergence, "top1": ev.top1_agreement,
+        "bf16_perplexity": ev.reference_perplexity, "quant_seconds": seconds, "threads": torch.get_num_threads(),
+        "calib": {"samples": args.calib_samples, "seqlen": args.calib_seqlen}, "protocol": ev.protocol(),
+    }
+
+
+def print_table(results: list[dict], bf16_ppl: float | None) -> None:
+    print("\nSmolLM2-135M-Instruct, bundled wiki text. Protocol: calibration = even articles, "
+          "random windows; evaluation = odd articles, non-overlapping windows; quantized and original both bf16.")
+    if results:
+        print(f"evaluation: {results[0]['protocol']}; calibration: {results[0]['calib']}; "
+              f"threads: {results[0]['threads']}")
+    header = f"| {'row':<50} | idx bits | total bits | ppl | ppl × bf16 | KL | top-1 | quant s |"
+    print(header)
+    print("|" + "---|" * 8)
+    if bf16_ppl:
+        print(f"| {'bf16 original':<50} | 16 | 16 | {bf16_ppl:.2f} | 1.00 | 0 | 100% | - |")
+    for r in results:
+        print(f"| {r['label']:<50} | {r['index_bits']:.2f} | {r['total_bits']:.2f} | {r['perplexity']:.2f} | "
+              f"{r['perplexity'] / r['bf16_perplexity']:.2f} | {r['kl']:.3f} | {r['top1']:.1%} | "
+              f"{r['quant_seconds']:.0f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", nargs="*", default=list(ROWS), help="rows to run (default: all)")
+    parser.add_argument("--list", action="store_true")
+    parser.add_argument("--results", default="bench/results/quality.jsonl")
+    parser.add_argument("--rerun", action="store_true", help="recompute rows already in the results file")
+    parser.add_argument("--calib-samples", type=int, default=32)
+    parser.add_argument("--calib-seqlen", type=int, default=512)
+    parser.add_argument("--seqlen", type=int, default=512)
+    parser.add_argument("--windows", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--table-only", action="store_true")
+    args = parser.parse_args()
+    if args.list:
+        for key, (_, _, label) in ROWS.items():
+            print(f"{key:<26} {label}")
+        return
+    unknown = [r for r in args.rows if r not in ROWS]
+    if unknown:
+        parser.error(f"unknown rows {unknown}; allowed: {', '.join(ROWS)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = Path(args.results)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    done = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            done[rec["row"]] = rec
+    if not args.table_only:
+        model, tok = load_model("smollm2-135m-instruct", dtype=torch.float32)
+        args.reference, _ = load_model("smollm2-135m-instruct", dtype=torch.bfloat16)
+        calib = calibration_windows(tok, "wiki", args.calib_samples, args.calib_seqlen, seed=0)
+        for key in args.rows:
+            if key in done and not args.rerun:
+                continue
+            rec = run_row(key, model, tok, calib, args)
+            done[key] = rec
+            with open(path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            print(f"{key}: ppl {rec['perplexity']:.2f} (bf16 {rec['bf16_perplexity']:.2f}) "
+                  f"bits {rec['index_bits']:.2f}/{rec['total_bits']:.2f} in {rec['quant_seconds']:.0f}s", flush=True)
+    rows = [done[k] for k in ROWS if k in done and k in args.rows]
+    print_table(rows, rows[0]["bf16_perplexity"] if rows else None)
+    if os.environ.get("QUALITY_JSON"):
+        print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
