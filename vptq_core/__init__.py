@@ -12,6 +12,10 @@ from .config import CalibConfig, LRQConfig, ScalarConfig, VPTQConfig  # noqa: E4
 from .eval import EvalResult, evaluate  # noqa: E402
 from .models import load_model  # noqa: E402
 from .pipeline import LayerReport, QuantizeResult, quantize_model  # noqa: E402
+from .hf_integration import install as _install_hf_integration  # noqa: E402
+
+# `import vptq_core` makes transformers' from_pretrained load our packed checkpoints (see README).
+_install_hf_integration()
 
 
 def load_quantized(path, device="cpu", dtype=None):

@@ -81,6 +81,11 @@ class VPTQConfig(_Base):
         _check_pow2("num_centroids", self.num_centroids, 2, 65536)
         if self.num_res_centroids != 0:
             _check_pow2("num_res_centroids", self.num_res_centroids, 2, 65536)
+        if self.num_res_centroids > self.num_centroids:
+            raise ValueError(
+                f"num_res_centroids ({self.num_res_centroids}) must be <= num_centroids ({self.num_centroids}): "
+                "public VPTQ readers decode residual indices with the main index width"
+            )
         if int(math.log2(self.num_centroids)) + self.res_bits > 32:
             raise ValueError("log2(num_centroids) + log2(num_res_centroids) must be <= 32")
         _check_float("outlier_percent", self.outlier_percent, 0.0, 50.0)

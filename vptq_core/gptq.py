@@ -6,7 +6,7 @@ import torch
 
 from .config import ScalarConfig
 from .formats import ScalarLayerState
-from .hessian import inverse_hessian_cholesky, prepare_hessian, proxy_loss
+from .hessian import inverse_hessian_cholesky, prepare_hessian, proxy_loss, single_thread_torch
 from .scalar import effective_group_size, grid_params, rtn_quantize
 from .vptq import QuantResult
 
@@ -50,7 +50,20 @@ def gptq_layer(W: torch.Tensor, H: torch.Tensor, config: ScalarConfig, bias: tor
     col_zero = zeros_t[:, col_group[perm]]
     U = inverse_hessian_cholesky(Hp)
     codes_p = torch.zeros_like(Wp)
-    bs = config.block_size
+    with single_thread_torch():
+        _gptq_sweep(Wp, U, col_scale, col_zero, codes_p, maxq, config.block_size)
+    codes = torch.empty_like(codes_p)
+    codes[:, perm] = codes_p
+    state = ScalarLayerState(
+        in_features=in_features, out_features=out_features, bits=config.bits, group_size=gs,
+        codes=codes.to(torch.uint8), scales=scales_t, zeros=zeros_t,
+        bias=None if bias is None else bias.detach().clone(), method="gptq",
+    )
+    return _result(state, W_orig, H)
+
+
+def _gptq_sweep(Wp, U, col_scale, col_zero, codes_p, maxq, bs) -> None:
+    out_features, in_features = Wp.shape
     for b0 in range(0, in_features, bs):
         b1 = min(b0 + bs, in_features)
         W1 = Wp[:, b0:b1]
@@ -66,11 +79,3 @@ def gptq_layer(W: torch.Tensor, H: torch.Tensor, config: ScalarConfig, bias: tor
             Err[:, i] = e
         if b1 < in_features:
             Wp[:, b1:].addmm_(Err, U[b0:b1, b1:], alpha=-1.0)
-    codes = torch.empty_like(codes_p)
-    codes[:, perm] = codes_p
-    state = ScalarLayerState(
-        in_features=in_features, out_features=out_features, bits=config.bits, group_size=gs,
-        codes=codes.to(torch.uint8), scales=scales_t, zeros=zeros_t,
-        bias=None if bias is None else bias.detach().clone(), method="gptq",
-    )
-    return _result(state, W_orig, H)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from .config import VPTQConfig
 from .formats import VQLayerState
-from .hessian import inverse_hessian_cholesky, prepare_hessian, proxy_loss
+from .hessian import inverse_hessian_cholesky, prepare_hessian, proxy_loss, single_thread_torch
 from .kmeans import nearest, weighted_kmeans
 
 
@@ -99,6 +99,13 @@ def _sweep(
     rsq = [None if seg.res_centroids is None else (seg.res_centroids**2).sum(1) for seg in segments]
     residuals: dict[int, list[torch.Tensor]] = {s: [] for s in range(len(segments))}
     seg_list = seg_of.tolist()
+    with single_thread_torch():
+        _sweep_blocks(W, Q, U, segments, seg_list, sq, rsq, residuals, block_size, second_order, collect_residuals)
+    return Q, residuals
+
+
+def _sweep_blocks(W, Q, U, segments, seg_list, sq, rsq, residuals, block_size, second_order, collect_residuals):
+    out, cols = W.shape
     for b0 in range(0, cols, block_size):
         b1 = min(b0 + block_size, cols)
         W1 = W[:, b0:b1]  # a view: updates below write through to W
@@ -121,7 +128,6 @@ def _sweep(
                 Err[:, i] = e
         if second_order and b1 < cols:
             W[:, b1:].addmm_(Err, U[b0:b1, b1:], alpha=-1.0)
-    return Q, residuals
 
 
 def vptq_quantize(

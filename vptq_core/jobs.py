@@ -1,0 +1,710 @@
+"""Background jobs for the app (and anything else that wants them): a FIFO queue per device with a
+concurrency limit, jobs owned by one browser session, per-layer reports published while they run,
+cancellation between layers, failures kept with their reason, and old runs pruned from disk.
+
+Also what the app needs around a quantization job: the estimate shown before a run (bits and checkpoint
+size from the model's linear shapes, cached per model) and a small cache of loaded models for chat and
+evaluation.
+
+A task is ``task(ctx: JobContext) -> dict``: it writes under ``ctx.out_dir``, reports through
+``ctx.on_start`` / ``ctx.on_layer`` / ``ctx.set_phase``, polls ``ctx.should_stop()`` and raises
+``JobCancelled`` to end as cancelled. Its returned dict becomes the job's ``result``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import os
+import re
+import secrets
+import shutil
+import socket
+import threading
+import time
+import traceback
+import urllib.parse
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+STATUSES = ("queued", "running", "done", "failed", "cancelled")
+ACTIVE = ("queued", "running")
+FINISHED = ("done", "failed", "cancelled")
+DEFAULT_LIMITS = {"cpu": 1, "cuda": 1}
+_JOB_ID = re.compile(r"^[0-9a-f]{12}$")
+_log = logging.getLogger(__name__)
+
+
+class JobCancelled(Exception):
+    """Raised by a task (or inside it) to end the job as cancelled."""
+
+
+def default_device() -> str:
+    """"cuda" when a CUDA device is usable by background threads, else "cpu". On ZeroGPU Spaces
+    (``SPACES_ZERO_GPU``) the GPU only exists inside ``spaces.GPU`` calls, so background jobs use the CPU."""
+    import torch
+
+    if torch.cuda.is_available() and not os.environ.get("SPACES_ZERO_GPU"):
+        return "cuda"
+    return "cpu"
+
+
+# ----------------------------------------------------------------------------------------------- jobs
+@dataclass(frozen=True)
+class JobSnapshot:
+    """A consistent, immutable view of a job at one moment (what the UI renders)."""
+
+    id: str
+    owner: str
+    title: str
+    kind: str
+    device: str
+    status: str
+    phase: str
+    position: int  # 1-based place in its device queue while queued, else 0
+    running_ahead: int  # jobs running on the same device while this one waits
+    total_layers: int | None
+    layers_done: int
+    current: str  # e.g. "block 3 · mlp.down_proj" (last finished layer)
+    reports: tuple[dict, ...]
+    reports_version: tuple[int, int]  # (reports, reports with their block's output error): changes on news
+    error: str | None
+    result: dict | None
+    extras: dict
+    meta: dict
+    created: float
+    started: float | None
+    finished: float | None
+    eta_seconds: float | None
+
+    @property
+    def active(self) -> bool:
+        return self.status in ACTIVE
+
+    @property
+    def elapsed(self) -> float:
+        if self.started is None:
+            return 0.0
+        return (self.finished or time.time()) - self.started
+
+    def to_dict(self, reports: bool = True) -> dict:
+        data = dataclasses.asdict(self)
+        data["reports"] = list(self.reports) if reports else len(self.reports)
+        data["reports_version"] = list(self.reports_version)
+        data["elapsed"] = round(self.elapsed, 2)
+        return data
+
+
+class Job:
+    """One unit of background work. Its mutable state is guarded by ``self.lock``; read it through
+    ``snapshot()``."""
+
+    def __init__(self, job_id: str, owner: str, task: Callable, title: str, kind: str, device: str, meta: dict,
+                 out_dir: Path) -> None:
+        self.id = job_id
+        self.owner = owner
+        self.task = task
+        self.title = title
+        self.kind = kind
+        self.device = device
+        self.meta = dict(meta)
+        self.out_dir = out_dir
+        self.created = time.time()
+        self.lock = threading.Lock()
+        self.cancel_event = threading.Event()
+        self.status = "queued"
+        self.phase = "waiting in the queue"
+        self.total_layers: int | None = None
+        self.reports: list = []
+        self.error: str | None = None
+        self.error_detail: str | None = None
+        self.result: dict | None = None
+        self.extras: dict = {}
+        self.started: float | None = None
+        self.layers_started: float | None = None
+        self.finished: float | None = None
+        self.forgotten = False  # owner gone: delete the outputs as soon as the job ends
+
+    def snapshot(self, position: int = 0, running_ahead: int = 0, reports: bool = True) -> JobSnapshot:
+        with self.lock:
+            done = len(self.reports)
+            with_output = sum(1 for r in self.reports if r.rel_output_error is not None)
+            rows = tuple(r.to_dict() for r in self.reports) if reports else ()
+            current = f"block {self.reports[-1].block} · {self.reports[-1].module}" if self.reports else ""
+            eta = None
+            if self.status == "running" and self.total_layers and done and self.layers_started is not None:
+                spent = time.time() - self.layers_started
+                eta = spent / done * max(self.total_layers - done, 0)
+            return JobSnapshot(
+                id=self.id, owner=self.owner, title=self.title, kind=self.kind, device=self.device,
+                status=self.status, phase=self.phase, position=position, running_ahead=running_ahead,
+                total_layers=self.total_layers, layers_done=done, current=current, reports=rows,
+                reports_version=(done, with_output), error=self.error,
+                result=dict(self.result) if self.result is not None else None, extras=dict(self.extras),
+                meta=dict(self.meta), created=self.created, started=self.started, finished=self.finished,
+                eta_seconds=eta,
+            )
+
+
+class JobContext:
+    """What a running task sees: its output directory and the progress / cancellation callbacks."""
+
+    def __init__(self, job: Job) -> None:
+        self._job = job
+
+    @property
+    def job_id(self) -> str:
+        return self._job.id
+
+    @property
+    def out_dir(self) -> Path:
+        return self._job.out_dir
+
+    def set_phase(self, text: str) -> None:
+        with self._job.lock:
+            self._job.phase = text
+
+    def on_start(self, total_layers: int) -> None:
+        """The number of layers the task will report (enables the progress bar and ETA)."""
+        with self._job.lock:
+            self._job.total_layers = int(total_layers)
+            self._job.layers_started = time.time()
+            self._job.phase = "quantizing"
+
+    def on_layer(self, report) -> None:
+        """Publish one finished layer (a ``LayerReport``; its ``rel_output_error`` may be filled in later)."""
+        job = self._job
+        with job.lock:
+            job.reports.append(report)
+            if job.total_layers and len(job.reports) >= job.total_layers:
+                job.phase = "saving the checkpoint"
+            else:
+                job.phase = "quantizing"
+
+    def should_stop(self) -> bool:
+        return self._job.cancel_event.is_set()
+
+
+class JobManager:
+    """Runs jobs in background threads, at most ``limits[device]`` at a time per device, first come first
+    served. Every call that reads or changes a job names its owner; other owners' jobs are invisible.
+
+    Args:
+        workdir: jobs write under ``workdir/jobs/<job id>/``; leftovers of earlier processes there are removed.
+        limits: concurrent jobs per device, e.g. {"cpu": 1, "cuda": 1}.
+        max_active_per_owner: queued + running jobs one owner may have.
+        max_queued: jobs waiting in all queues together; beyond it ``submit`` refuses.
+        keep_per_owner: finished jobs kept per owner; older ones (and their files) are deleted.
+        max_age_s: finished jobs older than this are deleted too (None: no age limit).
+    """
+
+    def __init__(self, workdir: str | os.PathLike, limits: dict[str, int] | None = None,
+                 max_active_per_owner: int = 2, max_queued: int = 16, keep_per_owner: int = 6,
+                 max_age_s: float | None = 6 * 3600) -> None:
+        limits = dict(DEFAULT_LIMITS if limits is None else limits)
+        for device, limit in limits.items():
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+                raise ValueError(f"limits[{device!r}] must be a positive integer, got {limit!r}")
+        for name, value in (("max_active_per_owner", max_active_per_owner), ("max_queued", max_queued),
+                            ("keep_per_owner", keep_per_owner)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.workdir = Path(workdir)
+        self.jobs_dir = self.workdir / "jobs"
+        self.jobs_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.jobs_dir.iterdir():
+            if stale.is_dir() and not stale.is_symlink() and _JOB_ID.match(stale.name):
+                shutil.rmtree(stale, ignore_errors=True)
+        self.limits = limits
+        self.max_active_per_owner = max_active_per_owner
+        self.max_queued = max_queued
+        self.keep_per_owner = keep_per_owner
+        self.max_age_s = max_age_s
+        self._lock = threading.RLock()
+        self._jobs: dict[str, Job] = {}
+        self._queues: dict[str, deque[str]] = {d: deque() for d in limits}
+        self._running: dict[str, int] = dict.fromkeys(limits, 0)
+        self._threads: dict[str, threading.Thread] = {}
+
+    # -------------------------------------------------------------------------------------- submit / run
+    def submit(self, owner: str, task: Callable[[JobContext], dict], *, title: str = "", device: str = "cpu",
+               kind: str = "quantize", meta: dict | None = None) -> JobSnapshot:
+        """Queue ``task`` for ``owner`` on ``device``; it starts as soon as the device has a free slot."""
+        _check_owner(owner)
+        if device not in self.limits:
+            raise ValueError(f"device must be one of {sorted(self.limits)}, got {device!r}")
+        with self._lock:
+            self._prune_locked()
+            mine = [j for j in self._jobs.values() if j.owner == owner and j.status in ACTIVE]
+            if len(mine) >= self.max_active_per_owner:
+                raise ValueError(f"you already have {len(mine)} job(s) queued or running (limit "
+                                 f"{self.max_active_per_owner}); wait for one to finish or cancel it")
+            waiting = sum(len(q) for q in self._queues.values())
+            if waiting >= self.max_queued:
+                raise ValueError(f"the queue is full ({waiting} jobs waiting); try again in a few minutes")
+            job_id = self._new_id()
+            job = Job(job_id, owner, task, title, kind, device, meta or {}, self.jobs_dir / job_id)
+            self._jobs[job_id] = job
+            self._queues[device].append(job_id)
+            self._dispatch_locked()
+            return self._snapshot_locked(job)
+
+    def import_run(self, owner: str, fill: Callable[[Path], dict], *, title: str = "", kind: str = "import",
+                   meta: dict | None = None) -> JobSnapshot:
+        """Register a finished run made synchronously by ``fill(out_dir) -> result`` (e.g. an uploaded
+        archive). If ``fill`` raises, its directory is removed and the error propagates."""
+        _check_owner(owner)
+        with self._lock:
+            self._prune_locked()
+            job_id = self._new_id()
+        out_dir = self.jobs_dir / job_id
+        out_dir.mkdir(parents=True)
+        try:
+            result = fill(out_dir)
+        except BaseException:
+            shutil.rmtree(out_dir, ignore_errors=True)
+            raise
+        job = Job(job_id, owner, fill, title, kind, "none", meta or {}, out_dir)
+        now = time.time()
+        job.status, job.phase, job.result, job.started, job.finished = "done", "done", dict(result or {}), now, now
+        with self._lock:
+            self._jobs[job_id] = job
+            self._prune_owner_locked(owner)
+            return self._snapshot_locked(job)
+
+    def _new_id(self) -> str:
+        while True:
+            job_id = secrets.token_hex(6)
+            if job_id not in self._jobs and not (self.jobs_dir / job_id).exists():
+                return job_id
+
+    def _dispatch_locked(self) -> None:
+        for device, queue in self._queues.items():
+            while queue and self._running[device] < self.limits[device]:
+                job = self._jobs[queue.popleft()]
+                self._running[device] += 1
+                with job.lock:
+                    job.status, job.phase, job.started = "running", "starting", time.time()
+                thread = threading.Thread(target=self._run, args=(job,), name=f"job-{job.id}", daemon=True)
+                self._threads[job.id] = thread
+                thread.start()
+
+    def _run(self, job: Job) -> None:
+        status, error, detail, result = "done", None, None, None
+        try:
+            job.out_dir.mkdir(parents=True, exist_ok=True)
+            if job.cancel_event.is_set():
+                raise JobCancelled
+            result = job.task(JobContext(job))
+            if result is not None and not isinstance(result, dict):
+                raise TypeError(f"a job task must return a dict or None, got {type(result).__name__}")
+        except JobCancelled:
+            status = "cancelled"
+        except Exception as exc:  # noqa: BLE001 - any task failure is shown to its owner with its reason
+            status, error, detail = "failed", _reason(exc), traceback.format_exc()
+            _log.warning("job %s failed: %s", job.id, error)
+        if status != "done":
+            shutil.rmtree(job.out_dir, ignore_errors=True)
+        with job.lock:
+            job.status, job.error, job.error_detail = status, error, detail
+            job.result = dict(result) if status == "done" and result is not None else None
+            job.finished = time.time()
+            job.phase = {"done": "done", "failed": "failed", "cancelled": "cancelled"}[status]
+        with self._lock:
+            self._running[job.device] -= 1
+            self._threads.pop(job.id, None)
+            if job.forgotten:
+                self._delete_locked(job)
+            self._dispatch_locked()
+            self._prune_owner_locked(job.owner)
+
+    # ------------------------------------------------------------------------------------- queries
+    def _owned(self, job_id: str, owner: str) -> Job:
+        _check_owner(owner)
+        job = self._jobs.get(job_id) if isinstance(job_id, str) else None
+        if job is None or job.owner != owner:
+            raise ValueError(f"no job {job_id!r} in this session (jobs belong to the browser tab that started "
+                             f"them and are deleted when it closes)")
+        return job
+
+    def _snapshot_locked(self, job: Job, reports: bool = True) -> JobSnapshot:
+        position = ahead = 0
+        with job.lock:
+            queued = job.status == "queued"
+        if queued:
+            queue = self._queues[job.device]
+            position = list(queue).index(job.id) + 1 if job.id in queue else 0
+            ahead = self._running[job.device]
+        return job.snapshot(position, ahead, reports)
+
+    def get(self, job_id: str, owner: str, reports: bool = True) -> JobSnapshot:
+        """The job ``job_id`` of ``owner`` (ValueError if it does not exist or belongs to someone else)."""
+        with self._lock:
+            return self._snapshot_locked(self._owned(job_id, owner), reports)
+
+    def jobs(self, owner: str, statuses: tuple[str, ...] | None = None, reports: bool = False) -> list[JobSnapshot]:
+        """``owner``'s jobs, oldest first, optionally only those with a status in ``statuses``."""
+        _check_owner(owner)
+        with self._lock:
+            self._prune_locked()
+            found = [self._snapshot_locked(j, reports) for j in self._jobs.values() if j.owner == owner]
+        return [s for s in found if statuses is None or s.status in statuses]
+
+    def checkpoint_dir(self, job_id: str, owner: str) -> Path:
+        """The checkpoint directory of a finished job of ``owner``."""
+        snap = self.get(job_id, owner, reports=False)
+        if snap.status != "done" or not snap.result or "checkpoint_dir" not in snap.result:
+            raise ValueError(f"job {job_id} has no checkpoint (status: {snap.status})")
+        return Path(snap.result["checkpoint_dir"])
+
+    def set_extra(self, job_id: str, owner: str, key: str, value: Any) -> JobSnapshot:
+        """Attach a result computed later (e.g. an evaluation) to a job of ``owner``."""
+        with self._lock:
+            job = self._owned(job_id, owner)
+            with job.lock:
+                job.extras[key] = value
+            return self._snapshot_locked(job)
+
+    def wait(self, job_id: str, owner: str, timeout: float | None = None) -> JobSnapshot:
+        """Block until the job has finished (or ``timeout`` seconds passed) and return its snapshot."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            snap = self.get(job_id, owner, reports=False)
+            if not snap.active or (deadline is not None and time.monotonic() >= deadline):
+                return self.get(job_id, owner)
+            time.sleep(0.05)
+
+    # ---------------------------------------------------------------------------------- cancel / cleanup
+    def cancel(self, job_id: str, owner: str) -> JobSnapshot:
+        """Cancel a job of ``owner``: a queued one leaves the queue at once, a running one stops at the next
+        layer boundary. Cancelling a finished job changes nothing."""
+        with self._lock:
+            job = self._owned(job_id, owner)
+            with job.lock:
+                status = job.status
+            if status == "queued":
+                self._queues[job.device].remove(job.id)
+                with job.lock:
+                    job.status, job.phase, job.finished = "cancelled", "cancelled", time.time()
+                job.cancel_event.set()
+            elif status == "running":
+                job.cancel_event.set()
+                with job.lock:
+                    job.phase = "cancelling (stops after the current layer)"
+            return self._snapshot_locked(job)
+
+    def forget_owner(self, owner: str) -> int:
+        """The owner is gone (tab closed): cancel their jobs and delete their files. Returns how many jobs."""
+        _check_owner(owner)
+        with self._lock:
+            mine = [j for j in self._jobs.values() if j.owner == owner]
+            for job in mine:
+                with job.lock:
+                    status = job.status
+                if status in ACTIVE:
+                    self.cancel(job.id, owner)
+                with job.lock:
+                    running = job.status == "running"
+                if running:
+                    job.forgotten = True
+                else:
+                    self._delete_locked(job)
+            return len(mine)
+
+    def _delete_locked(self, job: Job) -> None:
+        self._jobs.pop(job.id, None)
+        shutil.rmtree(job.out_dir, ignore_errors=True)
+
+    def _prune_owner_locked(self, owner: str) -> None:
+        finished = [j for j in self._jobs.values() if j.owner == owner and j.status in FINISHED]
+        for job in finished[: max(len(finished) - self.keep_per_owner, 0)]:
+            self._delete_locked(job)
+
+    def _prune_locked(self) -> None:
+        if self.max_age_s is None:
+            return
+        now = time.time()
+        for job in list(self._jobs.values()):
+            if job.status in FINISHED and job.finished is not None and now - job.finished > self.max_age_s:
+                self._delete_locked(job)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Cancel every job and wait up to ``timeout`` seconds for running ones to stop."""
+        with self._lock:
+            for queue in self._queues.values():
+                while queue:
+                    job = self._jobs[queue.popleft()]
+                    with job.lock:
+                        job.status, job.phase, job.finished = "cancelled", "cancelled", time.time()
+            threads = list(self._threads.values())
+            for job in self._jobs.values():
+                job.cancel_event.set()
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(deadline - time.monotonic(), 0))
+
+
+def _check_owner(owner: str) -> None:
+    if not isinstance(owner, str) or not owner:
+        raise ValueError(f"owner must be a non-empty session id, got {owner!r}")
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip()
+    if isinstance(exc, ValueError) and text:
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+# ------------------------------------------------------------------------------------ quantization job
+def quantization_task(model_name: str, method: str, config, calib, device: str = "cpu",
+                      calib_text: str | None = None, archive_name: str | None = None) -> Callable[[JobContext], dict]:
+    """A task that quantizes ``model_name`` into ``<job dir>/checkpoint`` (``api.quantize_to_dir``) and packs
+    it into ``<job dir>/<archive_name>.zip``. ``calib_text``: text to calibrate on instead of ``calib.text``
+    (written into the job directory first, so an uploaded file may disappear meanwhile).
+
+    Result: ``summary`` (the pipeline's), ``checkpoint_dir``, ``archive``, ``checkpoint_bytes``,
+    ``archive_bytes``, ``source_model``, ``method``, ``config``, ``calib``.
+    """
+    def task(ctx: JobContext) -> dict:
+        from .api import quantize_to_dir
+        from .archive import pack_checkpoint
+        from .checkpoint import checkpoint_size
+
+        ctx.set_phase("loading the model and the calibration text")
+        used_calib = calib
+        if calib_text is not None:
+            path = ctx.out_dir / "calibration.txt"
+            path.write_text(calib_text, encoding="utf-8")
+            used_calib = dataclasses.replace(calib, text=str(path))
+        out, summary = quantize_to_dir(
+            model_name, method, config, used_calib, ctx.out_dir / "checkpoint", device=device,
+            on_layer=ctx.on_layer, should_stop=ctx.should_stop, on_start=ctx.on_start,
+        )
+        if summary.get("cancelled"):
+            raise JobCancelled
+        ctx.set_phase("packing the archive")
+        name = archive_name or f"{_slug(model_name)}-{method}-{ctx.job_id}"
+        archive = pack_checkpoint(out, ctx.out_dir / f"{name}.zip")
+        return {
+            "summary": summary, "checkpoint_dir": str(out), "archive": str(archive),
+            "checkpoint_bytes": checkpoint_size(out), "archive_bytes": archive.stat().st_size,
+            "source_model": model_name, "method": method, "config": config.to_dict(),
+            "calib": {**calib.to_dict(), "text": "uploaded file" if calib_text is not None else calib.text},
+        }
+
+    return task
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.basename(text.rstrip("/\\")) or "model").strip("-")[:40] or "model"
+
+
+# -------------------------------------------------------------------------------- estimate before a run
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a quantization run will touch, known without running it."""
+
+    name: str
+    num_blocks: int
+    modules: tuple[str, ...]  # linear names inside a block, e.g. ("self_attn.q_proj", ...)
+    linear_shapes: tuple[tuple[int, int], ...]  # (out, in) of every block linear, block by block
+    other_params: int  # parameters kept as they are (embeddings, norms, biases, LM head if untied)
+
+    @property
+    def linear_weights(self) -> int:
+        return sum(o * i for o, i in self.linear_shapes)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    index_bits_per_weight: float
+    total_bits_per_weight: float  # including codebooks, scales, permutations
+    quantized_bytes: int  # the quantized linears
+    other_bytes: int  # everything else at 16 bits
+    checkpoint_bytes: int  # quantized_bytes + other_bytes (tokenizer and JSON files not counted)
+    dense_bytes: int  # the whole model at 16 bits
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def describe_model(model) -> tuple[int, tuple[str, ...], tuple[tuple[int, int], ...], int]:
+    """(blocks, linear names in a block, linear shapes, other parameter count) of a causal LM (meta is fine)."""
+    from .models import block_linears, decoder_blocks
+    from .pipeline import total_linear_shapes
+
+    blocks = decoder_blocks(model)
+    shapes = tuple(total_linear_shapes(model))
+    total = sum(p.numel() for p in model.parameters())
+    return len(blocks), tuple(block_linears(blocks[0])), shapes, total - sum(o * i for o, i in shapes)
+
+
+@functools.lru_cache(maxsize=32)
+def _info_cached(name: str, stamp: float) -> ModelInfo:
+    from .models import KNOWN_MODELS, load_model
+
+    if name in KNOWN_MODELS:
+        model, _ = load_model(name)
+    else:
+        model = _meta_model(name)
+    blocks, modules, shapes, other = describe_model(model)
+    return ModelInfo(name=name, num_blocks=blocks, modules=modules, linear_shapes=shapes, other_params=other)
+
+
+def model_info(name: str) -> ModelInfo:
+    """``ModelInfo`` of a model name (bundled / tiny), a dense local model directory, or a hub id.
+
+    Local directories and hub ids are read from their config alone (the model is built on the meta device,
+    no weights). Raises ValueError with what to do instead: an unknown name, a directory without config.json,
+    an already quantized checkpoint, or a hub id while the hub cannot be reached.
+    """
+    from .models import KNOWN_MODELS
+
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"model must be one of {', '.join(KNOWN_MODELS)}, a local directory or a hub id, "
+                         f"got {name!r}")
+    name = name.strip()
+    stamp = 0.0
+    if name in KNOWN_MODELS:
+        pass
+    elif os.path.isdir(name):
+        config_path = os.path.join(name, "config.json")
+        if not os.path.isfile(config_path):
+            raise ValueError(f"directory {name!r} has no config.json; expected a Hugging Face model directory")
+        _refuse_quantized(config_path, name)
+        stamp = os.path.getmtime(config_path)
+    elif _HUB_ID.match(name):
+        reachable, why = hub_reachable()
+        if not reachable:
+            raise ValueError(f"cannot reach the Hugging Face hub to fetch {name!r} ({why}); offline you can use "
+                             f"{', '.join(KNOWN_MODELS)} or a local model directory")
+    else:
+        raise ValueError(f"model {name!r} is not a built-in name ({', '.join(KNOWN_MODELS)}), an existing local "
+                         "directory, or a hub id of the form owner/name")
+    try:
+        return _info_cached(name, stamp)
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - config/hub errors of every kind become one clear message
+        raise ValueError(f"cannot read model {name!r}: {_reason(exc)[:300]}") from None
+
+
+def _refuse_quantized(config_path: str, name: str) -> None:
+    import json
+
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {config_path}: {exc}") from None
+    if isinstance(config, dict) and "quantization_config" in config:
+        raise ValueError(f"{name!r} is already a quantized checkpoint; quantize a dense model, or chat with this "
+                         "one in the Chat tab")
+
+
+def _meta_model(source: str):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(source)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+_HUB_CHECK: dict[str, tuple[float, bool, str]] = {}
+
+
+def hub_reachable(timeout: float = 3.0, ttl: float = 60.0) -> tuple[bool, str]:
+    """(whether the hub endpoint accepts a TCP connection, why not), cached for ``ttl`` seconds. A quick
+    check that replaces the hub client's long retry loop when the machine is offline."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return False, "HF_HUB_OFFLINE is set"
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    cached = _HUB_CHECK.get(endpoint)
+    if cached and time.monotonic() - cached[0] < ttl:
+        return cached[1], cached[2]
+    parsed = urllib.parse.urlparse(endpoint)
+    host, port = parsed.hostname or "huggingface.co", parsed.port or (443 if parsed.scheme != "http" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            ok, why = True, ""
+    except OSError as exc:
+        ok, why = False, f"{host}: {exc.strerror or exc}"
+    _HUB_CHECK[endpoint] = (time.monotonic(), ok, why)
+    return ok, why
+
+
+def estimate(info: ModelInfo, config) -> Estimate:
+    """Bits per weight and checkpoint size of quantizing ``info``'s block linears with ``config``."""
+    from .bits import model_bits
+
+    bits = model_bits(config, list(info.linear_shapes))
+    quantized = math.ceil(bits.total_bits / 8)
+    other = 2 * info.other_params
+    return Estimate(
+        index_bits_per_weight=bits.index_bits_per_weight, total_bits_per_weight=bits.total_bits_per_weight,
+        quantized_bytes=quantized, other_bytes=other, checkpoint_bytes=quantized + other,
+        dense_bytes=2 * (info.linear_weights + info.other_params),
+    )
+
+
+# --------------------------------------------------------------------------------------- model cache
+@dataclass
+class _Slot:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    value: Any = None
+    loaded: bool = False
+
+
+class ModelCache:
+    """Keeps the last ``max_items`` loaded values (models) by key; concurrent requests for the same key load
+    it once. Loading errors are not cached."""
+
+    def __init__(self, max_items: int = 4) -> None:
+        if isinstance(max_items, bool) or not isinstance(max_items, int) or max_items < 1:
+            raise ValueError(f"max_items must be a positive integer, got {max_items!r}")
+        self.max_items = max_items
+        self._lock = threading.Lock()
+        self._slots: OrderedDict[Hashable, _Slot] = OrderedDict()
+
+    def get(self, key: Hashable, loader: Callable[[], Any]) -> Any:
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is None:
+                slot = self._slots[key] = _Slot()
+            self._slots.move_to_end(key)
+        with slot.lock:
+            if not slot.loaded:
+                try:
+                    slot.value, slot.loaded = loader(), True
+                except BaseException:
+                    with self._lock:
+                        if self._slots.get(key) is slot:
+                            del self._slots[key]
+                    raise
+        with self._lock:
+            while len(self._slots) > self.max_items:
+                oldest = next(iter(self._slots))
+                if oldest == key:
+                    break
+                del self._slots[oldest]
+        return slot.value
+
+    def __contains__(self, key: Hashable) -> bool:
+        with self._lock:
+            slot = self._slots.get(key)
+            return slot is not None and slot.loaded
+
+    def drop(self, predicate: Callable[[Hashable], bool]) -> int:
+        """Forget every key for which ``predicate(key)`` is true; returns how many."""
+        with self._lock:
+            keys = [k for k in self._slots if predicate(k)]
+            for k in keys:
+                del self._slots[k]
+        return len(keys)
