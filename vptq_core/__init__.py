@@ -10,9 +10,9 @@ __version__ = "0.1.0"
 
 from .config import CalibConfig, LRQConfig, ScalarConfig, VPTQConfig  # noqa: E402
 from .eval import EvalResult, evaluate  # noqa: E402
+from .hf_integration import install as _install_hf_integration  # noqa: E402
 from .models import load_model  # noqa: E402
 from .pipeline import LayerReport, QuantizeResult, quantize_model  # noqa: E402
-from .hf_integration import install as _install_hf_integration  # noqa: E402
 
 # `import vptq_core` makes transformers' from_pretrained load our packed checkpoints (see README).
 _install_hf_integration()

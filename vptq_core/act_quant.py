@@ -29,9 +29,24 @@ def _qmax(bits: int) -> int:
     return 2 ** (bits - 1) - 1
 
 
-def _round_ste(v: torch.Tensor) -> torch.Tensor:
-    # round(v) in the forward pass (bitwise: round(v) - v is exact in floating point), identity gradient.
-    return v + (torch.round(v) - v).detach()
+class _FakeQuant(torch.autograd.Function):
+    """clamp(round(x / step), -qmax, qmax) * step in float32, cast back to x's dtype; straight-through gradient.
+
+    Hand-written so the backward is one multiply by the not-clipped mask: autograd's clamp backward is very
+    slow on CPU. ``clip`` False skips the mask when nothing can be clipped (per-token absmax scales).
+    """
+
+    @staticmethod
+    def forward(ctx, x, step, qmax: int, clip: bool):
+        levels = torch.round(x.float() / step)
+        clamped = torch.clamp(levels, -qmax, qmax)
+        ctx.save_for_backward(clamped == levels if clip else None)
+        return clamped.mul_(step).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inside,) = ctx.saved_tensors
+        return (grad if inside is None else grad * inside), None, None, None
 
 
 def quantize_activations(
@@ -61,17 +76,16 @@ def quantize_activations(
     if x.ndim == 0:
         raise ValueError("x must have at least one dimension (features last)")
     qmax = _qmax(bits)
-    xf = x.float()
     if granularity == "token":
         # The dynamic scale is treated as a constant: gradients flow through the rounding only.
-        step = (xf.detach().abs().amax(dim=-1, keepdim=True) / qmax).clamp(min=_EPS)
+        step = (x.detach().abs().amax(dim=-1, keepdim=True).float() / qmax).clamp(min=_EPS)
     else:
         # The positivity check would force a device sync on accelerators, so it only runs for CPU scales.
         if scale.device.type == "cpu" and not bool(scale.detach().reshape(()) > 0):
             raise ValueError(f"scale must be positive, got {float(scale)}")
         step = scale.detach().to(device=x.device, dtype=torch.float32).reshape(())
-    q = torch.clamp(_round_ste(xf / step), -qmax, qmax) * step
-    return q.to(x.dtype)
+    # A per-token absmax step maps every value into [-qmax, qmax]: nothing is clipped, the gradient is 1.
+    return _FakeQuant.apply(x, step, qmax, granularity == "tensor")
 
 
 def calibrate_act_scale(samples: Iterable[torch.Tensor], bits: int, percentile: float = 1.0) -> torch.Tensor:

@@ -18,14 +18,20 @@ def _result(state: ScalarLayerState, W: torch.Tensor, H: torch.Tensor) -> QuantR
     return QuantResult(state=state, weight=W_hat, proxy_loss=loss, rel_proxy_loss=rel, rel_weight_error=rel_w)
 
 
-def rtn_layer(W: torch.Tensor, H: torch.Tensor, config: ScalarConfig, bias: torch.Tensor | None = None) -> QuantResult:
+def rtn_layer(
+    W: torch.Tensor, H: torch.Tensor, config: ScalarConfig, bias: torch.Tensor | None = None,
+    hessian_cache: dict | None = None,
+) -> QuantResult:
     """Round-to-nearest (H is only used to report the proxy loss)."""
     W = W.detach().float()
     state = rtn_quantize(W, config.bits, config.group_size, sym=config.sym, clip_search=config.clip_search, bias=bias)
     return _result(state, W, H)
 
 
-def gptq_layer(W: torch.Tensor, H: torch.Tensor, config: ScalarConfig, bias: torch.Tensor | None = None) -> QuantResult:
+def gptq_layer(
+    W: torch.Tensor, H: torch.Tensor, config: ScalarConfig, bias: torch.Tensor | None = None,
+    hessian_cache: dict | None = None,
+) -> QuantResult:
     """GPTQ: quantize columns in (act-)order, spreading each column's error with the inverse Hessian.
 
     Group grids are fixed up front on the original column order ("static groups"), so act-order and
@@ -48,7 +54,7 @@ def gptq_layer(W: torch.Tensor, H: torch.Tensor, config: ScalarConfig, bias: tor
     Wp, Hp = Wd[:, perm], Hd[perm][:, perm]
     col_scale = scales_t[:, col_group[perm]]  # [out, in] in permuted order
     col_zero = zeros_t[:, col_group[perm]]
-    U = inverse_hessian_cholesky(Hp)
+    U = inverse_hessian_cholesky(Hp, hessian_cache)
     codes_p = torch.zeros_like(Wp)
     with single_thread_torch():
         _gptq_sweep(Wp, U, col_scale, col_zero, codes_p, maxq, config.block_size)

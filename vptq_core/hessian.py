@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 
 import torch
 
@@ -56,8 +57,24 @@ def prepare_hessian(W: torch.Tensor, H: torch.Tensor, damp_percent: float) -> tu
     return W, H
 
 
-def inverse_hessian_cholesky(H: torch.Tensor) -> torch.Tensor:
-    """Upper Cholesky factor ``U`` of ``H⁻¹`` (``H⁻¹ = UᵀU``), retrying with more damping if needed."""
+def inverse_hessian_cholesky(H: torch.Tensor, cache: dict | None = None) -> torch.Tensor:
+    """Upper Cholesky factor ``U`` of ``H⁻¹`` (``H⁻¹ = UᵀU``), retrying with more damping if needed.
+
+    ``cache`` (a dict owned by the caller, e.g. one per block) reuses the factor for identical matrices:
+    q/k/v and gate/up share their Hessian and, without normalisation, their column order.
+    """
+    key = None
+    if cache is not None:
+        key = (tuple(H.shape), hashlib.sha1(H.detach().cpu().contiguous().numpy().tobytes()).hexdigest())
+        if key in cache:
+            return cache[key]
+    U = _inverse_cholesky(H)
+    if cache is not None:
+        cache[key] = U
+    return U
+
+
+def _inverse_cholesky(H: torch.Tensor) -> torch.Tensor:
     eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
     extra = 0.0
     for _ in range(6):

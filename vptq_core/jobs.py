@@ -352,7 +352,8 @@ class JobManager:
         _check_owner(owner)
         with self._lock:
             self._prune_locked()
-            found = [self._snapshot_locked(j, reports) for j in self._jobs.values() if j.owner == owner]
+            found = [self._snapshot_locked(j, reports) for j in self._jobs.values()
+                     if j.owner == owner and not j.forgotten]
         return [s for s in found if statuses is None or s.status in statuses]
 
     def checkpoint_dir(self, job_id: str, owner: str) -> Path:

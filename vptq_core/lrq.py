@@ -2,9 +2,9 @@
 
 Per linear layer (weight ``W`` [out, in], b bits, asymmetric, per output channel or per (channel, group))::
 
-    D     = L @ U + r + c                  # L [out, rank] = 0, U [rank, in] Kaiming-uniform, r [out, 1] = 0, c [1, in] = 0
+    D     = L @ U + r + c           # L [out, rank] = 0, U [rank, in] Kaiming-uniform, r [out, 1] = c [1, in] = 0
     W_int = clamp(round(W / (s1 * exp(D))) + z, 0, 2**b - 1)
-    W_hat = s1 * (W_int - z)               # s1, z [out, n_groups] broadcast over each group's columns
+    W_hat = s1 * (W_int - z)        # s1, z [out, n_groups] broadcast over each group's columns
 
 ``s1`` and ``z`` start from round-to-nearest (``scalar.rtn_quantize``, optional clipping search) and ``z`` stays
 fixed, so training starts exactly at RTN. ``log s1``, ``L``, ``U``, ``r`` and ``c`` are learned by Adam (cosine
@@ -53,17 +53,69 @@ def auto_rank(out_features: int, in_features: int) -> int:
     return min(1024, max(1, smaller // 4))
 
 
-def _round_ste(v: torch.Tensor) -> torch.Tensor:
-    # Forward value is exactly round(v) (round(v) - v is exact in floating point); gradient is the identity.
-    return v + (torch.round(v) - v).detach()
+def _expand_groups(t: torch.Tensor, group_size: int, in_features: int) -> torch.Tensor:
+    """[out, n_groups] -> broadcastable against [out, in] (the same values ``ScalarLayerState`` gathers)."""
+    return t if t.shape[1] == 1 else t.repeat_interleave(group_size, dim=1)[:, :in_features]
+
+
+def _sum_groups(full: torch.Tensor, n_groups: int, group_size: int) -> torch.Tensor:
+    """[out, in] -> [out, n_groups]: sum over each group's columns (the adjoint of ``_expand_groups``)."""
+    if n_groups == 1:
+        return full.sum(dim=1, keepdim=True)
+    pad = n_groups * group_size - full.shape[1]
+    return F.pad(full, (0, pad)).view(full.shape[0], n_groups, group_size).sum(dim=-1)
+
+
+def _quantize_parts(
+    weight: torch.Tensor, step: torch.Tensor, base: torch.Tensor, row_bias: torch.Tensor, col_bias: torch.Tensor,
+    zeros: torch.Tensor, maxq: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(v * not_clipped, W_int - z), both [out, in], for v = W / (step * exp(base + r + c)).
+
+    weight, base [out, in]; step, zeros broadcastable against [out, in]; row_bias [out, 1]; col_bias [1, in].
+    """
+    v = base + row_bias
+    v.add_(col_bias).exp_().mul_(step)
+    torch.div(weight, v, out=v)
+    rounded = torch.round(v).add_(zeros)
+    codes_minus_zero = torch.clamp(rounded, 0, maxq)
+    v.mul_(codes_minus_zero == rounded)  # straight-through only where the code was not clipped
+    return v, codes_minus_zero.sub_(zeros)
+
+
+class _FakeQuantWeight(torch.autograd.Function):
+    """W_hat = s1 * (clamp(round(W / (s1 * exp(D + r + c))) + z, 0, maxq) - z) with straight-through rounding.
+
+    Hand-written backward: with v = W / (s1 * exp(D + r + c)) and m = 1 where the code was not clipped,
+    dW_hat/dD = -m * s1 * v and dW_hat/ds1 = (q - z) - m * v. Besides saving memory this avoids autograd's
+    clamp backward, which is very slow on CPU.
+    """
+
+    @staticmethod
+    def forward(ctx, weight, scales, base, row_bias, col_bias, zeros, maxq: int, group_size: int):
+        step = _expand_groups(scales, group_size, weight.shape[1])
+        masked_v, codes_minus_zero = _quantize_parts(weight, step, base, row_bias, col_bias, zeros, maxq)
+        ctx.save_for_backward(masked_v, codes_minus_zero, step)
+        ctx.group_shape = (scales.shape[1], group_size)
+        return codes_minus_zero * step
+
+    @staticmethod
+    def backward(ctx, grad):
+        masked_v, codes_minus_zero, step = ctx.saved_tensors
+        grad_base = (grad * step).mul_(masked_v).neg_()
+        grad_step = (codes_minus_zero - masked_v).mul_(grad)
+        grad_scales = _sum_groups(grad_step, *ctx.group_shape)
+        grad_row = grad_base.sum(dim=1, keepdim=True)
+        grad_col = grad_base.sum(dim=0, keepdim=True)
+        return None, grad_scales, grad_base, grad_row, grad_col, None, None, None
 
 
 class LRQWeightQuantizer(nn.Module):
     """Learnable fake quantizer for one weight ``W`` [out, in] (float32); ``forward()`` returns ``W_hat``.
 
     ``scales``/``zeros`` [out, n_groups] are the RTN grid (``rtn_quantize``); ``rank`` > 0 learns ``L @ U``,
-    ``rank == 0`` with ``full_scale`` learns a full [out, in] matrix. At initialisation ``forward()`` equals
-    the RTN dequantized weight bitwise.
+    ``full_scale`` learns a full [out, in] matrix instead. At initialisation ``forward()`` equals the RTN
+    dequantized weight bitwise.
     """
 
     def __init__(
@@ -87,6 +139,7 @@ class LRQWeightQuantizer(nn.Module):
         self.register_buffer("weight", weight.detach().float().clone())
         self.register_buffer("scale_init", scales.detach().float().clone())
         self.register_buffer("zeros", zeros.detach().float().clone())
+        self.register_buffer("zeros_expanded", _expand_groups(self.zeros, group_size, in_features).contiguous())
         # s1 = scale_init * exp(log_scale_delta): learning log s1 up to a constant, and exp(0) == 1 exactly,
         # so the initial grid is the RTN grid bit for bit.
         self.log_scale_delta = nn.Parameter(torch.zeros(out_features, n_groups, device=device))
@@ -101,43 +154,32 @@ class LRQWeightQuantizer(nn.Module):
             right = torch.empty(rank, in_features)
             nn.init.kaiming_uniform_(right, a=math.sqrt(5), generator=generator)
             self.right = nn.Parameter(right.to(device))
-        if n_groups > 1:
-            self.register_buffer("group_index", torch.arange(in_features, device=device) // group_size)
-        else:
-            self.group_index = None
-
-    def _expand(self, t: torch.Tensor) -> torch.Tensor:
-        # [out, n_groups] -> broadcastable against [out, in]
-        return t if self.group_index is None else t[:, self.group_index]
 
     def step_scales(self) -> torch.Tensor:
         """s1 [out, n_groups]."""
         return self.scale_init * torch.exp(self.log_scale_delta)
 
-    def log_scaling(self) -> torch.Tensor:
-        """D = L @ U + r + c (or full + r + c) [out, in]."""
-        base = self.full if self.full is not None else self.left @ self.right
-        return base + self.row_bias + self.col_bias
-
-    def _codes(self, s1: torch.Tensor, ste: bool) -> torch.Tensor:
-        v = self.weight / (self._expand(s1) * torch.exp(self.log_scaling()))
-        rounded = _round_ste(v) if ste else torch.round(v)
-        return torch.clamp(rounded + self._expand(self.zeros), 0, 2**self.bits - 1)
-
     def forward(self) -> torch.Tensor:
         """W_hat [out, in] float32, differentiable (straight-through rounding)."""
-        s1 = self.step_scales()
-        return self._expand(s1) * (self._codes(s1, ste=True) - self._expand(self.zeros))
+        base = self.full if self.full is not None else self.left @ self.right
+        return _FakeQuantWeight.apply(
+            self.weight, self.step_scales(), base, self.row_bias, self.col_bias, self.zeros_expanded,
+            2**self.bits - 1, self.group_size,
+        )
 
     @torch.no_grad()
     def to_state(self, bias: torch.Tensor | None = None, **fields) -> ScalarLayerState:
         """Fold ``D`` into integer codes: ``ScalarLayerState.dequantize()`` equals ``forward()`` exactly."""
-        s1 = self.step_scales()
-        codes = self._codes(s1, ste=False)
+        scales = self.step_scales()
+        step = _expand_groups(scales, self.group_size, self.weight.shape[1])
+        base = self.full if self.full is not None else self.left @ self.right
+        _, codes_minus_zero = _quantize_parts(
+            self.weight, step, base, self.row_bias, self.col_bias, self.zeros_expanded, 2**self.bits - 1)
+        codes = codes_minus_zero + self.zeros_expanded  # integers (z is an integer), exact in float32
         out_features, in_features = self.weight.shape
         return ScalarLayerState(
             in_features=in_features, out_features=out_features, bits=self.bits, group_size=self.group_size,
-            codes=codes.to(torch.uint8), scales=s1.clone(), zeros=self.zeros.clone(),
+            codes=codes.to(torch.uint8), scales=scales.clone(), zeros=self.zeros.clone(),
             bias=None if bias is None else bias.detach().clone(), method="lrq", **fields,
         )
 
@@ -155,11 +197,13 @@ class _FakeQuantLinear(nn.Module):
         self.act_bits = act_bits
         self.act_granularity = act_granularity
         self.act_scale = act_scale
+        self.frozen_weight: torch.Tensor | None = None  # set while evaluating, to skip recomputing W_hat
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_bits < 16:
             x = quantize_activations(x, self.act_bits, self.act_granularity, self.act_scale)
-        return F.linear(x, self.quantizer(), self.bias)
+        weight = self.frozen_weight if self.frozen_weight is not None else self.quantizer()
+        return F.linear(x, weight, self.bias)
 
 
 @dataclass
@@ -234,11 +278,18 @@ def _run(forward, block, inputs, idx, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _mean_loss(forward, block, inputs, targets, batch_size, device) -> float:
-    total = 0.0
-    for idx in _batches(inputs.shape[0], batch_size):
-        out = _run(forward, block, inputs, idx, device)
-        total += float(F.mse_loss(out, targets[idx].to(device=device, dtype=torch.float32), reduction="sum"))
+def _mean_loss(forward, block, wrappers, inputs, targets, batch_size, device) -> float:
+    """Block-output MSE over all samples, with each wrapper's W_hat computed once."""
+    for wrapper in wrappers:
+        wrapper.frozen_weight = wrapper.quantizer()
+    try:
+        total = 0.0
+        for idx in _batches(inputs.shape[0], batch_size):
+            out = _run(forward, block, inputs, idx, device)
+            total += float(F.mse_loss(out, targets[idx].to(device=device, dtype=torch.float32), reduction="sum"))
+    finally:
+        for wrapper in wrappers:
+            wrapper.frozen_weight = None
     return total / targets.numel()
 
 
@@ -283,92 +334,93 @@ def lrq_quantize_block(
     """
     start_time = time.perf_counter()
     _check_arguments(block, linear_names, inputs, targets, config, act_scales)
-    try:
-        device = next(block.parameters()).device
-    except StopIteration:
-        device = inputs.device
-    n = inputs.shape[0]
-    batch_size = min(config.batch_size, n)
+    device = next(iter(block.parameters()), inputs).device
+    batch_size = min(config.batch_size, inputs.shape[0])
     generator = torch.Generator().manual_seed(config.seed)
 
     with torch.inference_mode(False), torch.enable_grad():
-        work = copy.deepcopy(block).float().eval()
-        work.requires_grad_(False)
-        modules = dict(work.named_modules())
-        originals = {name: modules[name] for name in linear_names}
-
-        scales = None
+        work = copy.deepcopy(block).float().eval().requires_grad_(False)
+        static = None
         if config.act_bits < 16 and config.act_granularity == "tensor":
             if act_scales is None:
                 act_scales = _calibrate_scales(forward, work, linear_names, inputs, config.act_bits, batch_size, device)
-            scales = {name: act_scales[name].detach().float().reshape(()).cpu() for name in linear_names}
+            static = {name: act_scales[name].detach().float().reshape(()).cpu() for name in linear_names}
+        wrappers = _wrap_linears(work, linear_names, config, static, device, generator)
 
-        quantizers: dict[str, LRQWeightQuantizer] = {}
-        ranks: dict[str, int] = {}
-        for name in linear_names:
-            linear = originals[name]
-            out_features, in_features = linear.weight.shape
-            group_size = effective_group_size(config.group_size, in_features)
-            rtn = rtn_quantize(linear.weight.detach(), config.bits, group_size, clip_search=config.clip_search)
-            rank = 0 if config.full_scale else min(config.rank or auto_rank(out_features, in_features),
-                                                    out_features, in_features)
-            quantizer = LRQWeightQuantizer(
-                linear.weight.detach(), rtn.scales.to(device), rtn.zeros.to(device), config.bits, group_size,
-                rank, full_scale=config.full_scale, generator=generator,
-            )
-            quantizers[name] = quantizer
-            ranks[name] = quantizer.rank
-            parent_name, _, child = name.rpartition(".")
-            parent = work.get_submodule(parent_name) if parent_name else work
-            act_scale = None if scales is None else scales[name].to(device)
-            setattr(parent, child, _FakeQuantLinear(
-                quantizer, linear.bias, config.act_bits, config.act_granularity, act_scale))
-
-        loss_before = _mean_loss(forward, work, inputs, targets, batch_size, device)
-
-        params = [p for q in quantizers.values() for p in q.parameters()]
-        optimizer = torch.optim.Adam(params, lr=config.lr)
-        iters = config.iters
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: 0.5 * (1.0 + math.cos(math.pi * min(step, iters) / max(iters, 1))))
-        chunk = max(1, math.ceil(iters / MAX_CURVE_POINTS))
-        curve: list[float] = []
-        running, counted = 0.0, 0
-        order = torch.randperm(n, generator=generator)
-        position = 0
-        iters_done = 0
-        for step in range(iters):
-            if should_stop is not None and should_stop():
-                break
-            if position + batch_size > n:
-                order = torch.randperm(n, generator=generator)
-                position = 0
-            idx = order[position : position + batch_size]
-            position += batch_size
-            out = _run(forward, work, inputs, idx, device)
-            loss = F.mse_loss(out, targets[idx].to(device=device, dtype=torch.float32))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-            iters_done = step + 1
-            running, counted = running + loss.item(), counted + 1
-            if counted == chunk:
-                curve.append(running / counted)
-                running, counted = 0.0, 0
-        if counted:
-            curve.append(running / counted)
-
-        loss_after = _mean_loss(forward, work, inputs, targets, batch_size, device) if iters_done else loss_before
+        loss_before = _mean_loss(forward, work, wrappers.values(), inputs, targets, batch_size, device)
+        curve, iters_done = _train(forward, work, wrappers.values(), inputs, targets, config, batch_size, device,
+                                   generator, should_stop)
+        loss_after = loss_before
+        if iters_done:
+            loss_after = _mean_loss(forward, work, wrappers.values(), inputs, targets, batch_size, device)
 
         states = {}
-        for name in linear_names:
-            states[name] = quantizers[name].to_state(
+        for name, wrapper in wrappers.items():
+            states[name] = wrapper.quantizer.to_state(
                 bias=block.get_submodule(name).bias, act_bits=config.act_bits, act_granularity=config.act_granularity,
-                act_scale=None if scales is None else scales[name].clone(),
-                extra={"rank": ranks[name], "full_scale": config.full_scale, "iters": iters_done},
+                act_scale=None if static is None else static[name].clone(),
+                extra={"rank": wrapper.quantizer.rank, "full_scale": config.full_scale, "iters": iters_done},
             )
     return LRQBlockResult(
         states=states, loss_before=loss_before, loss_after=loss_after, seconds=time.perf_counter() - start_time,
-        losses=curve, iters_done=iters_done, ranks=ranks,
+        losses=curve, iters_done=iters_done, ranks={name: w.quantizer.rank for name, w in wrappers.items()},
     )
+
+
+def _wrap_linears(
+    work: nn.Module, linear_names: list[str], config: LRQConfig, static: dict[str, torch.Tensor] | None,
+    device: torch.device, generator: torch.Generator,
+) -> dict[str, _FakeQuantLinear]:
+    """Replace each named linear of the (private, float32) ``work`` block by a fake-quant wrapper at RTN."""
+    wrappers = {}
+    for name in linear_names:
+        linear = work.get_submodule(name)
+        out_features, in_features = linear.weight.shape
+        group_size = effective_group_size(config.group_size, in_features)
+        rtn = rtn_quantize(linear.weight.detach(), config.bits, group_size, clip_search=config.clip_search)
+        rank = 0 if config.full_scale else min(config.rank or auto_rank(out_features, in_features),
+                                                out_features, in_features)
+        quantizer = LRQWeightQuantizer(
+            linear.weight.detach(), rtn.scales.to(device), rtn.zeros.to(device), config.bits, group_size, rank,
+            full_scale=config.full_scale, generator=generator,
+        )
+        act_scale = None if static is None else static[name].to(device)
+        wrappers[name] = _FakeQuantLinear(quantizer, linear.bias, config.act_bits, config.act_granularity, act_scale)
+        parent_name, _, child = name.rpartition(".")
+        setattr(work.get_submodule(parent_name) if parent_name else work, child, wrappers[name])
+    return wrappers
+
+
+def _train(forward, work, wrappers, inputs, targets, config: LRQConfig, batch_size: int, device,
+           generator: torch.Generator, should_stop) -> tuple[list[float], int]:
+    """Adam with a cosine schedule to 0 over ``config.iters`` steps -> (loss curve, steps done)."""
+    params = [p for wrapper in wrappers for p in wrapper.quantizer.parameters()]
+    optimizer = torch.optim.Adam(params, lr=config.lr)
+    iters, n = config.iters, inputs.shape[0]
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.5 * (1.0 + math.cos(math.pi * min(step, iters) / max(iters, 1))))
+    chunk = max(1, math.ceil(iters / MAX_CURVE_POINTS))
+    curve: list[float] = []
+    running, counted, iters_done = 0.0, 0, 0
+    order, position = torch.randperm(n, generator=generator), 0
+    for step in range(iters):
+        if should_stop is not None and should_stop():
+            break
+        if position + batch_size > n:  # a new epoch: every sample is seen once per epoch
+            order, position = torch.randperm(n, generator=generator), 0
+        idx = order[position : position + batch_size]
+        position += batch_size
+        out = _run(forward, work, inputs, idx, device)
+        loss = F.mse_loss(out, targets[idx].to(device=device, dtype=torch.float32))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        iters_done = step + 1
+        running, counted = running + loss.item(), counted + 1
+        if counted == chunk:
+            curve.append(running / counted)
+            running, counted = 0.0, 0
+    if counted:
+        curve.append(running / counted)
+    return curve, iters_done

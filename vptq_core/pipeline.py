@@ -149,14 +149,14 @@ def _kwargs_to(kwargs: dict, device: torch.device, dtype: torch.dtype) -> dict:
 # The driver
 
 
-def _quantize_linear(method: str, W: torch.Tensor, H: torch.Tensor, config, bias):
+def _quantize_linear(method: str, W: torch.Tensor, H: torch.Tensor, config, bias, cache: dict):
     if method == "vptq":
         from .vptq import vptq_quantize
 
-        return vptq_quantize(W, H, config, bias)
+        return vptq_quantize(W, H, config, bias, hessian_cache=cache)
     from .gptq import gptq_layer, rtn_layer
 
-    return (gptq_layer if method == "gptq" else rtn_layer)(W, H, config, bias)
+    return (gptq_layer if method == "gptq" else rtn_layer)(W, H, config, bias, hessian_cache=cache)
 
 
 def _check_method(method: str, config) -> None:
@@ -230,12 +230,13 @@ def quantize_model(
                 block_reports = _lrq_block(b, prefix, block, linears, hessians, inps, targets, kwargs, config,
                                            should_stop, states, on_layer)
             else:
+                cache: dict = {}
                 for name, linear in linears.items():
                     if should_stop():
                         raise Cancelled
                     t0 = time.perf_counter()
                     H = hessians[name]
-                    res = _quantize_linear(method, linear.weight.data, H, config, linear.bias)
+                    res = _quantize_linear(method, linear.weight.data, H, config, linear.bias, cache)
                     linear.weight.data.copy_(res.weight.to(linear.weight.dtype))
                     full = f"{prefix}.{b}.{name}"
                     states[full] = res.state
@@ -293,7 +294,8 @@ def _pass_a(block: nn.Module, linears: dict, inps: torch.Tensor, kwargs: dict):
     finally:
         for h in handles:
             h.remove()
-    hessians = {n: accumulators[owner[n]].hessian for n in linears}
+    shared = {n: acc.hessian for n, acc in accumulators.items()}  # one tensor per distinct input
+    hessians = {n: shared[owner[n]] for n in linears}
     return hessians, targets
 
 

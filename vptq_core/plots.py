@@ -20,6 +20,7 @@ RUN_COLUMNS = ["run", "model", "method", "settings", "index bits", "total bits",
                "perplexity", "original ppl", "KL", "top-1 agree %"]
 _HEIGHT = 340
 _MARGIN = dict(l=60, r=20, t=50, b=45)
+_LINES_MARGIN = dict(l=60, r=20, t=50, b=95)  # room for the legend under the axis
 
 
 def _as_dict(report) -> dict:
@@ -64,8 +65,8 @@ def proxy_error_figure(reports: Sequence, num_blocks: int | None = None, title: 
             hovertemplate="block %{x}<br>block output error %{y:.3g}<extra></extra>",
         ))
     fig.update_layout(
-        title=title or "Relative proxy error per module (log scale)", height=_HEIGHT, margin=_MARGIN,
-        legend=dict(orientation="h", yanchor="bottom", y=1.0, xanchor="right", x=1.0, font=dict(size=11)),
+        title=title or "Relative proxy error per module (log scale)", height=_HEIGHT + 40, margin=_LINES_MARGIN,
+        legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="center", x=0.5, font=dict(size=11)),
         xaxis_title="block", yaxis_title="relative error", template="plotly_white",
     )
     fig.update_yaxes(type="log", exponentformat="power")
@@ -95,7 +96,7 @@ def error_heatmap_figure(reports: Sequence, num_blocks: int | None = None, modul
         hovertemplate="block %{x} · %{y}<br>rel. proxy error %{text}<extra></extra>", hoverongaps=False,
         colorbar=dict(title=dict(text="log10", side="right"), thickness=12),
     ))
-    fig.update_layout(title=title or "Where the error goes: log10 relative proxy error", height=_HEIGHT,
+    fig.update_layout(title=title or "Where the error goes: log10 relative proxy error", height=_HEIGHT + 40,
                       margin=_MARGIN, xaxis_title="block", template="plotly_white")
     fig.update_yaxes(autorange="reversed")
     if not rows:
@@ -114,7 +115,8 @@ def runs_figure(runs: Sequence[dict], title: str | None = None) -> go.Figure:
         fig.add_trace(go.Scatter(
             x=[r["total_bits"] for r in group], y=[r["perplexity"] for r in group], mode="markers+text",
             text=[r["label"] for r in group], textposition="top center", name=method.upper(),
-            marker=dict(size=11), hovertemplate="%{text}<br>%{x:.3f} bits/weight<br>ppl %{y:.3f}<extra></extra>",
+            marker=dict(size=11), cliponaxis=False,
+            hovertemplate="%{text}<br>%{x:.3f} bits/weight<br>ppl %{y:.3f}<extra></extra>",
         ))
     references = [r["reference_perplexity"] for r in evaluated if r.get("reference_perplexity") is not None]
     if references:

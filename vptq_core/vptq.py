@@ -130,10 +130,20 @@ def _sweep_blocks(W, Q, U, segments, seg_list, sq, rsq, residuals, block_size, s
             W[:, b1:].addmm_(Err, U[b0:b1, b1:], alpha=-1.0)
 
 
+def _fit_sample(config: VPTQConfig, k: int) -> int:
+    """Vectors k-means fits on: at most ``kmeans_sample``, and at most 64 per centroid (more barely moves
+    the centroids, and the fit's cost grows with it)."""
+    return min(config.kmeans_sample, 64 * k)
+
+
 def vptq_quantize(
-    W: torch.Tensor, H: torch.Tensor, config: VPTQConfig, bias: torch.Tensor | None = None
+    W: torch.Tensor, H: torch.Tensor, config: VPTQConfig, bias: torch.Tensor | None = None,
+    hessian_cache: dict | None = None,
 ) -> QuantResult:
-    """Quantize ``W`` [out, in] against Hessian ``H`` [in, in] -> ``QuantResult`` with a ``VQLayerState``."""
+    """Quantize ``W`` [out, in] against Hessian ``H`` [in, in] -> ``QuantResult`` with a ``VQLayerState``.
+
+    ``hessian_cache``: optional dict shared by layers with the same input (see ``inverse_hessian_cholesky``).
+    """
     out_features, in_features = W.shape
     if H.shape != (in_features, in_features):
         raise ValueError(f"H must be [{in_features}, {in_features}], got {tuple(H.shape)}")
@@ -183,10 +193,10 @@ def vptq_quantize(
         rows = vectors.shape[0] // (seg.end - seg.start)
         weights = diag[seg.start : seg.end].repeat_interleave(rows)
         seg.centroids = weighted_kmeans(
-            vectors, weights, k, config.kmeans_iters, seed=config.seed + s, sample=config.kmeans_sample
+            vectors, weights, k, config.kmeans_iters, seed=config.seed + s, sample=_fit_sample(config, k)
         ).centroids
 
-    U = inverse_hessian_cholesky(Hd)
+    U = inverse_hessian_cholesky(Hd, hessian_cache)
     Q, residuals = _sweep(
         Wd, U, segments, config.block_size, config.second_order, collect_residuals=config.num_res_centroids > 0
     )
@@ -198,7 +208,7 @@ def vptq_quantize(
             weights = diag[seg.start : seg.end].repeat_interleave(rows)
             seg.res_centroids = weighted_kmeans(
                 vectors, weights, config.num_res_centroids, config.kmeans_iters, seed=config.seed + 1000 + s,
-                sample=config.kmeans_sample,
+                sample=_fit_sample(config, config.num_res_centroids),
             ).centroids
         Q, _ = _sweep(Wd, U, segments, config.block_size, config.second_order)
 
