@@ -46,14 +46,17 @@ def time_call(fn: Callable[[], object], budget_s: float, max_reps: int, warmup: 
 
 
 def fmt_us(seconds: float) -> str:
-    return f"{seconds * 1e6:,.0f}"
+    return "-" if seconds != seconds else f"{seconds * 1e6:,.0f}"
 
 
 def speed_table(shapes: list[tuple[int, int]], configs: dict, tokens_list: list[int], budget: float) -> None:
-    header = (f"| {'out x in':>11} | {'config':<15} | {'tokens':>6} | {'dense bf16 us':>13} | {'reference us':>12} | "
-              f"{'fused cpu us':>12} | {'ref/dense':>9} | {'fused/dense':>11} | {'reps d/r/f':>10} |")
-    print(header)
-    print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
+    from kernels import cpu
+
+    cols = ["out x in", "config", "tokens", "dense bf16 us", "reference us", "cpu fused us", "cpu dq+mm us",
+            "ref/dense", "fused/dense", "dq+mm/dense"]
+    widths = [11, 15, 6, 13, 12, 12, 12, 9, 11, 11]
+    print("| " + " | ".join(f"{c:>{w}}" for c, w in zip(cols, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for out_f, in_f in shapes:
         for name, (v, k, kr) in configs.items():
             spec = VQSpec(in_f, out_f, v, k, num_res_centroids=kr)
@@ -63,62 +66,69 @@ def speed_table(shapes: list[tuple[int, int]], configs: dict, tokens_list: list[
             for tokens in tokens_list:
                 x = torch.randn(tokens, in_f, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
                 reps = 10 if big else 200
-                d, nd = time_call(lambda: F.linear(x, dense), budget, reps)
-                r, nr = time_call(lambda: vq_linear(x, spec, **layer, backend="reference"), budget, 5 if big else 50,
-                                  warmup=1)
-                f, nf = time_call(lambda: vq_linear(x, spec, **layer, backend="cpu"), budget, reps,
-                                  warmup=1 if big and tokens > 1 else 3)
-                print(f"| {out_f:>5}x{in_f:<5} | {name:<15} | {tokens:>6} | {fmt_us(d):>13} | {fmt_us(r):>12} | "
-                      f"{fmt_us(f):>12} | {r / d:>9.2f} | {f / d:>11.2f} | {nd:>3}/{nr:>2}/{nf:>3} |", flush=True)
-            del dense
+                d = time_call(lambda: F.linear(x, dense), budget, reps)[0]
+                r = time_call(lambda: vq_linear(x, spec, **layer, backend="reference"), budget, 3 if big else 50,
+                              warmup=1)[0]
+                f = float("nan")
+                if tokens == 1 or not big:  # 128 GEMVs of a big layer would take seconds per call
+                    f = time_call(lambda: cpu.vq_linear(x, spec, **layer, fused=True), budget, reps, warmup=2)[0]
+                q = time_call(lambda: cpu.vq_linear(x, spec, **layer, fused=False), budget, 5 if big else reps,
+                              warmup=1 if big else 2)[0]
+                cells = [f"{out_f}x{in_f}", name, str(tokens), fmt_us(d), fmt_us(r), fmt_us(f), fmt_us(q),
+                         f"{r / d:.2f}", f"{f / d:.2f}", f"{q / d:.2f}"]
+                print("| " + " | ".join(f"{c:>{w}}" for c, w in zip(cells, widths)) + " |", flush=True)
 
 
 def crossover_table(budget: float) -> None:
+    from kernels import cpu
+
     out_f, in_f = 1536, 576
-    print(f"\nCrossover (out x in = {out_f}x{in_f}, 2-bit v6 k4096, bf16): fused per-token GEMV vs dequantize + matmul")
-    print(f"| {'tokens':>6} | {'fused cpu us':>12} | {'dequant+matmul us':>17} | {'fused/dequant':>13} |")
-    print(f"|{'-' * 8}|{'-' * 14}|{'-' * 19}|{'-' * 15}|")
+    print(f"\nCrossover (out x in = {out_f}x{in_f}, 2-bit v6 k4096, bf16): cpu fused GEMV vs cpu dequantize + "
+          "matmul")
+    print(f"| {'tokens':>6} | {'fused us':>9} | {'dq+mm us':>9} | {'fused/dq+mm':>11} |")
+    print(f"|{'-' * 8}|{'-' * 11}|{'-' * 11}|{'-' * 13}|")
     spec = VQSpec(in_f, out_f, 6, 4096)
     layer = random_vq_layer(spec, seed=1, dtype=torch.bfloat16, perm=True)
     for tokens in (1, 2, 4, 8, 16, 32):
         x = torch.randn(tokens, in_f).to(torch.bfloat16)
-        f, _ = time_call(lambda: vq_linear(x, spec, **layer, backend="cpu"), budget, 100)
-        r, _ = time_call(lambda: vq_linear(x, spec, **layer, backend="reference"), budget, 50)
-        print(f"| {tokens:>6} | {fmt_us(f):>12} | {fmt_us(r):>17} | {f / r:>13.2f} |", flush=True)
+        f = time_call(lambda: cpu.vq_linear(x, spec, **layer, fused=True), budget, 100)[0]
+        q = time_call(lambda: cpu.vq_linear(x, spec, **layer, fused=False), budget, 100)[0]
+        print(f"| {tokens:>6} | {fmt_us(f):>9} | {fmt_us(q):>9} | {f / q:>11.2f} |", flush=True)
 
 
 def decode_table(budget: float) -> None:
-    """One SmolLM2-135M token's linears (30 blocks x q,k,v,o,gate,up,down) called back to back."""
+    """One SmolLM2-135M token's linears (30 blocks x q,k,v,o,gate,up,down, distinct weights) back to back."""
     per_block = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
     blocks = 30
-    print(f"\nDecode simulation: {blocks} blocks x {len(per_block)} SmolLM2 linears per token, 1 token, bf16 "
-          "(weights shared across blocks: a lower bound on memory traffic)")
-    print(f"| {'weights':<15} | {'ms / token':>10} | {'linears tok/s':>13} | {'vs dense bf16':>13} |")
-    print(f"|{'-' * 17}|{'-' * 12}|{'-' * 15}|{'-' * 15}|")
-    dense_layers = [torch.randn(o, i).to(torch.bfloat16) for o, i in per_block]
-    xs = {i: torch.randn(1, i).to(torch.bfloat16) for _, i in per_block}
+    print(f"\nDecode simulation: {blocks} blocks x {len(per_block)} SmolLM2 linears (distinct weights), 1 token, "
+          "bf16, public vq_linear (auto backend) vs F.linear")
+    print(f"| {'weights':<15} | {'ms / token':>10} | {'linears-only tok/s':>18} | {'vs dense bf16':>13} |")
+    print(f"|{'-' * 17}|{'-' * 12}|{'-' * 20}|{'-' * 15}|")
+    gen = torch.Generator().manual_seed(0)
+    dense_layers = [torch.randn(o, i, generator=gen).to(torch.bfloat16) for _ in range(blocks) for o, i in per_block]
+    xs = {i: torch.randn(1, i, generator=gen).to(torch.bfloat16) for _, i in per_block}
 
-    def run_dense() -> None:
-        for _ in range(blocks):
-            for w in dense_layers:
-                F.linear(xs[w.shape[1]], w)
+    def run_dense(dense_layers: list = dense_layers) -> None:
+        for w in dense_layers:
+            F.linear(xs[w.shape[1]], w)
 
-    base, _ = time_call(run_dense, budget * 4, 30)
-    print(f"| {'dense bf16':<15} | {base * 1e3:>10.2f} | {1 / base:>13.1f} | {1.0:>13.2f} |", flush=True)
+    base = time_call(run_dense, budget * 4, 30)[0]
+    print(f"| {'dense bf16':<15} | {base * 1e3:>10.2f} | {1 / base:>18.1f} | {1.0:>13.2f} |", flush=True)
+    dense_layers.clear()
     for name, (v, k, kr) in dict(CONFIGS, **EXTRA_CONFIGS).items():
         layers = []
-        for o, i in per_block:
-            spec = VQSpec(i, o, v, k, num_res_centroids=kr)
-            layers.append((spec, random_vq_layer(spec, seed=o + i, dtype=torch.bfloat16, perm=True)))
+        for b in range(blocks):
+            for o, i in per_block:
+                spec = VQSpec(i, o, v, k, num_res_centroids=kr)
+                layers.append((spec, random_vq_layer(spec, seed=b * 10 + o + i, dtype=torch.bfloat16, perm=True)))
 
         def run_vq(layers: list = layers) -> None:
-            for _ in range(blocks):
-                for spec, layer in layers:
-                    vq_linear(xs[spec.in_features], spec, **layer)
+            for spec, layer in layers:
+                vq_linear(xs[spec.in_features], spec, **layer)
 
         with torch.no_grad():
-            t, _ = time_call(run_vq, budget * 4, 30)
-        print(f"| {name:<15} | {t * 1e3:>10.2f} | {1 / t:>13.1f} | {t / base:>13.2f} |", flush=True)
+            t = time_call(run_vq, budget * 4, 30)[0]
+        print(f"| {name:<15} | {t * 1e3:>10.2f} | {1 / t:>18.1f} | {t / base:>13.2f} |", flush=True)
 
 
 def main() -> None:

@@ -26,3 +26,7 @@ def correlated_layer():
     X = torch.randn(4096, 64, generator=gen) @ torch.randn(64, 64, generator=gen) * 0.3
     X = X * torch.linspace(0.2, 3.0, 64)
     return W, 2 * X.T @ X / X.shape[0]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "browser: drives the app in headless Chromium through Playwright (slow)")

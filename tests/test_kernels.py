@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kernels
+import kernels.ops
 from kernels import (
     VQSpec,
     available_backends,
@@ -186,6 +187,29 @@ def test_cpu_matches_reference_fp32(spec: VQSpec, extras: bool) -> None:
 
 
 @needs_cpu
+@pytest.mark.parametrize("spec", CPU_SPECS, ids=lambda s: f"v{s.vector_len}k{s.num_centroids}r{s.num_res_centroids}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_dequantize_matmul_path(spec: VQSpec, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kernels.cpu as cpu
+
+    monkeypatch.setattr(cpu, "_TILE_BYTES", 64 * spec.in_features)  # several tiles even for tiny layers
+    layer = random_vq_layer(spec, seed=15, dtype=dtype, perm=True, norm=True, bias=True)
+    stored = cpu.vq_dequantize_stored(spec, layer["indices"], layer["centroids"], layer["res_centroids"],
+                                      layer["outlier_indices"], layer["outlier_centroids"], dtype=torch.float32)
+    layer32 = {k: (t.float() if t is not None and t.is_floating_point() else t) for k, t in layer.items()}
+    reference_stored = vq_dequantize(spec, **dict(weights_only(layer32), perm=None, weight_scale=None,
+                                                  weight_bias=None))
+    torch.testing.assert_close(stored, reference_stored, rtol=0, atol=0)
+    x = torch.randn(kernels.ops.CPU_FUSED_MAX_TOKENS + 3, spec.in_features, generator=torch.Generator().manual_seed(4))
+    x = x.to(dtype)
+    got = vq_linear(x, spec, **layer, backend="cpu")  # many tokens: dequantize + matmul
+    assert got.dtype == dtype
+    expected = vq_linear(x.float(), spec, **layer32, backend="reference")
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+
+
+@needs_cpu
 @pytest.mark.parametrize("v", list(range(2, 17)))
 def test_cpu_every_vector_length(v: int) -> None:
     spec = VQSpec(26, 2 * v + 1, v, 32, num_res_centroids=4 if v % 2 else -1)
@@ -226,6 +250,17 @@ def test_cpu_sees_in_place_codebook_updates() -> None:
     with torch.no_grad():
         layer["centroids"].mul_(2.0)
     torch.testing.assert_close(vq_linear(x, spec, **layer, backend="cpu"), 2 * first, rtol=1e-5, atol=1e-5)
+
+
+@needs_cpu
+def test_cpu_under_inference_mode_with_inference_tensors() -> None:
+    spec = CPU_SPECS[5]
+    with torch.inference_mode():  # layer tensors created here have no version counter
+        layer = random_vq_layer(spec, seed=17, perm=True, bias=True)
+        x = torch.randn(2, spec.in_features)
+        got = vq_linear(x, spec, **layer)
+        expected = vq_linear(x, spec, **layer, backend="reference")
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 @needs_cpu
@@ -285,18 +320,41 @@ def test_auto_uses_fused_cpu_for_decode_and_matmul_for_prefill(monkeypatch: pyte
     monkeypatch.delenv("VPTQ_KERNEL_BACKEND", raising=False)
     spec = SPECS[0]
     layer = random_vq_layer(spec, seed=9)
-    calls: list[str] = []
+    calls: list[tuple[str, bool]] = []
     real_cpu, real_ref = cpu.vq_linear, ops.reference.vq_linear
-    monkeypatch.setattr(cpu, "vq_linear", lambda *a, **k: calls.append("cpu") or real_cpu(*a, **k))
-    monkeypatch.setattr(ops.reference, "vq_linear", lambda *a, **k: calls.append("reference") or real_ref(*a, **k))
+
+    def spy_cpu(*args, **kwargs):
+        calls.append(("cpu", kwargs["fused"]))
+        return real_cpu(*args, **kwargs)
+
+    monkeypatch.setattr(cpu, "vq_linear", spy_cpu)
+    monkeypatch.setattr(ops.reference, "vq_linear",
+                        lambda *a, **k: calls.append(("reference", False)) or real_ref(*a, **k))
     with torch.no_grad():
         vq_linear(torch.randn(1, spec.in_features), spec, **layer)
+        vq_linear(torch.randn(ops.CPU_FUSED_MAX_TOKENS, spec.in_features), spec, **layer)
         vq_linear(torch.randn(ops.CPU_FUSED_MAX_TOKENS + 1, spec.in_features), spec, **layer)
-    assert calls == ["cpu", "reference"]
+    assert calls == [("cpu", True), ("cpu", True), ("cpu", False)]
     x = torch.randn(1, spec.in_features, requires_grad=True)
     calls.clear()
     vq_linear(x, spec, **layer).sum().backward()  # autograd needs the reference path
-    assert calls == ["reference"] and x.grad is not None
+    assert calls == [("reference", False)] and x.grad is not None
+
+
+def test_cpu_compile_failure_is_reported_and_auto_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kernels.cpu as cpu
+
+    monkeypatch.delenv("VPTQ_KERNEL_BACKEND", raising=False)
+    reason = "cpu backend unavailable: compiling the numba kernels failed: LoweringError: test"
+    monkeypatch.setattr(cpu, "_failure", [reason])
+    assert available_backends()["cpu"] == (False, reason)
+    spec = SPECS[0]
+    layer = random_vq_layer(spec, seed=16)
+    x = torch.randn(1, spec.in_features)
+    with torch.no_grad():
+        torch.testing.assert_close(vq_linear(x, spec, **layer), vq_linear(x, spec, **layer, backend="reference"))
+        with pytest.raises(RuntimeError, match="compiling the numba kernels failed"):
+            vq_linear(x, spec, **layer, backend="cpu")
 
 
 def test_reference_backward_reaches_centroids() -> None:

@@ -103,14 +103,44 @@ def test_fold_reproduces_trained_weight_exactly(full_scale):
     assert torch.equal(state.bias, torch.ones(24))
 
 
+@pytest.mark.parametrize(("group_size", "full_scale"), [(0, False), (16, False), (16, True)])
+def test_hand_written_backward_matches_autograd(group_size, full_scale):
+    gen = torch.Generator().manual_seed(0)
+    W = torch.randn(24, 40, generator=gen)
+    rtn = rtn_quantize(W, 3, group_size, clip_search=True)  # clipping: some codes sit on the clamp bounds
+    q = LRQWeightQuantizer(W, rtn.scales, rtn.zeros, 3, rtn.group_size, rank=4, full_scale=full_scale, generator=gen)
+    with torch.no_grad():
+        for p in q.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=gen))
+    upstream = torch.randn(24, 40, generator=gen)
+    (q() * upstream).sum().backward()
+    got = {name: p.grad.clone() for name, p in q.named_parameters()}
+
+    def reference():  # the quantizer written with plain autograd ops and a straight-through round
+        idx = torch.arange(40) // rtn.group_size
+        s1 = (q.scale_init * torch.exp(q.log_scale_delta))[:, idx]
+        base = q.full if full_scale else q.left @ q.right
+        v = W / (s1 * torch.exp(base + q.row_bias + q.col_bias))
+        rounded = v + (torch.round(v) - v).detach()
+        return s1 * (torch.clamp(rounded + rtn.zeros[:, idx], 0, 7) - rtn.zeros[:, idx])
+
+    q.zero_grad()
+    w_ref = reference()
+    assert torch.equal(w_ref, q())
+    (w_ref * upstream).sum().backward()
+    for name, p in q.named_parameters():
+        assert got[name].abs().sum() > 0, name
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_training_lowers_loss_and_folds_exactly():
     block = TinyBlock()
     x, y = tiny_data(block)
     before = copy.deepcopy(block.state_dict())
     config = LRQConfig(bits=2, iters=80, lr=1e-2, batch_size=2, rank=4)
-    result = lrq_quantize_block(block, NAMES, x, y, call, config)
+    result = lrq_quantize_block(block, NAMES, x, y, call, config, return_outputs=True)
 
-    assert result.loss_after < 0.8 * result.loss_before
+    assert result.loss_after < 0.8 * result.loss_before and not result.kept_rtn
     assert result.iters_done == 80 and len(result.losses) == 80
     assert result.ranks == {"mlp.up": 4, "mlp.down": 4}
     # the block is untouched: same modules, same weights
@@ -118,11 +148,27 @@ def test_training_lowers_loss_and_folds_exactly():
     for key, value in block.state_dict().items():
         assert torch.equal(value, before[key]), key
     # the folded states give the block output the training reached
-    torch.testing.assert_close(mse(with_states(block, result.states), x, y), result.loss_after, rtol=1e-5, atol=0)
+    quantized = with_states(block, result.states)
+    torch.testing.assert_close(mse(quantized, x, y), result.loss_after, rtol=1e-5, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(result.outputs, quantized(x))
     up = result.states["mlp.up"]
     assert (up.bits, up.group_size, up.method) == (2, 16, "lrq")
     assert torch.equal(up.bias, block.mlp["up"].bias.detach())
     assert result.states["mlp.down"].bias is None
+
+
+def test_diverging_training_keeps_rtn_start():
+    block = TinyBlock()
+    x, y = tiny_data(block)
+    rtn = lrq_quantize_block(block, NAMES, x, y, call, LRQConfig(bits=3, iters=0), return_outputs=True)
+    result = lrq_quantize_block(block, NAMES, x, y, call, LRQConfig(bits=3, iters=20, lr=1.0), return_outputs=True)
+    assert result.kept_rtn and result.iters_done == 20
+    assert max(result.losses) > result.loss_before  # the training really went astray
+    assert result.loss_after == result.loss_before == rtn.loss_before
+    for name in NAMES:
+        assert torch.equal(result.states[name].codes, rtn.states[name].codes)
+    assert torch.equal(result.outputs, rtn.outputs)
 
 
 def test_iters_zero_is_rtn():
@@ -180,8 +226,10 @@ def test_should_stop_ends_training_early():
 def test_bf16_block_trains_in_float32_and_stays_bf16():
     block = TinyBlock().to(torch.bfloat16)
     x, y = tiny_data(TinyBlock())
-    result = lrq_quantize_block(block, NAMES, x.bfloat16(), y.bfloat16(), call, LRQConfig(bits=2, iters=30, lr=1e-2))
+    result = lrq_quantize_block(block, NAMES, x.bfloat16(), y.bfloat16(), call, LRQConfig(bits=2, iters=30, lr=1e-2),
+                                return_outputs=True)
     assert block.mlp["up"].weight.dtype == torch.bfloat16
+    assert result.outputs.dtype == torch.bfloat16 and result.outputs.shape == x.shape
     assert result.states["mlp.up"].scales.dtype == torch.float32
     assert result.loss_after < result.loss_before
 

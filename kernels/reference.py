@@ -1,0 +1,122 @@
+"""Torch reference: dequantize the packed layer to a dense ``W`` and call ``F.linear``. Ground truth in tests.
+
+The math follows ``vptq_core/formats.py`` (and the public VPTQ ``ops.dequant``)::
+
+    main[r*v + t, g*group_size + c] = centroids[g, idx[g, r, c]*v + t] (+ res_centroids[g, ridx[g, r, c]*v + t])
+    outl[r*vo + t, c]               = outlier_centroids[0, oidx[0, r, c]*vo + t]
+    Wp = cat([outl[:out], main[:out]], dim=1)       # [out, in], stored (permuted) column order
+    W  = Wp[:, argsort(perm)]                       # perm[i] = original column held by stored column i
+    W  = W * weight_scale + weight_bias             # per input column (norm)
+
+Everything here is differentiable in the float tensors (centroids, scale, bias), so fine-tuning can use it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .packing import unpack_codes, unpack_indices
+from .spec import VQSpec
+
+
+def as_index(t: torch.Tensor) -> torch.Tensor:
+    """int16 tensors hold uint16 patterns (public format); return int64 values."""
+    if t.dtype == torch.int16:
+        return t.to(torch.int64) & 0xFFFF
+    return t.to(torch.int64)
+
+
+def vq_dequantize(
+    spec: VQSpec,
+    indices: torch.Tensor,
+    centroids: torch.Tensor,
+    res_centroids: torch.Tensor | None = None,
+    outlier_indices: torch.Tensor | None = None,
+    outlier_centroids: torch.Tensor | None = None,
+    perm: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
+    weight_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense weight [out, in] in the dtype of ``centroids`` (inputs assumed validated by ``kernels.ops``).
+
+    indices int32 [G, R, packed_words]; centroids [G, k*v]; res_centroids [G, k_res*v];
+    outlier_indices int16 [1, Ro, outlier_size]; outlier_centroids [1, k_o*vo]; perm [in];
+    weight_scale / weight_bias [in].
+    """
+    G, v, out = spec.group_num, spec.vector_len, spec.out_features
+    idx, ridx = unpack_indices(indices, spec.index_bits, spec.group_size, spec.res_bits)  # [G, R, gs]
+    group = torch.arange(G, device=indices.device).view(G, 1, 1)
+    codebook = centroids.view(G, spec.num_centroids, v)
+    vectors = codebook[group, idx]  # [G, R, gs, v]
+    if spec.has_residual:
+        assert res_centroids is not None and ridx is not None
+        vectors = vectors + res_centroids.view(G, spec.num_res_centroids, v)[group, ridx]
+    # [G, R, gs, v] -> [R, v, G, gs] -> [R*v, G*gs]
+    weight = vectors.permute(1, 3, 0, 2).reshape(spec.rows * v, G * spec.group_size)[:out]
+    if spec.has_outliers:
+        assert outlier_indices is not None and outlier_centroids is not None
+        vo = spec.outlier_vector_len
+        outlier_codebook = outlier_centroids.view(spec.num_outlier_centroids, vo)
+        outlier_vectors = outlier_codebook[as_index(outlier_indices[0])]  # [Ro, os, vo]
+        outlier_weight = outlier_vectors.permute(0, 2, 1).reshape(spec.outlier_rows * vo, spec.outlier_size)
+        weight = torch.cat([outlier_weight[:out], weight], dim=1)
+    if perm is not None:
+        weight = weight[:, torch.argsort(as_index(perm))]
+    if weight_scale is not None:
+        weight = weight * weight_scale
+    if weight_bias is not None:
+        weight = weight + weight_bias
+    return weight
+
+
+def vq_linear(
+    x: torch.Tensor,
+    spec: VQSpec,
+    indices: torch.Tensor,
+    centroids: torch.Tensor,
+    res_centroids: torch.Tensor | None = None,
+    outlier_indices: torch.Tensor | None = None,
+    outlier_centroids: torch.Tensor | None = None,
+    perm: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
+    weight_bias: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., in] -> y [..., out] in x.dtype: dequantize, then ``F.linear``."""
+    weight = vq_dequantize(
+        spec, indices, centroids, res_centroids, outlier_indices, outlier_centroids, perm, weight_scale, weight_bias
+    )
+    return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def scalar_dequantize(
+    codes_packed: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bits: int,
+    group_size: int,
+    in_features: int,
+) -> torch.Tensor:
+    """W [out, in] = scales * (codes - zeros) per (row, group of ``group_size`` columns), dtype of ``scales``.
+
+    codes_packed int32 [out, ceil(in*bits/32)]; scales, zeros [out, ceil(in/group_size)].
+    """
+    codes = unpack_codes(codes_packed, bits, in_features)
+    group = torch.arange(in_features, device=codes.device) // group_size
+    return scales[:, group] * (codes.to(scales.dtype) - zeros[:, group].to(scales.dtype))
+
+
+def scalar_linear(
+    x: torch.Tensor,
+    codes_packed: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bias: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    in_features: int,
+) -> torch.Tensor:
+    """x [..., in] -> y [..., out] in x.dtype: dequantize, then ``F.linear``."""
+    weight = scalar_dequantize(codes_packed, scales, zeros, bits, group_size, in_features)
+    return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))

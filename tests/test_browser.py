@@ -1,0 +1,175 @@
+"""The app in a real page: Debian's Chromium driven by Playwright clicks through quantize (with a cancel and
+a bad setting), live plots, evaluate, download, side-by-side chat and loading the archive back. Screenshots
+go to test-artifacts/."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import zipfile
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
+                 "--no-first-run", "--disable-component-update", "--disable-sync"]
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "test-artifacts"
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not Path(CHROMIUM).is_file(), reason=f"{CHROMIUM} missing (apt-get install -y chromium)"),
+]
+playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright missing (pip install playwright)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app_url(tmp_path_factory):
+    """``python app.py --tiny`` in a subprocess, as a user would start it."""
+    port = _free_port()
+    workdir = tmp_path_factory.mktemp("browser-app")
+    env = dict(os.environ, GRADIO_SERVER_PORT=str(port), GRADIO_SERVER_NAME="127.0.0.1",
+               GRADIO_ANALYTICS_ENABLED="False")
+    log = open(workdir / "app.log", "w")  # noqa: SIM115 - closed at teardown
+    proc = subprocess.Popen([sys.executable, "app.py", "--tiny", "--workdir", str(workdir / "runs")], cwd=ROOT,
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.close()
+                raise RuntimeError(f"app did not start:\n{(workdir / 'app.log').read_text()[-3000:]}") from None
+            time.sleep(0.5)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def page(app_url):
+    with playwright_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        context = browser.new_context(viewport={"width": 1440, "height": 1000}, accept_downloads=True)
+        page = context.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(app_url)
+        yield page
+        context.close()
+        browser.close()
+
+
+def _status(page) -> str:
+    return page.locator("#job-progress [data-status]").get_attribute("data-status")
+
+
+def _wait_status(page, statuses: tuple[str, ...], timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if page.locator("#job-progress [data-status]").count():
+            status = _status(page)
+            if status in statuses:
+                return status
+        page.wait_for_timeout(200)
+    raise AssertionError(f"job never reached {statuses}; progress: {page.locator('#job-progress').inner_text()}")
+
+
+def _set_number(page, label: str, value: str) -> None:
+    field = page.get_by_label(label, exact=True)
+    field.fill(value)
+    field.press("Tab")
+
+
+def test_quantize_evaluate_download_chat_in_the_browser(page, tmp_path):
+    expect = playwright_api.expect
+    ARTIFACTS.mkdir(exist_ok=True)
+    expect(page.locator("#estimate")).to_contain_text("index bits", timeout=60_000)
+    expect(page.locator("#estimate")).to_contain_text("14 linears in 2 blocks")
+
+    # A bad setting is refused with a visible reason and starts nothing.
+    page.get_by_text("Advanced settings").click()
+    _set_number(page, "centroids (power of 2)", "1000")
+    expect(page.locator("#estimate")).to_contain_text("num_centroids must be a power of two")
+    page.click("#start-btn")
+    expect(page.get_by_text("num_centroids must be a power of two in 2..65536, got 1000").first).to_be_visible()
+    assert page.locator("#job-progress [data-status]").count() == 0
+
+    # A slower job, cancelled while it runs: the page reports it and stays usable.
+    _set_number(page, "centroids (power of 2)", "64")
+    _set_number(page, "vector length", "2")
+    _set_number(page, "k-means iterations", "30")
+    page.click("#start-btn")
+    _wait_status(page, ("running",))
+    page.click("#cancel-btn")
+    assert _wait_status(page, ("cancelled", "done")) == "cancelled"
+    expect(page.locator("#job-progress")).to_contain_text("nothing was saved")
+
+    # The real run: live plots and the layer table fill in, then the summary and the download appear.
+    _set_number(page, "centroids (power of 2)", "16")
+    _set_number(page, "vector length", "4")
+    _set_number(page, "k-means iterations", "2")
+    page.click("#start-btn")
+    assert _wait_status(page, ("done", "failed")) == "done", page.locator("#job-progress").inner_text()
+    job_id = page.locator("#job-id textarea, #job-id input").first.input_value()
+    assert len(job_id) == 12
+    expect(page.locator("#plot-lines .legendtext", has_text="down_proj")).to_have_count(1)
+    expect(page.locator("#plot-heatmap .hm, #plot-heatmap .heatmaplayer")).not_to_have_count(0)
+    expect(page.locator("#layer-table")).to_contain_text("mlp.down_proj")
+    expect(page.locator("#job-summary")).to_contain_text("Done:")
+    page.click("#eval-btn")
+    expect(page.locator("#eval-result")).to_contain_text("Perplexity", timeout=120_000)
+    expect(page.locator("#eval-result")).to_contain_text("top-1 agreement")
+    expect(page.locator("#runs-table")).to_contain_text(job_id)
+    expect(page.locator("#runs-plot .scatterlayer .point")).to_have_count(1)
+    page.locator("#job-progress").scroll_into_view_if_needed()
+    page.screenshot(path=str(ARTIFACTS / "quantize.png"), full_page=True)
+    with page.expect_download() as download_info:
+        page.click("#download-btn")
+    archive = tmp_path / "run.zip"
+    download_info.value.save_as(archive)
+    with zipfile.ZipFile(archive) as zf:
+        names = {Path(n).name for n in zf.namelist()}
+    assert {"config.json", "model.safetensors", "quant_report.json", "tokenizer.json"} <= names
+
+    # Chat: the finished run is already picked; both panes answer and show their speed and memory.
+    page.get_by_role("tab", name="Chat").click()
+    expect(page.locator("#chat-models")).to_contain_text("Quantized", timeout=60_000)
+    expect(page.locator("#chat-models")).to_contain_text("Original")
+    page.locator("#chat-prompt textarea").fill("Hello there")
+    page.click("#chat-send")
+    expect(page.locator("#stats-quantized")).to_contain_text("tokens/s", timeout=120_000)
+    expect(page.locator("#stats-original")).to_contain_text("tokens/s")
+    expect(page.locator("#chat-original")).to_contain_text("Hello there")
+    expect(page.locator("#chat-quantized")).to_contain_text("Hello there")
+    page.screenshot(path=str(ARTIFACTS / "chat.png"), full_page=True)
+
+    # Load the downloaded archive back and chat with it; Clear empties both panes.
+    page.locator("#archive-upload input[type=file]").set_input_files(str(archive))
+    expect(page.locator("#chat-models")).to_contain_text("Quantized", timeout=60_000)
+    expect(page.locator("#chat-run input")).not_to_have_value(f"{job_id} ·", timeout=30_000)
+    page.click("#chat-clear")
+    expect(page.locator("#stats-quantized")).to_have_text("")
+    page.locator("#chat-prompt textarea").fill("Hi again")
+    page.click("#chat-send")
+    expect(page.locator("#stats-quantized")).to_contain_text("tokens/s", timeout=120_000)
+    expect(page.locator("#chat-quantized")).to_contain_text("Hi again")
+    shutil.copyfile(archive, ARTIFACTS / "downloaded_run.zip")

@@ -1,0 +1,320 @@
+"""Job runner: queue order and positions, cancel between layers, failures with their reason, per-owner
+isolation, pruning; the pre-run estimate; the model cache."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from vptq_core.archive import inspect_archive
+from vptq_core.config import CalibConfig, ScalarConfig, VPTQConfig
+from vptq_core.jobs import (
+    JobCancelled,
+    JobManager,
+    ModelCache,
+    estimate,
+    model_info,
+    quantization_task,
+)
+from vptq_core.models import TINY
+
+TINY_CALIB = CalibConfig(samples=4, seqlen=64, seed=0)
+TINY_VPTQ = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=2, kmeans_sample=1024)
+
+
+def _gated(log: list, name: str, gate: threading.Event):
+    def task(ctx):
+        log.append(("start", name))
+        assert gate.wait(20), "test gate never opened"
+        log.append(("end", name))
+        return {"name": name}
+
+    return task
+
+
+def test_queue_runs_in_order_with_positions(tmp_path: Path):
+    manager = JobManager(tmp_path, limits={"cpu": 1})
+    log: list = []
+    gates = {n: threading.Event() for n in "abc"}
+    a = manager.submit("alice", _gated(log, "a", gates["a"]), title="a")
+    b = manager.submit("bob", _gated(log, "b", gates["b"]), title="b")
+    c = manager.submit("carol", _gated(log, "c", gates["c"]), title="c")
+    assert a.status == "running" and a.position == 0
+    assert (b.status, b.position, b.running_ahead) == ("queued", 1, 1)
+    assert (c.status, c.position) == ("queued", 2)
+    gates["a"].set()
+    assert manager.wait(a.id, "alice", timeout=10).status == "done"
+    deadline = time.monotonic() + 10
+    while manager.get(b.id, "bob").status != "running" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert manager.get(b.id, "bob").status == "running"
+    assert manager.get(c.id, "carol").position == 1
+    gates["b"].set()
+    gates["c"].set()
+    assert manager.wait(c.id, "carol", timeout=10).result == {"name": "c"}
+    assert log == [("start", "a"), ("end", "a"), ("start", "b"), ("end", "b"), ("start", "c"), ("end", "c")]
+
+
+def test_devices_have_separate_limits(tmp_path: Path):
+    manager = JobManager(tmp_path, limits={"cpu": 1, "cuda": 2})
+    gate = threading.Event()
+    log: list = []
+    jobs = [manager.submit(f"u{i}", _gated(log, str(i), gate), device="cuda") for i in range(3)]
+    cpu = manager.submit("u9", _gated(log, "cpu", gate), device="cpu")
+    assert [j.status for j in jobs] == ["running", "running", "queued"] and cpu.status == "running"
+    gate.set()
+    for j in jobs:
+        assert manager.wait(j.id, j.owner, timeout=10).status == "done"
+    with pytest.raises(ValueError, match=r"device must be one of \['cpu', 'cuda'\], got 'tpu'"):
+        manager.submit("u0", _gated(log, "x", gate), device="tpu")
+
+
+def test_cancel_a_queued_job_moves_the_queue_up(tmp_path: Path):
+    manager = JobManager(tmp_path, limits={"cpu": 1})
+    gate, log = threading.Event(), []
+    a = manager.submit("alice", _gated(log, "a", gate))
+    b = manager.submit("bob", _gated(log, "b", gate))
+    c = manager.submit("carol", _gated(log, "c", gate))
+    assert manager.cancel(b.id, "bob").status == "cancelled"
+    assert manager.get(c.id, "carol").position == 1
+    gate.set()
+    assert manager.wait(c.id, "carol", timeout=10).status == "done"
+    assert ("start", "b") not in log and manager.get(a.id, "alice").status == "done"
+
+
+def test_cancel_stops_a_real_quantization_between_layers(tmp_path: Path):
+    """Cancel requested after the 2nd layer: the pipeline stops before the 3rd, nothing is kept on disk, and
+    the next job runs normally."""
+    manager = JobManager(tmp_path, limits={"cpu": 1})
+    inner = quantization_task(TINY, "vptq", TINY_VPTQ, TINY_CALIB)
+    holder: dict = {}
+
+    def task(ctx):
+        publish = ctx.on_layer
+
+        def on_layer(report):
+            publish(report)
+            if manager.get(ctx.job_id, "alice", reports=False).layers_done == 2:
+                manager.cancel(holder["id"], "alice")
+
+        ctx.on_layer = on_layer
+        return inner(ctx)
+
+    job = manager.submit("alice", task)
+    holder["id"] = job.id
+    done = manager.wait(job.id, "alice", timeout=120)
+    assert done.status == "cancelled" and done.error is None
+    assert done.layers_done == 2 and done.total_layers == 14
+    assert [r["module"] for r in done.reports] == ["self_attn.q_proj", "self_attn.k_proj"]
+    assert not (tmp_path / "jobs" / job.id).exists()
+    after = manager.submit("alice", quantization_task(TINY, "rtn", ScalarConfig(bits=4, group_size=32), TINY_CALIB))
+    assert manager.wait(after.id, "alice", timeout=120).status == "done"
+
+
+def test_finished_quantization_job_has_reports_checkpoint_and_archive(tmp_path: Path):
+    manager = JobManager(tmp_path)
+    config = ScalarConfig(bits=3, group_size=32)
+    job = manager.submit("alice", quantization_task(TINY, "gptq", config, TINY_CALIB), title="gptq")
+    snap = manager.wait(job.id, "alice", timeout=120)
+    assert snap.status == "done", snap.error
+    assert snap.total_layers == snap.layers_done == 14
+    assert all(r["rel_output_error"] is not None and r["rel_output_error"] >= 0 for r in snap.reports)
+    assert snap.reports_version == (14, 14) and snap.phase == "done"
+    result = snap.result
+    ckpt = Path(result["checkpoint_dir"])
+    report = json.loads((ckpt / "quant_report.json").read_text())
+    assert [r["name"] for r in report["layers"]] == [r["name"] for r in snap.reports]
+    names = sorted(e.name for e in inspect_archive(result["archive"]))
+    assert names == sorted(p.name for p in ckpt.iterdir())
+    assert result["archive_bytes"] == Path(result["archive"]).stat().st_size
+    # The estimate shown before the run matches the bits the run reports.
+    est = estimate(model_info(TINY), config)
+    assert est.total_bits_per_weight == pytest.approx(result["summary"]["total_bits_per_weight"], rel=1e-12)
+    assert est.index_bits_per_weight == pytest.approx(3.0)
+
+
+def test_failures_keep_their_reason(tmp_path: Path):
+    manager = JobManager(tmp_path)
+
+    def value_error(ctx):
+        raise ValueError("samples must be >= 1, got 0")
+
+    def crash(ctx):
+        return {}["missing"]
+
+    a = manager.wait(manager.submit("alice", value_error).id, "alice", timeout=10)
+    assert (a.status, a.error) == ("failed", "samples must be >= 1, got 0")
+    b = manager.wait(manager.submit("alice", crash).id, "alice", timeout=10)
+    assert (b.status, b.error) == ("failed", "KeyError: 'missing'")
+    # A real failure inside the pipeline: calibration text shorter than one window.
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    task = quantization_task(TINY, "rtn", ScalarConfig(), CalibConfig(samples=4, seqlen=64), calib_text="too short")
+    c = manager.wait(manager.submit("alice", task).id, "alice", timeout=60)
+    assert c.status == "failed"
+    assert c.error.startswith("calibration text has 9 tokens, fewer than seqlen+1 (65)")
+    assert not (tmp_path / "jobs" / c.id).exists()
+
+    def cancelled(ctx):
+        raise JobCancelled
+
+    d = manager.wait(manager.submit("alice", cancelled).id, "alice", timeout=10)
+    assert (d.status, d.error) == ("cancelled", None)
+
+
+def test_owners_see_only_their_jobs(tmp_path: Path):
+    manager = JobManager(tmp_path)
+    job = manager.submit("alice", lambda ctx: {"x": 1})
+    manager.wait(job.id, "alice", timeout=10)
+    for call in (lambda: manager.get(job.id, "bob"), lambda: manager.cancel(job.id, "bob"),
+                 lambda: manager.set_extra(job.id, "bob", "eval", {}), lambda: manager.checkpoint_dir(job.id, "bob")):
+        with pytest.raises(ValueError, match=rf"no job '{job.id}' in this session"):
+            call()
+    assert manager.jobs("bob") == [] and [s.id for s in manager.jobs("alice")] == [job.id]
+    with pytest.raises(ValueError, match=r"owner must be a non-empty session id"):
+        manager.jobs("")
+
+
+def test_limits_per_owner_and_queue(tmp_path: Path):
+    manager = JobManager(tmp_path, limits={"cpu": 1}, max_active_per_owner=2, max_queued=2)
+    gate, log = threading.Event(), []
+    manager.submit("alice", _gated(log, "a1", gate))
+    manager.submit("alice", _gated(log, "a2", gate))
+    with pytest.raises(ValueError, match=r"you already have 2 job\(s\) queued or running \(limit 2\)"):
+        manager.submit("alice", _gated(log, "a3", gate))
+    manager.submit("bob", _gated(log, "b1", gate))
+    with pytest.raises(ValueError, match=r"the queue is full \(2 jobs waiting\)"):
+        manager.submit("carol", _gated(log, "c1", gate))
+    gate.set()
+    manager.shutdown(timeout=10)
+
+
+def test_old_runs_are_pruned_and_owner_cleanup(tmp_path: Path):
+    manager = JobManager(tmp_path, keep_per_owner=2)
+
+    def write(ctx):
+        (ctx.out_dir / "weights.bin").write_bytes(b"x")
+        return {}
+
+    ids = []
+    for _ in range(3):
+        ids.append(manager.submit("alice", write).id)
+        manager.wait(ids[-1], "alice", timeout=10)
+    assert [s.id for s in manager.jobs("alice")] == ids[1:]
+    assert not (tmp_path / "jobs" / ids[0]).exists() and (tmp_path / "jobs" / ids[2] / "weights.bin").is_file()
+    gate = threading.Event()
+    running = manager.submit("alice", _gated([], "r", gate))
+    assert manager.forget_owner("alice") == 3
+    assert manager.jobs("alice") == []
+    assert not any((tmp_path / "jobs" / i).exists() for i in ids)
+    gate.set()
+    deadline = time.monotonic() + 10
+    while (tmp_path / "jobs" / running.id).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not (tmp_path / "jobs" / running.id).exists()
+
+
+def test_stale_job_dirs_are_removed_on_start(tmp_path: Path):
+    (tmp_path / "jobs" / "0123456789ab").mkdir(parents=True)
+    (tmp_path / "jobs" / "keep-me").mkdir()
+    JobManager(tmp_path)
+    assert not (tmp_path / "jobs" / "0123456789ab").exists() and (tmp_path / "jobs" / "keep-me").is_dir()
+
+
+def test_import_run_registers_or_cleans_up(tmp_path: Path):
+    manager = JobManager(tmp_path)
+
+    def fill(out_dir: Path) -> dict:
+        (out_dir / "checkpoint").mkdir()
+        return {"checkpoint_dir": str(out_dir / "checkpoint")}
+
+    snap = manager.import_run("alice", fill, title="uploaded")
+    assert (snap.status, snap.kind) == ("done", "import")
+    assert manager.checkpoint_dir(snap.id, "alice") == tmp_path / "jobs" / snap.id / "checkpoint"
+
+    def broken(out_dir: Path) -> dict:
+        (out_dir / "partial").write_text("x")
+        raise ValueError("archive has no config.json; it is not a checkpoint")
+
+    with pytest.raises(ValueError, match="no config.json"):
+        manager.import_run("alice", broken)
+    assert [p.name for p in (tmp_path / "jobs").iterdir()] == [snap.id]
+
+
+def test_model_info_and_its_errors(tmp_path: Path, monkeypatch):
+    from vptq_core.models import tiny_random_llama
+
+    info = model_info(TINY)
+    assert info.num_blocks == 2
+    assert info.modules == ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    assert info.linear_shapes[:7] == ((64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (128, 64), (64, 128))
+    model, tok = tiny_random_llama()
+    total = sum(p.numel() for p in model.parameters())
+    assert info.other_params + info.linear_weights == total
+    # A dense local directory is read from its config alone and agrees.
+    model.save_pretrained(tmp_path / "dense")
+    local = model_info(str(tmp_path / "dense"))
+    assert (local.linear_shapes, local.other_params) == (info.linear_shapes, info.other_params)
+    (tmp_path / "quant").mkdir()
+    (tmp_path / "quant" / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "vptq"}}))
+    with pytest.raises(ValueError, match=r"already a quantized checkpoint"):
+        model_info(str(tmp_path / "quant"))
+    with pytest.raises(ValueError, match=r"has no config.json"):
+        model_info(str(tmp_path))
+    with pytest.raises(ValueError, match=r"'not a model' is not a built-in name"):
+        model_info("not a model")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match=r"cannot reach the Hugging Face hub to fetch 'someone/some-model'"):
+        model_info("someone/some-model")
+
+
+def test_estimate_counts_codebooks_and_kept_weights():
+    info = model_info(TINY)
+    config = VPTQConfig(vector_len=4, num_centroids=16, enable_perm=False)
+    est = estimate(info, config)
+    weights = info.linear_weights
+    # 4 index bits per 4-vector, plus one 16-entry fp16 codebook of 4-vectors per linear.
+    codebook_bits = len(info.linear_shapes) * 16 * 4 * 16
+    assert est.index_bits_per_weight == 1.0
+    assert est.total_bits_per_weight == pytest.approx((weights + codebook_bits) / weights)
+    assert est.quantized_bytes == (weights + codebook_bits) // 8
+    assert est.checkpoint_bytes == est.quantized_bytes + 2 * info.other_params
+    assert est.dense_bytes == 2 * (weights + info.other_params)
+
+
+def test_model_cache_loads_once_evicts_and_does_not_cache_errors():
+    cache = ModelCache(max_items=2)
+    calls: list = []
+    started = threading.Barrier(4)
+
+    def slow_loader():
+        calls.append(1)
+        time.sleep(0.2)
+        return object()
+
+    results = []
+
+    def worker():
+        started.wait()
+        results.append(cache.get("a", slow_loader))
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len({id(r) for r in results}) == 1
+    cache.get("b", lambda: 2)
+    cache.get("a", slow_loader)  # touch: "b" is now the oldest
+    cache.get("c", lambda: 3)
+    assert "a" in cache and "c" in cache and "b" not in cache
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        cache.get("d", lambda: (_ for _ in ()).throw(RuntimeError("disk on fire")))
+    assert "d" not in cache and cache.get("d", lambda: 4) == 4
+    assert "a" not in cache  # evicted by "d"
+    assert cache.drop(lambda k: k in ("c", "d")) == 2 and "c" not in cache and "d" not in cache
