@@ -73,6 +73,10 @@ def run_row(key: str, model, tok, calib: torch.Tensor, args) -> dict:
         "perplexity": ev.perplexity, "kl": ev.kl_divergence, "top1": ev.top1_agreement,
         "bf16_perplexity": ev.reference_perplexity, "quant_seconds": seconds, "threads": torch.get_num_threads(),
         "calib": {"samples": args.calib_samples, "seqlen": args.calib_seqlen}, "protocol": ev.protocol(),
+        "layers": [
+            {k: r.to_dict()[k] for k in ("name", "rel_proxy_loss", "rel_weight_error", "rel_output_error")}
+            for r in result.reports
+        ],
     }
 
 

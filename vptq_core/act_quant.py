@@ -64,6 +64,8 @@ def quantize_activations(
     _check_bits(bits)
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if bits >= 16:
+        return x
     if granularity == "token" and scale is not None:
         raise ValueError("scale must be None for granularity 'token' (the scale is computed per token)")
     if granularity == "tensor":
@@ -71,8 +73,6 @@ def quantize_activations(
             raise ValueError("granularity 'tensor' needs a static scale (from calibrate_act_scale), got None")
         if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
             raise ValueError(f"scale must be a tensor with one element, got {scale!r}")
-    if bits >= 16:
-        return x
     if x.ndim == 0:
         raise ValueError("x must have at least one dimension (features last)")
     qmax = _qmax(bits)

@@ -69,7 +69,10 @@ class VPTQConfig(_Base):
     enable_perm: bool = True
     kmeans_iters: int = 10
     kmeans_sample: int = 65536
-    damp_percent: float = 0.01
+    # 10% of mean(diag H): on SmolLM2 the Hessians are ill-conditioned (attention-sink tokens); with 1% the
+    # sweep trades large weight errors in weak directions for tiny proxy gains (block 0 q_proj: relative
+    # weight error 0.94 at 1%, 0.58 at 10%, proxy loss 0.0088 vs 0.0077).
+    damp_percent: float = 0.1
     block_size: int = 128
     finetune_iters: int = 0
     finetune_lr: float = 1e-4
@@ -145,14 +148,19 @@ class LRQConfig(_Base):
     ``rank=0`` picks the rank from the layer size (``auto_rank``); ``full_scale=True`` learns one scale per
     weight instead of the low-rank matrix (FlexRound-style, for comparison). ``act_bits`` 16 = weight-only;
     8 with ``act_granularity`` "token" (dynamic per token) or "tensor" (static, from calibration).
+
+    Defaults are sized for small models on a CPU: 32 steps of one 512-token window (one epoch of 32
+    calibration windows) at lr 1e-2 remove ~60-70% of the RTN block-output error on SmolLM2-135M at 4 bits;
+    lr 2e-2 is already worse and 5e-2 diverges. The paper's runs (~5000 steps, batch 2, lr 4e-4..9e-4) suit
+    large models with a GPU.
     """
 
     bits: int = 4
     group_size: int = 0
     rank: int = 0
-    iters: int = 200
-    lr: float = 1e-3
-    batch_size: int = 2
+    iters: int = 32
+    lr: float = 1e-2
+    batch_size: int = 1
     clip_search: bool = True
     full_scale: bool = False
     act_bits: int = 16

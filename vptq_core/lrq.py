@@ -32,6 +32,7 @@ from .formats import ScalarLayerState
 from .scalar import effective_group_size, rtn_quantize
 
 MAX_CURVE_POINTS = 100
+EVAL_BATCH = 8
 
 
 def auto_rank(out_features: int, in_features: int) -> int:
@@ -208,9 +209,15 @@ class _FakeQuantLinear(nn.Module):
 
 @dataclass
 class LRQBlockResult:
-    """Outcome of ``lrq_quantize_block``: one folded state per linear name, block MSE before (RTN start) and
-    after training over all calibration samples, wall time, and the training loss curve (mean minibatch loss
-    over consecutive chunks of steps, at most ``MAX_CURVE_POINTS`` points)."""
+    """Outcome of ``lrq_quantize_block``.
+
+    ``states``: one folded ``ScalarLayerState`` per linear name. ``loss_before``: block-output MSE over all
+    calibration samples at the RTN start; ``loss_after``: the same for the returned states (never above
+    ``loss_before``: when training made it worse the RTN start is returned and ``kept_rtn`` is set).
+    ``losses``: training curve (mean minibatch loss over consecutive chunks of steps, at most
+    ``MAX_CURVE_POINTS`` points). ``outputs``: the quantized block's outputs [n, seq, hidden] for the next
+    block (dtype of ``inputs``), only with ``return_outputs=True``.
+    """
 
     states: dict[str, ScalarLayerState]
     loss_before: float
@@ -219,6 +226,8 @@ class LRQBlockResult:
     losses: list[float] = field(default_factory=list)
     iters_done: int = 0
     ranks: dict[str, int] = field(default_factory=dict)
+    kept_rtn: bool = False
+    outputs: torch.Tensor | None = None
 
 
 def _block_linears(block: nn.Module) -> list[str]:
@@ -278,19 +287,24 @@ def _run(forward, block, inputs, idx, device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _mean_loss(forward, block, wrappers, inputs, targets, batch_size, device) -> float:
-    """Block-output MSE over all samples, with each wrapper's W_hat computed once."""
+def _mean_loss(
+    forward, block, wrappers, inputs, targets, batch_size, device, keep_outputs: bool
+) -> tuple[float, torch.Tensor | None]:
+    """Block-output MSE over all samples (each wrapper's W_hat computed once) -> (loss, outputs | None)."""
     for wrapper in wrappers:
         wrapper.frozen_weight = wrapper.quantizer()
+    outputs = torch.empty_like(inputs) if keep_outputs else None
     try:
         total = 0.0
         for idx in _batches(inputs.shape[0], batch_size):
             out = _run(forward, block, inputs, idx, device)
             total += float(F.mse_loss(out, targets[idx].to(device=device, dtype=torch.float32), reduction="sum"))
+            if outputs is not None:
+                outputs[idx] = out.to(device=outputs.device, dtype=outputs.dtype)
     finally:
         for wrapper in wrappers:
             wrapper.frozen_weight = None
-    return total / targets.numel()
+    return total / targets.numel(), outputs
 
 
 @torch.no_grad()
@@ -321,6 +335,8 @@ def lrq_quantize_block(
     config: LRQConfig,
     act_scales: dict[str, torch.Tensor] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    *,
+    return_outputs: bool = False,
 ) -> LRQBlockResult:
     """Quantize the ``linear_names`` of ``block`` with LRQ by block-output reconstruction.
 
@@ -330,12 +346,14 @@ def lrq_quantize_block(
     modified), ``config.batch_size`` samples per step, for ``config.iters`` steps or until ``should_stop()``.
     With ``config.act_bits < 16`` the inputs of the quantized linears are fake-quantized (per token, or per
     tensor with ``act_scales`` [name] -> scalar; when not given they are calibrated as the absmax of each
-    linear's input over ``inputs`` with the full-precision weights).
+    linear's input over ``inputs`` with the full-precision weights). ``return_outputs`` keeps the quantized
+    block's outputs (the next block's inputs) from the final evaluation pass, saving the caller that pass.
     """
     start_time = time.perf_counter()
     _check_arguments(block, linear_names, inputs, targets, config, act_scales)
     device = next(iter(block.parameters()), inputs).device
     batch_size = min(config.batch_size, inputs.shape[0])
+    eval_batch = max(batch_size, EVAL_BATCH)  # no-grad passes: batches of 8 ran ~1.6x faster per sample than 1
     generator = torch.Generator().manual_seed(config.seed)
 
     with torch.inference_mode(False), torch.enable_grad():
@@ -343,16 +361,28 @@ def lrq_quantize_block(
         static = None
         if config.act_bits < 16 and config.act_granularity == "tensor":
             if act_scales is None:
-                act_scales = _calibrate_scales(forward, work, linear_names, inputs, config.act_bits, batch_size, device)
+                act_scales = _calibrate_scales(forward, work, linear_names, inputs, config.act_bits, eval_batch, device)
             static = {name: act_scales[name].detach().float().reshape(()).cpu() for name in linear_names}
         wrappers = _wrap_linears(work, linear_names, config, static, device, generator)
 
-        loss_before = _mean_loss(forward, work, wrappers.values(), inputs, targets, batch_size, device)
-        curve, iters_done = _train(forward, work, wrappers.values(), inputs, targets, config, batch_size, device,
+        wrapper_list = list(wrappers.values())
+        start_params = [p.detach().clone() for w in wrapper_list for p in w.quantizer.parameters()]
+        loss_before, outputs = _mean_loss(forward, work, wrapper_list, inputs, targets, eval_batch, device,
+                                          return_outputs)
+        curve, iters_done = _train(forward, work, wrapper_list, inputs, targets, config, batch_size, device,
                                    generator, should_stop)
-        loss_after = loss_before
+        loss_after, kept_rtn = loss_before, False
         if iters_done:
-            loss_after = _mean_loss(forward, work, wrappers.values(), inputs, targets, batch_size, device)
+            loss_after, trained_outputs = _mean_loss(forward, work, wrapper_list, inputs, targets, eval_batch,
+                                                     device, return_outputs)
+            if loss_after > loss_before:  # training diverged (e.g. too high lr): return the RTN start
+                with torch.no_grad():
+                    params = [p for w in wrapper_list for p in w.quantizer.parameters()]
+                    for param, start in zip(params, start_params, strict=True):
+                        param.copy_(start)
+                loss_after, kept_rtn = loss_before, True
+            else:
+                outputs = trained_outputs
 
         states = {}
         for name, wrapper in wrappers.items():
@@ -364,6 +394,7 @@ def lrq_quantize_block(
     return LRQBlockResult(
         states=states, loss_before=loss_before, loss_after=loss_after, seconds=time.perf_counter() - start_time,
         losses=curve, iters_done=iters_done, ranks={name: w.quantizer.rank for name, w in wrappers.items()},
+        kept_rtn=kept_rtn, outputs=outputs,
     )
 
 

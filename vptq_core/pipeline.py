@@ -124,6 +124,7 @@ def run_block(block: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Ten
     return out[0] if isinstance(out, tuple) else out
 
 
+HESSIAN_SKIP_TOKENS = 0  # positions left out of Hessians (the first is an attention sink)
 BATCH = 8  # calibration windows per block call: batching ran block forwards ~2.5x faster than one by one
 
 
@@ -284,7 +285,7 @@ def _pass_a(block: nn.Module, linears: dict, inps: torch.Tensor, kwargs: dict):
                 if owner[name] == name:
                     accumulators[name] = HessianAccumulator(x.shape[-1], device=x.device)
             if owner[name] == name:
-                accumulators[name].add_batch(x)
+                accumulators[name].add_batch(x[:, HESSIAN_SKIP_TOKENS:])
 
         return hook
 

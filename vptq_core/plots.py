@@ -20,7 +20,6 @@ RUN_COLUMNS = ["run", "model", "method", "settings", "index bits", "total bits",
                "perplexity", "original ppl", "KL", "top-1 agree %"]
 _HEIGHT = 340
 _MARGIN = dict(l=60, r=20, t=50, b=45)
-_LINES_MARGIN = dict(l=60, r=20, t=50, b=95)  # room for the legend under the axis
 
 
 def _as_dict(report) -> dict:
@@ -65,8 +64,8 @@ def proxy_error_figure(reports: Sequence, num_blocks: int | None = None, title: 
             hovertemplate="block %{x}<br>block output error %{y:.3g}<extra></extra>",
         ))
     fig.update_layout(
-        title=title or "Relative proxy error per module (log scale)", height=_HEIGHT + 40, margin=_LINES_MARGIN,
-        legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="center", x=0.5, font=dict(size=11)),
+        title=title or "Relative proxy error per module (log scale)", height=_HEIGHT, margin=_MARGIN,
+        legend=dict(orientation="v", yanchor="top", y=1.0, xanchor="left", x=1.01, font=dict(size=11)),
         xaxis_title="block", yaxis_title="relative error", template="plotly_white",
     )
     fig.update_yaxes(type="log", exponentformat="power")
@@ -96,7 +95,7 @@ def error_heatmap_figure(reports: Sequence, num_blocks: int | None = None, modul
         hovertemplate="block %{x} · %{y}<br>rel. proxy error %{text}<extra></extra>", hoverongaps=False,
         colorbar=dict(title=dict(text="log10", side="right"), thickness=12),
     ))
-    fig.update_layout(title=title or "Where the error goes: log10 relative proxy error", height=_HEIGHT + 40,
+    fig.update_layout(title=title or "Where the error goes: log10 relative proxy error", height=_HEIGHT,
                       margin=_MARGIN, xaxis_title="block", template="plotly_white")
     fig.update_yaxes(autorange="reversed")
     if not rows:
