@@ -63,6 +63,7 @@ def test_sixteen_bits_is_identity():
     x = _activations()
     assert quantize_activations(x, 16, "token") is x
     assert quantize_activations(x, 16, "tensor", torch.tensor(1.0)) is x
+    assert quantize_activations(x, 16, "tensor") is x  # no scale needed when nothing is quantized
 
 
 def test_straight_through_gradient():

@@ -197,6 +197,11 @@ def test_quantize_cancel_evaluate_chat_download_reload(served, tmp_path):
     _, quant_again, _, stats_again, _ = client.predict("Hello there", [], [], picked, 1.0, 1.0, 8, api_name="/chat")
     assert texts(quant_again) == texts(quant)
     assert STATS.search(stats_again).group(1) == STATS.search(stats_quant).group(1)
+    # The reloaded weights evaluate to exactly the same numbers.
+    shown_again = client.predict(picked, 2, 64, api_name="/evaluate_run")[0]
+    assert f"Perplexity {ev['perplexity']:.3f}" in shown_again
+    ev_again = status(client, picked)["extras"]["eval"]
+    assert (ev_again["perplexity"], ev_again["kl_divergence"]) == (ev["perplexity"], ev["kl_divergence"])
 
     # Bad archives are refused with the reason.
     bad = tmp_path / "bad.zip"

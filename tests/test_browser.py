@@ -166,6 +166,8 @@ def test_quantize_evaluate_download_chat_in_the_browser(page, tmp_path):
     page.locator("#archive-upload input[type=file]").set_input_files(str(archive))
     expect(page.locator("#chat-models")).to_contain_text("Quantized", timeout=60_000)
     expect(page.locator("#chat-run input")).not_to_have_value(f"{job_id} ·", timeout=30_000)
+    page.click("#chat-eval-btn")
+    expect(page.locator("#chat-eval-result")).to_contain_text("Perplexity", timeout=120_000)
     page.click("#chat-clear")
     expect(page.locator("#stats-quantized")).to_have_text("")
     page.locator("#chat-prompt textarea").fill("Hi again")

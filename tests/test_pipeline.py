@@ -70,3 +70,17 @@ def test_finetune_lowers_block_loss(tiny_model, calib_ids):
     _, result = quantize_model(model, calib_ids, "vptq", cfg)
     extra = result.reports[0].extra
     assert extra["finetune_loss_after"] < extra["finetune_loss_before"]
+
+
+def test_lrq_through_pipeline(tiny_model, calib_ids):
+    from vptq_core.config import LRQConfig
+
+    model, _ = tiny_model
+    seen = []
+    qmodel, result = quantize_model(model, calib_ids, "lrq", LRQConfig(bits=3, iters=6), on_layer=seen.append)
+    assert len(result.reports) == len(seen) == 14 and len(result.states) == 14
+    for r in result.reports:
+        assert r.extra["block_loss_after"] <= r.extra["block_loss_before"]
+        assert r.index_bits == 3.0
+    st = result.states["model.layers.0.mlp.up_proj"]
+    torch.testing.assert_close(qmodel.get_submodule("model.layers.0.mlp.up_proj").weight, st.dequantize().float())
