@@ -65,6 +65,11 @@ def run_row(key: str, model, tok, calib: torch.Tensor, args) -> dict:
     t0 = time.perf_counter()
     qmodel, result = quantize_model(model, calib, method, config, device="cpu")
     seconds = time.perf_counter() - t0
+    if args.save_dir:
+        from vptq_core.checkpoint import save_quantized
+
+        save_quantized(model, tok, result.states, Path(args.save_dir) / key, dtype=torch.bfloat16,
+                       report={"model": {"source": "smollm2-135m-instruct"}, "summary": result.summary()})
     qmodel = qmodel.to(torch.bfloat16)
     ev = evaluate(qmodel, tok, text="wiki", seqlen=args.seqlen, max_windows=args.windows, reference=args.reference)
     return {
@@ -109,6 +114,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--table-only", action="store_true")
+    parser.add_argument("--save-dir", help="also write each row's packed checkpoint under DIR/ROW")
     args = parser.parse_args()
     if args.list:
         for key, (_, _, label) in ROWS.items():

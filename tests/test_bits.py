@@ -19,7 +19,7 @@ def test_vq_bits_exact_for_known_config():
 def test_vq_bits_residual_outliers_norm_perm():
     info = vq_bits(64, 70, 4, 16, num_res_centroids=4, outlier_size=6, outlier_vector_len=2, outlier_centroids=8,
                    group_num=2, norm=True, perm=True)
-    index = 2 * 16 * 32 * (4 + 2) + 32 * 6 * 3
+    index = 2 * 16 * 32 * (4 + 2) + 32 * 6 * 16  # outlier indices are stored as int16
     total = index + 2 * 4 * (16 + 4) * 16 + 2 * 8 * 16 + 2 * 70 * 16 + 70 * 16
     assert (info.index_bits, info.total_bits) == (index, total)
 

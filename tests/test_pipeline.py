@@ -5,7 +5,7 @@ from vptq_core.config import ScalarConfig, VPTQConfig
 from vptq_core.models import decoder_blocks
 from vptq_core.pipeline import capture_block_inputs, quantize_model, run_block
 
-TINY_VQ = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=3)
+TINY_VQ = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=3, outlier_percent=0.0)
 
 
 def test_pass_through_reproduces_logits_exactly(tiny_model, calib_ids):

@@ -13,6 +13,7 @@ from .config import LRQConfig, ScalarConfig, VPTQConfig
 from .formats import ScalarLayerState, VQLayerState
 
 FLOAT_BITS = 16
+OUTLIER_INDEX_BITS = 16
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,8 @@ def vq_bits(
     index = group_num * rows * group_size * (b + br)
     codebooks = group_num * vector_len * (num_centroids + max(num_res_centroids, 0)) * FLOAT_BITS
     if outlier_size:
-        index += math.ceil(out_features / outlier_vector_len) * outlier_size * int(math.log2(outlier_centroids))
+        # The public format stores outlier indices unpacked, as int16: count what is stored.
+        index += math.ceil(out_features / outlier_vector_len) * outlier_size * OUTLIER_INDEX_BITS
         codebooks += outlier_vector_len * outlier_centroids * FLOAT_BITS
     extra = (2 * in_features * FLOAT_BITS if norm else 0) + (in_features * 16 if perm else 0)
     return BitsInfo(out_features * in_features, index, index + codebooks + extra)
