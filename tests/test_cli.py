@@ -17,7 +17,8 @@ def text_file(tmp_path):
 def test_quantize_save_eval_round_trip(tmp_path, text_file, capsys):
     out = tmp_path / "ckpt"
     rc = main(["quantize", "--model", "tiny-random-llama", "--method", "vptq", "--vector-len", "4",
-               "--centroids", "16", "--res-centroids", "4", "--kmeans-iters", "3", "--outlier-percent", "0", "--calib-text", text_file,
+               "--centroids", "16", "--res-centroids", "4", "--kmeans-iters", "3", "--outlier-percent", "0",
+               "--calib-text", text_file,
                "--calib-samples", "4", "--seqlen", "32", "--out", str(out), "--quiet"])
     assert rc == 0
     summary = json.loads(capsys.readouterr().out)

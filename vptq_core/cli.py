@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--vector-len", type=int, help="weights per vector (default 6)")
     v.add_argument("--centroids", type=int, help="codebook size, a power of two (default 4096)")
     v.add_argument("--res-centroids", type=int, help="residual codebook size, 0 = none (default 0)")
-    v.add_argument("--outlier-percent", type=float, help="percent of input columns (largest Hessian diagonal) with their own codebook (default 0.5)")
+    v.add_argument("--outlier-percent", type=float,
+                   help="percent of input columns (largest Hessian diagonal) with their own codebook (default 0.5)")
     v.add_argument("--outlier-vector-len", type=int, help="vector length of the outlier codebook (default 4)")
     v.add_argument("--outlier-centroids", type=int, help="outlier codebook size (default 256)")
     v.add_argument("--groups", type=int, help="codebooks per layer for the non-outlier columns (default 1)")
