@@ -23,7 +23,7 @@ from vptq_core.jobs import (
 from vptq_core.models import TINY
 
 TINY_CALIB = CalibConfig(samples=4, seqlen=64, seed=0)
-TINY_VPTQ = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=2, kmeans_sample=1024)
+TINY_VPTQ = VPTQConfig(vector_len=4, num_centroids=16, outlier_percent=0.0, kmeans_iters=2, kmeans_sample=1024)
 
 
 def _gated(log: list, name: str, gate: threading.Event):
@@ -275,7 +275,7 @@ def test_model_info_and_its_errors(tmp_path: Path, monkeypatch):
 
 def test_estimate_counts_codebooks_and_kept_weights():
     info = model_info(TINY)
-    config = VPTQConfig(vector_len=4, num_centroids=16, enable_perm=False)
+    config = VPTQConfig(vector_len=4, num_centroids=16, outlier_percent=0.0, enable_perm=False)
     est = estimate(info, config)
     weights = info.linear_weights
     # 4 index bits per 4-vector, plus one 16-entry fp16 codebook of 4-vectors per linear.

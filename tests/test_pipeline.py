@@ -84,3 +84,27 @@ def test_lrq_through_pipeline(tiny_model, calib_ids):
         assert r.index_bits == 3.0
     st = result.states["model.layers.0.mlp.up_proj"]
     torch.testing.assert_close(qmodel.get_submodule("model.layers.0.mlp.up_proj").weight, st.dequantize().float())
+
+
+def test_hessians_shared_only_by_linears_with_the_same_input(tiny_model, calib_ids):
+    from vptq_core.models import block_linears
+    from vptq_core.pipeline import _pass_a
+
+    model, _ = tiny_model
+    with torch.no_grad():
+        hidden, kwargs = capture_block_inputs(model, calib_ids)
+        block = decoder_blocks(model)[0]
+        linears = block_linears(block)
+        seen: dict[str, list[torch.Tensor]] = {n: [] for n in linears}
+        hooks = [m.register_forward_hook(lambda _m, a, _o, n=n: seen[n].append(a[0].clone()))
+                 for n, m in linears.items()]
+        run_block(block, hidden, kwargs)
+        for h in hooks:
+            h.remove()
+        hessians, _ = _pass_a(block, linears, hidden, kwargs)
+    assert hessians["self_attn.q_proj"] is hessians["self_attn.k_proj"] is hessians["self_attn.v_proj"]
+    assert hessians["mlp.gate_proj"] is hessians["mlp.up_proj"]
+    assert len({id(h) for h in hessians.values()}) == 4
+    for name, inputs in seen.items():
+        X = torch.cat(inputs).reshape(-1, linears[name].in_features).float()
+        torch.testing.assert_close(hessians[name], 2 * X.T @ X / X.shape[0], rtol=1e-4, atol=1e-5)

@@ -307,7 +307,7 @@ class JobManager:
             status = "cancelled"
         except Exception as exc:  # noqa: BLE001 - any task failure is shown to its owner with its reason
             status, error, detail = "failed", _reason(exc), traceback.format_exc()
-            _log.warning("job %s failed: %s", job.id, error)
+            _log.warning("job %s failed: %s", job.id, error, exc_info=True)
         if status != "done":
             shutil.rmtree(job.out_dir, ignore_errors=True)
         with job.lock:

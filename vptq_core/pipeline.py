@@ -272,17 +272,20 @@ def quantize_model(
 
 def _pass_a(block: nn.Module, linears: dict, inps: torch.Tensor, kwargs: dict):
     """Run the original block: Hessians per distinct linear input, and the outputs (targets)."""
-    groups: dict[int, list[str]] = {}
     accumulators: dict[str, HessianAccumulator] = {}
     owner: dict[str, str] = {}
+    # Linears fed the very same tensor share one Hessian. The first batch's inputs are kept alive while
+    # grouping, so a freed activation's address can never be mistaken for another input's.
+    first_inputs: list[tuple[torch.Tensor, str]] = []
 
     def make_hook(name: str):
         def hook(_m, args, _out):
             x = args[0]
             if name not in owner:
-                key = x.data_ptr()
-                groups.setdefault(key, []).append(name)
-                owner[name] = groups[key][0]
+                same = next((n for t, n in first_inputs if t.data_ptr() == x.data_ptr() and t.shape == x.shape
+                             and t.stride() == x.stride()), None)
+                owner[name] = same or name
+                first_inputs.append((x, name))
                 if owner[name] == name:
                     accumulators[name] = HessianAccumulator(x.shape[-1], device=x.device)
             if owner[name] == name:
@@ -296,6 +299,7 @@ def _pass_a(block: nn.Module, linears: dict, inps: torch.Tensor, kwargs: dict):
     finally:
         for h in handles:
             h.remove()
+        first_inputs.clear()
     shared = {n: acc.hessian for n, acc in accumulators.items()}  # one tensor per distinct input
     hessians = {n: shared[owner[n]] for n in linears}
     return hessians, targets
