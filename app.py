@@ -673,7 +673,7 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
     custom_default = "" if settings.default_model in (BUNDLED, TINY) else settings.default_model
     small = settings.default_model == TINY
     if small:  # the presets are sized for SmolLM2; the tiny model's 64-wide layers need tiny codebooks
-        vptq_defaults.update(vector_len=4, num_centroids=16, kmeans_iters=2)
+        vptq_defaults.update(vector_len=4, num_centroids=16, kmeans_iters=2, outlier_percent=0.0)
 
     with gr.Blocks(title=TITLE, analytics_enabled=False, delete_cache=(1800, 3600)) as demo:
         demo.studio = app

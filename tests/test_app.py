@@ -123,7 +123,8 @@ def test_quantize_cancel_evaluate_chat_download_reload(served, tmp_path):
     client = Client(served.url, verbose=False)
     other = Client(served.url, verbose=False)
     # Two jobs: the second waits behind the first (one quantization at a time on the CPU) and is cancelled.
-    first = client.predict(**job_kwargs(), api_name="/start")[0]
+    # (Settings slow enough, ~0.5 s per layer, that polling sees the reports arrive one by one.)
+    first = client.predict(**job_kwargs(vector_len=2, num_centroids=256, kmeans_iters=30), api_name="/start")[0]
     second = client.predict(**job_kwargs(method="rtn", bits=4), api_name="/start")[0]
     queued = status(client, second)
     assert (queued["status"], queued["position"]) == ("queued", 1)
