@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from vptq_core.kmeans import nearest, weighted_kmeans, weighted_objective
+from vptq_core.kmeans import CodebookSearch, _use_kdtree, nearest, weighted_kmeans, weighted_objective
 
 
 def test_nearest_matches_brute_force_both_paths():
@@ -10,6 +10,20 @@ def test_nearest_matches_brute_force_both_paths():
     brute = torch.cdist(X, C).argmin(dim=1)
     assert torch.equal(nearest(X, C), brute)  # compiled path (n*k >= 65536)
     assert torch.equal(nearest(X[:100], C), brute[:100])  # torch path
+
+
+@pytest.mark.parametrize("d,k", [(6, 4096), (4, 256), (8, 1024)])
+def test_kdtree_path_is_exact(d, k):
+    assert _use_kdtree(d, k)
+    gen = torch.Generator().manual_seed(d + k)
+    X, C = torch.randn(2000, d, generator=gen), torch.randn(k, d, generator=gen)
+    search = CodebookSearch(C)
+    assert search._tree is not None
+    idx = search(X)
+    brute = torch.cdist(X.double(), C.double()).argmin(dim=1)
+    assert torch.equal(idx, brute)
+    # the same search object answers repeated queries (the sweep asks once per column)
+    assert torch.equal(search(X[:96]), brute[:96])
 
 
 def test_weighted_kmeans_lowers_weighted_objective():

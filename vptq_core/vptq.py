@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from .config import VPTQConfig
 from .formats import VQLayerState
 from .hessian import inverse_hessian_cholesky, prepare_hessian, proxy_loss, single_thread_torch
-from .kmeans import nearest, weighted_kmeans
+from .kmeans import CodebookSearch, weighted_kmeans
 
 
 @dataclass
@@ -66,14 +66,14 @@ def _column_vectors(W: torch.Tensor, v: int) -> torch.Tensor:
     return F.pad(W, (0, 0, 0, pad)).T.reshape(-1, v)
 
 
-def _assign(seg: _Segment, w: torch.Tensor, c_sq: torch.Tensor, r_sq: torch.Tensor | None):
+def _assign(seg: _Segment, w: torch.Tensor, search: CodebookSearch, res_search: CodebookSearch | None):
     """Quantize one column w [out] with the segment's codebook(s) -> (q [out], idx [rows], ridx | None)."""
     vec = seg.vectors(w)
-    idx = nearest(vec, seg.centroids, c_sq)
+    idx = search(vec)
     q = seg.centroids[idx]
     ridx = None
-    if seg.res_centroids is not None and r_sq is not None:
-        ridx = nearest(vec - q, seg.res_centroids, r_sq)
+    if seg.res_centroids is not None and res_search is not None:
+        ridx = res_search(vec - q)
         q = q + seg.res_centroids[ridx]
     return q.reshape(-1)[: w.shape[0]], idx, ridx
 
@@ -95,8 +95,8 @@ def _sweep(
         rows = math.ceil(out / seg.vector_len)
         seg.indices = torch.zeros(rows, seg.end - seg.start, dtype=torch.long)
         seg.res_indices = torch.zeros_like(seg.indices) if seg.res_centroids is not None else None
-    sq = [(seg.centroids * seg.centroids).sum(1) for seg in segments]
-    rsq = [None if seg.res_centroids is None else (seg.res_centroids**2).sum(1) for seg in segments]
+    sq = [CodebookSearch(seg.centroids) for seg in segments]
+    rsq = [None if seg.res_centroids is None else CodebookSearch(seg.res_centroids) for seg in segments]
     residuals: dict[int, list[torch.Tensor]] = {s: [] for s in range(len(segments))}
     seg_list = seg_of.tolist()
     with single_thread_torch():
