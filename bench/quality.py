@@ -55,7 +55,15 @@ ROWS: dict[str, tuple[str, object, str]] = {
     "rtn-w4a16-pc": ("rtn", ScalarConfig(bits=4, group_size=0), "RTN W4A16 per-channel"),
     "gptq-w4a16-pc": ("gptq", ScalarConfig(bits=4, group_size=0), "GPTQ W4A16 per-channel"),
     "lrq-w4a8": ("lrq", LRQConfig(bits=4, act_bits=8, act_granularity="token"), "LRQ W4A8 (per-token)"),
+    "rtn-w4a8-pc": ("rtn", ScalarConfig(bits=4, group_size=0, act_bits=8, act_granularity="token"),
+                    "RTN W4A8 per-channel (per-token)"),
+    "gptq-w4a8-pc": ("gptq", ScalarConfig(bits=4, group_size=0, act_bits=8, act_granularity="token"),
+                     "GPTQ W4A8 per-channel (per-token)"),
     "lrq-w8a8": ("lrq", LRQConfig(bits=8, act_bits=8, act_granularity="tensor"), "LRQ W8A8 (per-tensor static)"),
+    "rtn-w8a8-pc": ("rtn", ScalarConfig(bits=8, group_size=0, act_bits=8, act_granularity="tensor"),
+                    "RTN W8A8 per-channel (per-tensor static)"),
+    "gptq-w8a8-pc": ("gptq", ScalarConfig(bits=8, group_size=0, act_bits=8, act_granularity="tensor"),
+                     "GPTQ W8A8 per-channel (per-tensor static)"),
     "lrq-w3a16-full": ("lrq", LRQConfig(bits=3, full_scale=True), "FlexRound-style full scale W3A16"),
 }
 

@@ -108,3 +108,42 @@ def test_hessians_shared_only_by_linears_with_the_same_input(tiny_model, calib_i
     for name, inputs in seen.items():
         X = torch.cat(inputs).reshape(-1, linears[name].in_features).float()
         torch.testing.assert_close(hessians[name], 2 * X.T @ X / X.shape[0], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("method,granularity", [("gptq", "tensor"), ("rtn", "token")])
+def test_scalar_methods_with_activation_quantization(tmp_path, tiny_model, calib_ids, method, granularity):
+    from vptq_core.checkpoint import load_quantized, save_quantized
+
+    model, tok = tiny_model
+    weight_only, _ = quantize_model(model, calib_ids, method, ScalarConfig(bits=8, group_size=0))
+    config = ScalarConfig(bits=8, group_size=0, act_bits=8, act_granularity=granularity)
+    qmodel, result = quantize_model(model, calib_ids, method, config)
+    for st in result.states.values():
+        assert (st.act_bits, st.act_granularity) == (8, granularity)
+        assert (st.act_scale is not None and float(st.act_scale) > 0) == (granularity == "tensor")
+    if granularity == "tensor":
+        # the static scale is absmax / 127 of the linear's input over the calibration windows
+        seen = []
+        block = decoder_blocks(weight_only)[0]
+        h = block.self_attn.q_proj.register_forward_pre_hook(lambda _m, a: seen.append(a[0].abs().max()))
+        with torch.no_grad():
+            weight_only(calib_ids, use_cache=False)
+        h.remove()
+        scale = result.states["model.layers.0.self_attn.q_proj"].act_scale
+        torch.testing.assert_close(scale, (max(seen) / 127).reshape(()), rtol=1e-5, atol=0)
+    with torch.no_grad():
+        fake = qmodel(calib_ids, use_cache=False).logits
+        plain = weight_only(calib_ids, use_cache=False).logits
+    assert not torch.equal(fake, plain)  # activations are quantized in the returned model
+    assert (fake - plain).abs().max() < 0.05 * plain.abs().max()  # 8-bit activations: a small change
+    save_quantized(model, tok, result.states, tmp_path / "ckpt")
+    loaded, _ = load_quantized(tmp_path / "ckpt", dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(calib_ids, use_cache=False).logits, fake, rtol=1e-4, atol=1e-4)
+
+
+def test_activation_settings_are_validated():
+    with pytest.raises(ValueError, match="act_bits must be 4, 8 or 16"):
+        ScalarConfig(act_bits=6)
+    with pytest.raises(ValueError, match="act_granularity must be 'token' or 'tensor'"):
+        ScalarConfig(act_bits=8, act_granularity="channel")

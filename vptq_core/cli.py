@@ -66,8 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lr", type=float, help="LRQ learning rate")
     s.add_argument("--iters", type=int, help="LRQ training iterations per block")
     s.add_argument("--full-scale", action="store_true", help="LRQ: learn a full per-weight scale (FlexRound-style)")
-    s.add_argument("--act-bits", type=int, help="LRQ activation bits: 16 = weight-only, 8 = W?A8")
-    s.add_argument("--act-granularity", choices=["token", "tensor"], help="LRQ activation quantizer")
+    s.add_argument("--act-bits", type=int, help="LRQ / GPTQ / RTN activation bits: 16 = weight-only, 8 = W?A8")
+    s.add_argument("--act-granularity", choices=["token", "tensor"],
+                   help="activation quantizer: token = dynamic per token, tensor = static per tensor")
     c = q.add_argument_group("calibration")
     c.add_argument("--calib-text", default="wiki", help="'wiki' (bundled) or a UTF-8 text file")
     c.add_argument("--calib-samples", type=_positive, default=32, help="random calibration windows")
@@ -124,12 +125,13 @@ def method_config_from_args(args):
     if args.method == "vptq":
         return VPTQConfig(**_vptq_settings(args))
     common = {k: v for k, v in {"bits": args.bits, "group_size": args.group_size}.items() if v is not None}
+    common.update({k: v for k, v in {"act_bits": args.act_bits, "act_granularity": args.act_granularity}.items()
+                   if v is not None})
     if args.method in ("gptq", "rtn"):
         if args.no_act_order:
             common["act_order"] = False
         return ScalarConfig(**common)
-    extra = {"rank": args.rank, "lr": args.lr, "iters": args.iters, "act_bits": args.act_bits,
-             "act_granularity": args.act_granularity}
+    extra = {"rank": args.rank, "lr": args.lr, "iters": args.iters}
     common.update({k: v for k, v in extra.items() if v is not None})
     if args.full_scale:
         common["full_scale"] = True

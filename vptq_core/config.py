@@ -122,9 +122,19 @@ class VPTQConfig(_Base):
         return (self.index_bits + self.res_bits) / self.vector_len
 
 
+def _check_act(act_bits, act_granularity) -> None:
+    if isinstance(act_bits, bool) or act_bits not in (4, 8, 16):
+        raise ValueError(f"act_bits must be 4, 8 or 16 (16 = no activation quantization), got {act_bits!r}")
+    if act_granularity not in ("token", "tensor"):
+        raise ValueError(f"act_granularity must be 'token' or 'tensor', got {act_granularity!r}")
+
+
 @dataclass(frozen=True)
 class ScalarConfig(_Base):
-    """RTN / GPTQ settings. ``group_size=0`` means one scale per output channel."""
+    """RTN / GPTQ settings. ``group_size=0`` means one scale per output channel.
+
+    ``act_bits`` 16 = weight-only; 8 (or 4) fake-quantizes the inputs of the quantized linears, per token
+    (dynamic) or per tensor (static absmax scale from the calibration data), as for LRQ."""
 
     bits: int = 4
     group_size: int = 128
@@ -133,12 +143,15 @@ class ScalarConfig(_Base):
     damp_percent: float = 0.01
     block_size: int = 128
     clip_search: bool = False
+    act_bits: int = 16
+    act_granularity: str = "token"
 
     def __post_init__(self) -> None:
         _check_int("bits", self.bits, 1, 8)
         _check_int("group_size", self.group_size, 0)
         _check_float("damp_percent", self.damp_percent, 0.0, 1.0, lo_open=True)
         _check_int("block_size", self.block_size, 1, 4096)
+        _check_act(self.act_bits, self.act_granularity)
         for name in ("sym", "act_order", "clip_search"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -178,10 +191,7 @@ class LRQConfig(_Base):
         _check_float("lr", self.lr, 0.0, 1.0, lo_open=True)
         _check_int("batch_size", self.batch_size, 1, 1024)
         _check_int("seed", self.seed, 0)
-        if self.act_bits not in (4, 8, 16):
-            raise ValueError(f"act_bits must be 4, 8 or 16 (16 = no activation quantization), got {self.act_bits}")
-        if self.act_granularity not in ("token", "tensor"):
-            raise ValueError(f"act_granularity must be 'token' or 'tensor', got {self.act_granularity!r}")
+        _check_act(self.act_bits, self.act_granularity)
         for name in ("clip_search", "full_scale"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

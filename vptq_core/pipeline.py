@@ -256,6 +256,9 @@ def quantize_model(
                     )
                     for rep in block_reports:
                         rep.extra.update(ft)
+            if method in ("gptq", "rtn") and config.act_bits < 16:
+                _scalar_act_quant(block, linears, {n: states[f"{prefix}.{b}.{n}"] for n in linears}, inps, kwargs,
+                                  config)
             outs = _run_batched(block, inps, kwargs)
             err = float(((outs - targets) ** 2).sum() / (targets**2).sum().clamp(min=1e-20))
             for rep in block_reports:
@@ -345,6 +348,31 @@ def _lrq_block(b, prefix, block, linears, hessians, inps, targets, kwargs, confi
     if config.act_bits < 16:
         _install_act_quant(block, linears, {n: res.states[n] for n in linears})
     return reports
+
+
+def _scalar_act_quant(block, linears, block_states, inps, kwargs, config) -> None:
+    """RTN / GPTQ with activation quantization: set the states' activation settings (static per-tensor
+    scales = absmax of each linear's input over the calibration windows, seen through the weight-quantized
+    block) and fake-quantize those inputs from now on."""
+    from .act_quant import calibrate_act_scale
+
+    if config.act_granularity == "tensor":
+        found: dict[str, list[torch.Tensor]] = {n: [] for n in linears}
+
+        def hook(name):
+            return lambda _m, args: found[name].append(calibrate_act_scale([args[0]], config.act_bits))
+
+        handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
+        try:
+            _run_batched(block, inps, kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+    for name, st in block_states.items():
+        st.act_bits, st.act_granularity = config.act_bits, config.act_granularity
+        if config.act_granularity == "tensor":
+            st.act_scale = torch.stack(found[name]).max().reshape(()).cpu()
+    _install_act_quant(block, linears, block_states)
 
 
 def _install_act_quant(block, linears, block_states) -> None:
