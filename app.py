@@ -33,6 +33,12 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 TITLE = "VPTQ Studio"
 PRESETS = ("2 bits", "3 bits", "4 bits")
 CUSTOM = "custom"
+WEIGHT_ONLY = "16-bit (weight-only)"
+ACTIVATIONS = {  # label -> (act_bits, act_granularity) for the scalar methods
+    WEIGHT_ONLY: (16, "token"),
+    "8-bit per token (dynamic)": (8, "token"),
+    "8-bit per tensor (static, calibrated)": (8, "tensor"),
+}
 WIKI_SOURCE = "bundled Wikipedia text"
 FILE_SOURCE = "my .txt file"
 MODEL_CHOICES = [("SmolLM2-135M-Instruct (bundled, offline)", BUNDLED), ("tiny random llama (for tests)", TINY)]
@@ -172,7 +178,7 @@ class Studio:
 
     def config_from(self, method: str, vector_len, num_centroids, num_res_centroids, outlier_percent, group_num,
                     enable_norm, enable_perm, kmeans_iters, finetune_iters, bits, group_size, act_order, lrq_rank,
-                    lrq_iters, seed):
+                    lrq_iters, activations, seed):
         """The validated method config (ValueError naming the field)."""
         if method not in dict((v, k) for k, v in self.methods):
             raise ValueError(f"method must be one of {', '.join(v for _, v in self.methods)}, got {method!r}")
@@ -182,9 +188,10 @@ class Studio:
                             enable_perm=bool(enable_perm), kmeans_iters=kmeans_iters, finetune_iters=finetune_iters,
                             seed=seed)
         elif method in ("gptq", "rtn"):
-            settings = dict(bits=bits, group_size=group_size, act_order=bool(act_order))
+            settings = dict(bits=bits, group_size=group_size, act_order=bool(act_order), **_act_settings(activations))
         else:
-            settings = dict(bits=bits, group_size=group_size, rank=lrq_rank, iters=lrq_iters, seed=seed)
+            settings = dict(bits=bits, group_size=group_size, rank=lrq_rank, iters=lrq_iters, seed=seed,
+                            **_act_settings(activations))
         return method_config(method, settings)
 
     @staticmethod
@@ -205,13 +212,13 @@ class Studio:
 
     def estimate_md(self, model, custom_model, method, vector_len, num_centroids, num_res_centroids, outlier_percent,
                     group_num, enable_norm, enable_perm, kmeans_iters, finetune_iters, bits, group_size, act_order,
-                    lrq_rank, lrq_iters, seed) -> str:
+                    lrq_rank, lrq_iters, activations, seed) -> str:
         """Live bits per weight and checkpoint size for the current settings (warnings inline, no popup)."""
         name = self.model_name(model, custom_model)
         try:
             config = self.config_from(method, vector_len, num_centroids, num_res_centroids, outlier_percent,
                                       group_num, enable_norm, enable_perm, kmeans_iters, finetune_iters, bits,
-                                      group_size, act_order, lrq_rank, lrq_iters, seed)
+                                      group_size, act_order, lrq_rank, lrq_iters, activations, seed)
             info = model_info(name)
         except ValueError as exc:
             return f"⚠️ {exc}"
@@ -266,7 +273,7 @@ class Studio:
     # ------------------------------------------------------------------------------------ quantize tab
     def start(self, model, custom_model, method, vector_len, num_centroids, num_res_centroids, outlier_percent,
               group_num, enable_norm, enable_perm, kmeans_iters, finetune_iters, bits, group_size, act_order,
-              lrq_rank, lrq_iters, calib_source, calib_file, calib_samples, calib_seqlen, seed,
+              lrq_rank, lrq_iters, activations, calib_source, calib_file, calib_samples, calib_seqlen, seed,
               request: gr.Request):
         """Validate the settings and queue a quantization job; returns the job id and resets the live view."""
         owner = self.owner(request)
@@ -274,7 +281,7 @@ class Studio:
         try:
             config = self.config_from(method, vector_len, num_centroids, num_res_centroids, outlier_percent,
                                       group_num, enable_norm, enable_perm, kmeans_iters, finetune_iters, bits,
-                                      group_size, act_order, lrq_rank, lrq_iters, seed)
+                                      group_size, act_order, lrq_rank, lrq_iters, activations, seed)
             calib = CalibConfig(text="wiki", samples=calib_samples, seqlen=calib_seqlen, seed=seed)
             calib_text = self._read_calibration_file(calib_file) if calib_source == FILE_SOURCE else None
             info = model_info(name)
@@ -615,6 +622,15 @@ class Studio:
         self.cache.drop(lambda key: key[0] == "quant" and key[1] in dirs)
 
 
+def _act_settings(activations) -> dict:
+    if activations in (None, ""):
+        activations = WEIGHT_ONLY
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {', '.join(repr(a) for a in ACTIVATIONS)}, got {activations!r}")
+    act_bits, granularity = ACTIVATIONS[activations]
+    return {"act_bits": act_bits, "act_granularity": granularity}
+
+
 def _user_error(message) -> gr.Error:
     """A message for the user (shown in the page), not a server fault: no traceback in the log."""
     return gr.Error(str(message), print_exception=False)
@@ -717,6 +733,8 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                             with gr.Group(visible=False) as scalar_group, gr.Row():
                                 bits = gr.Number(2, precision=0, label="bits")
                                 group_size = gr.Number(64, precision=0, label="group size (0 = per channel)")
+                                activations = gr.Dropdown(list(ACTIVATIONS), value=WEIGHT_ONLY,
+                                                          label="activations (W·A8 = 8-bit inputs to the linears)")
                             with gr.Group(visible=False) as gptq_group:
                                 act_order = gr.Checkbox(True, label="act order (GPTQ)")
                             with gr.Group(visible=False) as lrq_group, gr.Row():
@@ -808,7 +826,7 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
 
         vptq_fields = [vector_len, num_centroids, num_res_centroids, outlier_percent, group_num, enable_norm,
                        enable_perm, kmeans_iters, finetune_iters]
-        other_fields = [bits, group_size, act_order, lrq_rank, lrq_iters]
+        other_fields = [bits, group_size, act_order, lrq_rank, lrq_iters, activations]
         settings_inputs = [model, custom_model, method, *vptq_fields, *other_fields, seed]
         calib_inputs = [calib_source, calib_file, calib_samples, calib_seqlen]
 

@@ -48,6 +48,7 @@ def job_kwargs(**overrides) -> dict:
     kwargs = dict(model=TINY, custom_model="", method="vptq", vector_len=4, num_centroids=16, num_res_centroids=0,
                   outlier_percent=0, group_num=1, enable_norm=False, enable_perm=True, kmeans_iters=2,
                   finetune_iters=0, bits=2, group_size=32, act_order=True, lrq_rank=0, lrq_iters=5,
+                  activations=studio_app.WEIGHT_ONLY,
                   calib_source=studio_app.WIKI_SOURCE, calib_file=None, calib_samples=4, calib_seqlen=64, seed=0)
     kwargs.update(overrides)
     return kwargs
@@ -95,6 +96,7 @@ def test_bad_settings_give_clear_errors(served, monkeypatch):
         (dict(method="awq"), r"'awq' .* is not in the list of choices: \['vptq', 'gptq', 'rtn'"),
         (dict(calib_source=studio_app.FILE_SOURCE), r"no file was uploaded"),
         (dict(custom_model="no such model"), r"'no such model' is not a built-in name"),
+        (dict(method="rtn", activations="4-bit"), r"4-bit is not in the list of choices: \['16-bit \(weight-only\)'"),
     ]
     for overrides, message in cases:
         with pytest.raises(AppError, match=message):
@@ -224,9 +226,11 @@ def test_closing_the_session_deletes_its_runs(served, tmp_path):
     from vptq_core.archive import pack_checkpoint
 
     client = Client(served.url, verbose=False)
-    job = client.predict(**job_kwargs(method="rtn", bits=4), api_name="/start")[0]
+    w8a8 = "8-bit per tensor (static, calibrated)"
+    job = client.predict(**job_kwargs(method="rtn", bits=8, group_size=0, activations=w8a8), api_name="/start")[0]
     final, _ = wait_done(client, job)
     assert final["status"] == "done", final["error"]
+    assert final["meta"]["settings"]["act_bits"] == 8 and final["meta"]["settings"]["act_granularity"] == "tensor"
     copy = pack_checkpoint(final["result"]["checkpoint_dir"], tmp_path / "copy.zip")
     picked = client.predict(handle_file(str(copy)), api_name="/upload")[0]["value"]
     dirs = [served.workdir / "jobs" / job, served.workdir / "jobs" / picked]
