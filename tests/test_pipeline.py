@@ -147,3 +147,13 @@ def test_activation_settings_are_validated():
         ScalarConfig(act_bits=6)
     with pytest.raises(ValueError, match="act_granularity must be 'token' or 'tensor'"):
         ScalarConfig(act_bits=8, act_granularity="channel")
+
+
+def test_phase_timings_cover_the_run(tiny_model, calib_ids):
+    model, _ = tiny_model
+    _, vq = quantize_model(model, calib_ids, "vptq", TINY_VQ)
+    t = vq.summary()["timings"]
+    assert set(t) == {"capture_inputs", "hessians_targets", "kmeans", "inverse_hessian", "sweep", "block_outputs"}
+    assert all(v >= 0 for v in t.values()) and sum(vq.timings.values()) <= vq.seconds
+    _, rtn = quantize_model(model, calib_ids, "rtn", ScalarConfig(bits=4))
+    assert set(rtn.timings) == {"capture_inputs", "hessians_targets", "quantize", "block_outputs"}

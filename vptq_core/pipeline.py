@@ -66,11 +66,19 @@ class QuantizeResult:
     seconds: float
     cancelled: bool = False
     blocks_done: int = 0
+    # wall seconds per phase: capture_inputs, hessians_targets (original block forwards with Hessian hooks),
+    # the method's phases (VPTQ: kmeans, inverse_hessian, sweep; scalar: quantize; lrq: lrq_train),
+    # finetune, act_calibration, block_outputs (quantized block forwards)
+    timings: dict = field(default_factory=dict)
+
+    def add_time(self, phase: str, seconds: float) -> None:
+        self.timings[phase] = self.timings.get(phase, 0.0) + seconds
 
     def summary(self) -> dict:
         return {
             "method": self.method, "config": self.config, "layers": len(self.states),
             "blocks_done": self.blocks_done, "cancelled": self.cancelled, "seconds": round(self.seconds, 2),
+            "timings": {k: round(v, 2) for k, v in self.timings.items()},
             "index_bits_per_weight": self.bits.index_bits_per_weight if self.bits.weights else None,
             "total_bits_per_weight": self.bits.total_bits_per_weight if self.bits.weights else None,
         }
@@ -218,6 +226,7 @@ def quantize_model(
     inps, kwargs = capture_block_inputs(model, calib_ids)
     inps = inps.to(dev, torch.float32)
     kwargs = _kwargs_to(kwargs, dev, torch.float32)
+    result.add_time("capture_inputs", time.perf_counter() - start_time)
     try:
         for b, block in enumerate(blocks):
             if should_stop():
@@ -225,11 +234,15 @@ def quantize_model(
             orig_device = next(block.parameters()).device
             block.to(dev, torch.float32)
             linears = {n: m for n, m in block_linears(block).items() if not (skip and skip(f"{prefix}.{b}.{n}"))}
+            clock = time.perf_counter()
             hessians, targets = _pass_a(block, linears, inps, kwargs)
+            result.add_time("hessians_targets", time.perf_counter() - clock)
             block_reports = []
             if method == "lrq":
+                clock = time.perf_counter()
                 block_reports = _lrq_block(b, prefix, block, linears, hessians, inps, targets, kwargs, config,
                                            should_stop, states, on_layer)
+                result.add_time("lrq_train", time.perf_counter() - clock)
                 reports.extend(block_reports)
             else:
                 cache: dict = {}
@@ -239,6 +252,8 @@ def quantize_model(
                     t0 = time.perf_counter()
                     H = hessians[name]
                     res = _quantize_linear(method, linear.weight.data, H, config, linear.bias, cache)
+                    for phase, seconds in (res.timings or {"quantize": time.perf_counter() - t0}).items():
+                        result.add_time(phase, seconds)
                     linear.weight.data.copy_(res.weight.to(linear.weight.dtype))
                     full = f"{prefix}.{b}.{name}"
                     states[full] = res.state
@@ -250,16 +265,23 @@ def quantize_model(
                 if method == "vptq" and config.finetune_iters > 0:
                     from .finetune import finetune_block_centroids
 
+                    clock = time.perf_counter()
+
                     ft = finetune_block_centroids(
                         block, {n: states[f"{prefix}.{b}.{n}"] for n in linears}, inps, targets,
                         lambda blk, x: run_block(blk, x, kwargs), config,
                     )
                     for rep in block_reports:
                         rep.extra.update(ft)
+                    result.add_time("finetune", time.perf_counter() - clock)
             if method in ("gptq", "rtn") and config.act_bits < 16:
+                clock = time.perf_counter()
                 _scalar_act_quant(block, linears, {n: states[f"{prefix}.{b}.{n}"] for n in linears}, inps, kwargs,
                                   config)
+                result.add_time("act_calibration", time.perf_counter() - clock)
+            clock = time.perf_counter()
             outs = _run_batched(block, inps, kwargs)
+            result.add_time("block_outputs", time.perf_counter() - clock)
             err = float(((outs - targets) ** 2).sum() / (targets**2).sum().clamp(min=1e-20))
             for rep in block_reports:
                 rep.rel_output_error = err

@@ -10,7 +10,8 @@ Hessian's Cholesky factor (GPTQ-style, lazy block updates).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,7 @@ class QuantResult:
     proxy_loss: float  # tr(ΔW H ΔWᵀ)
     rel_proxy_loss: float  # tr(ΔW H ΔWᵀ) / tr(W H Wᵀ)
     rel_weight_error: float  # ||ΔW||_F / ||W||_F
+    timings: dict = field(default_factory=dict)  # seconds per phase: kmeans, inverse_hessian, sweep
 
 
 @dataclass
@@ -130,6 +132,12 @@ def _sweep_blocks(W, Q, U, segments, seg_list, sq, rsq, residuals, block_size, s
             W[:, b1:].addmm_(Err, U[b0:b1, b1:], alpha=-1.0)
 
 
+def _lap(timings: dict, phase: str, since: float) -> float:
+    now = time.perf_counter()
+    timings[phase] += now - since
+    return now
+
+
 def _fit_sample(config: VPTQConfig, k: int) -> int:
     """Vectors k-means fits on: at most ``kmeans_sample``, and at most 64 per centroid (more barely moves
     the centroids, and the fit's cost grows with it)."""
@@ -187,6 +195,8 @@ def vptq_quantize(
     n_outlier_segments = 1 if outlier_size else 0
 
     # Hessian-weighted k-means codebook per segment, fitted on the (normalised, permuted) weight.
+    timings = {"kmeans": 0.0, "inverse_hessian": 0.0, "sweep": 0.0}
+    clock = time.perf_counter()
     for s, seg in enumerate(segments):
         k = config.outlier_centroids if s < n_outlier_segments else config.num_centroids
         vectors = _column_vectors(Wd[:, seg.start : seg.end], seg.vector_len)
@@ -196,10 +206,13 @@ def vptq_quantize(
             vectors, weights, k, config.kmeans_iters, seed=config.seed + s, sample=_fit_sample(config, k)
         ).centroids
 
+    clock = _lap(timings, "kmeans", clock)
     U = inverse_hessian_cholesky(Hd, hessian_cache)
+    clock = _lap(timings, "inverse_hessian", clock)
     Q, residuals = _sweep(
         Wd, U, segments, config.block_size, config.second_order, collect_residuals=config.num_res_centroids > 0
     )
+    clock = _lap(timings, "sweep", clock)
     if config.num_res_centroids > 0:
         # Residual codebook: k-means on what the first sweep left, then sweep again from the original W.
         for s, seg in enumerate(segments[n_outlier_segments:], start=n_outlier_segments):
@@ -210,7 +223,9 @@ def vptq_quantize(
                 vectors, weights, config.num_res_centroids, config.kmeans_iters, seed=config.seed + 1000 + s,
                 sample=_fit_sample(config, config.num_res_centroids),
             ).centroids
+        clock = _lap(timings, "kmeans", clock)
         Q, _ = _sweep(Wd, U, segments, config.block_size, config.second_order)
+        clock = _lap(timings, "sweep", clock)
 
     W_hat = torch.empty_like(Q)
     if perm is not None:
@@ -240,7 +255,8 @@ def vptq_quantize(
     )
     loss, rel = proxy_loss(W_orig, W_hat, H.float())
     rel_w = float(torch.linalg.norm(W_hat - W_orig) / torch.linalg.norm(W_orig).clamp(min=1e-12))
-    return QuantResult(state=state, weight=W_hat, proxy_loss=loss, rel_proxy_loss=rel, rel_weight_error=rel_w)
+    return QuantResult(state=state, weight=W_hat, proxy_loss=loss, rel_proxy_loss=rel, rel_weight_error=rel_w,
+                       timings=timings)
 
 
 def dequantize_state(state: VQLayerState) -> torch.Tensor:
