@@ -70,7 +70,10 @@ class VPTQConfig(_Base):
     group_num: int = 1
     enable_norm: bool = False
     enable_perm: bool = True
-    kmeans_iters: int = 10
+    # Lloyd iterations on at most kmeans_sample vectors (and at most 64 per centroid). Measured on SmolLM2
+    # block 0/5 q_proj and up_proj at v6 k4096: 5 iterations cost +0.5..1.3% relative proxy loss against 10
+    # at two thirds of the time; halving the sample instead costs +3..15%.
+    kmeans_iters: int = 5
     kmeans_sample: int = 65536
     # 10% of mean(diag H): on SmolLM2 the Hessians are ill-conditioned (attention-sink tokens); with 1% the
     # sweep trades large weight errors in weak directions for tiny proxy gains (block 0 q_proj: relative
