@@ -80,8 +80,10 @@ class VPTQConfig(_Base):
     # weight error 0.94 at 1%, 0.58 at 10%, proxy loss 0.0088 vs 0.0077).
     damp_percent: float = 0.1
     block_size: int = 128
+    # Block-wise centroid fine-tuning (Adam, batches of 2 windows). SmolLM2 block 3 at v6 k4096, 32 steps:
+    # lr 1e-3 cut the block's output error on held-out windows by 10% (1e-4: by 4%); 96 steps by 11%.
     finetune_iters: int = 0
-    finetune_lr: float = 1e-4
+    finetune_lr: float = 1e-3
     second_order: bool = True
     seed: int = 0
 
