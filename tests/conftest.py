@@ -30,3 +30,31 @@ def correlated_layer():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "browser: drives the app in headless Chromium through Playwright (slow)")
+
+
+# Per projection kind: a different VPTQ layout, so one checkpoint covers residual, outliers, groups, norm, perm.
+VQ_LAYOUTS = {
+    "q_proj": {"vector_len": 4, "num_centroids": 16, "perm": True},
+    "k_proj": {"vector_len": 4, "num_centroids": 16, "num_res_centroids": 4, "norm": True},
+    "v_proj": {
+        "vector_len": 4,
+        "num_centroids": 8,
+        "outlier_size": 8,
+        "outlier_vector_len": 2,
+        "num_outlier_centroids": 16,
+        "perm": True,
+        "norm": True,
+    },
+    "o_proj": {"vector_len": 8, "num_centroids": 32, "group_num": 2},
+    "gate_proj": {"vector_len": 6, "num_centroids": 64, "num_res_centroids": 16, "perm": True},
+    "up_proj": {"vector_len": 4, "num_centroids": 16, "group_num": 4, "norm": True},
+    "down_proj": {
+        "vector_len": 4,
+        "num_centroids": 16,
+        "outlier_size": 16,
+        "outlier_vector_len": 4,
+        "num_outlier_centroids": 8,
+        "group_num": 2,
+        "perm": True,
+    },
+}

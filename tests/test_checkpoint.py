@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import VQ_LAYOUTS
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -19,32 +20,6 @@ from vptq_core.quantized_linear import ScalarQLinear, VQLinear, random_scalar_st
 
 PROMPT = torch.tensor([[5, 17, 42, 99, 3, 250, 77, 8, 1, 64]])
 
-# Per projection kind: a different VPTQ layout, so one checkpoint covers residual, outliers, groups, norm, perm.
-VQ_LAYOUTS = {
-    "q_proj": {"vector_len": 4, "num_centroids": 16, "perm": True},
-    "k_proj": {"vector_len": 4, "num_centroids": 16, "num_res_centroids": 4, "norm": True},
-    "v_proj": {
-        "vector_len": 4,
-        "num_centroids": 8,
-        "outlier_size": 8,
-        "outlier_vector_len": 2,
-        "num_outlier_centroids": 16,
-        "perm": True,
-        "norm": True,
-    },
-    "o_proj": {"vector_len": 8, "num_centroids": 32, "group_num": 2},
-    "gate_proj": {"vector_len": 6, "num_centroids": 64, "num_res_centroids": 16, "perm": True},
-    "up_proj": {"vector_len": 4, "num_centroids": 16, "group_num": 4, "norm": True},
-    "down_proj": {
-        "vector_len": 4,
-        "num_centroids": 16,
-        "outlier_size": 16,
-        "outlier_vector_len": 4,
-        "num_outlier_centroids": 8,
-        "group_num": 2,
-        "perm": True,
-    },
-}
 
 
 def block_linears(model: nn.Module) -> dict[str, nn.Linear]:

@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from conftest import VQ_LAYOUTS
 from safetensors.torch import load_file
 from torch import nn
 
@@ -23,31 +24,8 @@ vqlinear = pytest.importorskip(
 )
 model_base = pytest.importorskip("vptq.layers.model_base", reason="vptq.layers.model_base does not import here")
 
-LAYOUTS = {
-    "q_proj": {"vector_len": 4, "num_centroids": 16, "perm": True},
-    "k_proj": {"vector_len": 4, "num_centroids": 16, "num_res_centroids": 4, "norm": True},
-    "v_proj": {
-        "vector_len": 4,
-        "num_centroids": 8,
-        "outlier_size": 8,
-        "outlier_vector_len": 2,
-        "num_outlier_centroids": 16,
-        "perm": True,
-        "norm": True,
-    },
-    "o_proj": {"vector_len": 8, "num_centroids": 32, "group_num": 2},
-    "gate_proj": {"vector_len": 6, "num_centroids": 64, "num_res_centroids": 16, "perm": True},
-    "up_proj": {"vector_len": 4, "num_centroids": 4096, "group_num": 4, "norm": True},
-    "down_proj": {
-        "vector_len": 4,
-        "num_centroids": 16,
-        "outlier_size": 16,
-        "outlier_vector_len": 4,
-        "num_outlier_centroids": 8,
-        "group_num": 2,
-        "perm": True,
-    },
-}
+# The checkpoint tests' layouts, with k = 4096 for up_proj to exercise 12-bit index entries.
+LAYOUTS = {**VQ_LAYOUTS, "up_proj": {**VQ_LAYOUTS["up_proj"], "num_centroids": 4096}}
 
 
 @pytest.fixture(scope="module")
