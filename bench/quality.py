@@ -101,22 +101,24 @@ def print_table(results: list[dict], bf16_ppl: float | None) -> None:
     if results:
         print(f"evaluation: {results[0]['protocol']}; calibration: {results[0]['calib']}; "
               f"threads: {results[0]['threads']}")
-    header = f"| {'row':<50} | idx bits | total bits | ppl | ppl × bf16 | KL | top-1 | quant s |"
+    header = f"| {'row':<50} | idx bits | total bits | ppl | ppl × bf16 | KL | top-1 | quant s | calib windows |"
     print(header)
-    print("|" + "---|" * 8)
+    print("|" + "---|" * 9)
     if bf16_ppl:
-        print(f"| {'bf16 original':<50} | 16 | 16 | {bf16_ppl:.2f} | 1.00 | 0 | 100% | - |")
+        print(f"| {'bf16 original':<50} | 16 | 16 | {bf16_ppl:.2f} | 1.00 | 0 | 100% | - | - |")
     for r in results:
         print(f"| {r['label']:<50} | {r['index_bits']:.2f} | {r['total_bits']:.2f} | {r['perplexity']:.2f} | "
               f"{r['perplexity'] / r['bf16_perplexity']:.2f} | {r['kl']:.3f} | {r['top1']:.1%} | "
-              f"{r['quant_seconds']:.0f} |")
+              f"{r['quant_seconds']:.0f} | {r['calib']['samples']} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="*", default=list(ROWS), help="rows to run (default: all)")
     parser.add_argument("--list", action="store_true")
-    parser.add_argument("--results", default="bench/results/quality.jsonl")
+    parser.add_argument("--results", nargs="+", default=["bench/results/quality.jsonl"],
+                        help="JSON-lines files: new rows are appended to the first; the table reads them all "
+                             "(a later file's row replaces an earlier one's)")
     parser.add_argument("--rerun", action="store_true", help="recompute rows already in the results file")
     parser.add_argument("--calib-samples", type=int, default=32)
     parser.add_argument("--calib-seqlen", type=int, default=512)
@@ -135,13 +137,14 @@ def main() -> None:
         parser.error(f"unknown rows {unknown}; allowed: {', '.join(ROWS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = Path(args.results)
+    path = Path(args.results[0])
     path.parent.mkdir(parents=True, exist_ok=True)
     done = {}
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            done[rec["row"]] = rec
+    for file in [Path(p) for p in args.results[1:]] + [path]:
+        if file.is_file():
+            for line in file.read_text().splitlines():
+                rec = json.loads(line)
+                done[rec["row"]] = rec
     if not args.table_only:
         model, tok = load_model("smollm2-135m-instruct", dtype=torch.float32)
         args.reference, _ = load_model("smollm2-135m-instruct", dtype=torch.bfloat16)
