@@ -82,7 +82,12 @@ def run_row(key: str, model, tok, calib: torch.Tensor, args) -> dict:
                        report={"model": {"source": "smollm2-135m-instruct"}, "summary": result.summary()})
     qmodel = qmodel.to(torch.bfloat16)
     ev = evaluate(qmodel, tok, text="wiki", seqlen=args.seqlen, max_windows=args.windows, reference=args.reference)
+    # The calibration windows themselves (seen while quantizing), against the original on the same windows:
+    # the gap to the held-out numbers shows how much a method fitted its calibration text.
+    seen = evaluate(qmodel, tok, windows=calib, reference=args.reference)
     return {
+        "calib_perplexity": seen.perplexity, "calib_kl": seen.kl_divergence,
+        "calib_bf16_perplexity": seen.reference_perplexity,
         "row": key, "label": label, "method": method, "config": config.to_dict(),
         "index_bits": result.bits.index_bits_per_weight, "total_bits": result.bits.total_bits_per_weight,
         "perplexity": ev.perplexity, "kl": ev.kl_divergence, "top1": ev.top1_agreement,

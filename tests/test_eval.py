@@ -27,6 +27,9 @@ def test_perplexity_matches_manual_nll(tiny_model, text_file):
     assert res.perplexity == pytest.approx(math.exp(float(nll)), rel=1e-4)
     assert (res.windows, res.tokens, res.seqlen) == (3, 3 * 63, 64)
     assert "seqlen=64, windows=3" in res.protocol()
+    given = evaluate(model, tok, windows=windows)  # explicit token windows give the same number
+    assert given.perplexity == pytest.approx(res.perplexity, rel=1e-6) and given.tokens == 3 * 63
+    assert evaluate(model, tok, windows=windows, max_windows=1).windows == 1
 
 
 def test_kl_and_agreement_against_reference(tiny_model, text_file, calib_ids):
@@ -45,3 +48,5 @@ def test_bad_eval_arguments(tiny_model, text_file):
         evaluate(model, tok, text=text_file, seqlen=1)
     with pytest.raises(ValueError, match="fewer than one window"):
         evaluate(model, tok, text=text_file, seqlen=100000)
+    with pytest.raises(ValueError, match=r"windows must be token ids \[n, seqlen >= 2\]"):
+        evaluate(model, tok, windows=torch.tensor([1, 2, 3]))

@@ -50,17 +50,25 @@ def evaluate(
     reference: nn.Module | None = None,
     on_window: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    windows: torch.Tensor | None = None,
 ) -> EvalResult:
     """Perplexity of ``model`` on the evaluation split of ``text`` ("wiki" or a file).
 
     Protocol: tokenize the evaluation text once, cut it into non-overlapping windows of ``seqlen`` tokens
     (dropping the remainder, at most ``max_windows``), ``ppl = exp(mean NLL)`` over every predicted token.
     With ``reference`` (the original model), also the mean KL divergence ``KL(P_ref || P_model)`` and the
-    top-1 agreement on the same windows, plus the reference's own perplexity.
+    top-1 agreement on the same windows, plus the reference's own perplexity. ``windows`` (token ids
+    [n, seqlen]) replaces the text, e.g. to measure the calibration windows themselves.
     """
-    if seqlen < 2:
+    if windows is not None:
+        if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.shape[1] < 2:
+            raise ValueError(f"windows must be token ids [n, seqlen >= 2], got {getattr(windows, 'shape', windows)!r}")
+        text, seqlen = "given windows", windows.shape[1]
+        windows = windows[:max_windows] if max_windows else windows
+    elif seqlen < 2:
         raise ValueError(f"seqlen must be >= 2, got {seqlen}")
-    windows = eval_windows(tokenizer, text, seqlen, max_windows)
+    else:
+        windows = eval_windows(tokenizer, text, seqlen, max_windows)
     should_stop = should_stop or (lambda: False)
     t0 = time.perf_counter()
     nll_sum = ref_nll_sum = kl_sum = 0.0
