@@ -67,6 +67,10 @@ ROWS: dict[str, tuple[str, object, str]] = {
     "gptq-w8a8-pc": ("gptq", ScalarConfig(bits=8, group_size=0, act_bits=8, act_granularity="tensor"),
                      "GPTQ W8A8 per-channel (per-tensor static)"),
     "lrq-w3a16-full": ("lrq", LRQConfig(bits=3, full_scale=True), "FlexRound-style full scale W3A16"),
+    # Longer training for the generalisation comparison (run with few calibration windows, e.g. 4: 24 epochs).
+    "lrq-w3a16-96": ("lrq", LRQConfig(bits=3, iters=96), "LRQ W3A16, 96 steps/block"),
+    "lrq-w3a16-full-96": ("lrq", LRQConfig(bits=3, iters=96, full_scale=True),
+                          "FlexRound-style full scale W3A16, 96 steps/block"),
 }
 
 
