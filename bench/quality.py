@@ -40,6 +40,8 @@ ROWS: dict[str, tuple[str, object, str]] = {
                           "VPTQ v8 k256 + residual k256"),
     "vptq-2-v6k4096-ft32": ("vptq", VPTQConfig(vector_len=6, num_centroids=4096, finetune_iters=32),
                             "VPTQ v6 k4096 + centroid fine-tuning (32 steps/block)"),
+    "vptq-2-v6k4096-ft64": ("vptq", VPTQConfig(vector_len=6, num_centroids=4096, finetune_iters=64),
+                            "VPTQ v6 k4096 + centroid fine-tuning (64 steps/block)"),
     "vptq-1-v8k256": ("vptq", VPTQConfig(vector_len=8, num_centroids=256), "VPTQ v8 k256 (no residual)"),
     "rtn-3": ("rtn", ScalarConfig(bits=3, group_size=64), "RTN 3-bit g64"),
     "gptq-3": ("gptq", ScalarConfig(bits=3, group_size=64), "GPTQ 3-bit g64"),
