@@ -1,0 +1,78 @@
+"""LRQ low-rank vs full per-weight scale (FlexRound-style) on one real block: fit vs held-out error by steps.
+
+Protocol: SmolLM2-135M-Instruct block ``--block`` (inputs from the original blocks before it), 3-bit
+per-channel weights, trained with ``lrq_quantize_block`` on ``--calib`` wiki calibration windows (even
+articles) of 512 tokens; error = relative block-output error ||Y_q - Y||² / ||Y||² on those windows
+("calib") and on ``--held`` windows of the held-out wiki split (odd articles). One torch thread.
+
+    python bench/lrq_overfit.py [--block 5] [--calib 4] [--held 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vptq_core.config import LRQConfig  # noqa: E402
+from vptq_core.data import calibration_windows, eval_windows  # noqa: E402
+from vptq_core.lrq import auto_rank, lrq_quantize_block  # noqa: E402
+from vptq_core.models import block_linears, decoder_blocks, load_model  # noqa: E402
+from vptq_core.pipeline import _run_batched, capture_block_inputs, run_block  # noqa: E402
+
+GRID = [(32, "auto"), (32, "full"), (128, 16), (128, 48), (128, "auto"), (128, "full"), (384, "auto"),
+        (384, "full")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--block", type=int, default=5)
+    parser.add_argument("--calib", type=int, default=4)
+    parser.add_argument("--held", type=int, default=8)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model, tok = load_model("smollm2-135m-instruct", dtype=torch.float32)
+    calib = calibration_windows(tok, "wiki", args.calib, 512)
+    held = eval_windows(tok, "wiki", 512, args.held)
+    n = args.calib
+    with torch.no_grad():
+        inps, kwargs = capture_block_inputs(model, torch.cat([calib, held]))
+        blocks = decoder_blocks(model)
+        for b in range(args.block):
+            inps = _run_batched(blocks[b], inps, kwargs)
+        block = blocks[args.block]
+        targets = _run_batched(block, inps, kwargs)
+    names = list(block_linears(block))
+
+    def rel_error(blk, rows: slice) -> float:
+        with torch.no_grad():
+            out = _run_batched(blk, inps[rows], kwargs)
+        return float(((out - targets[rows]) ** 2).sum() / (targets[rows] ** 2).sum())
+
+    auto = auto_rank(576, 576)
+    print(f"block {args.block}, W3 per-channel, {n} calibration / {args.held} held-out windows x 512 tokens; "
+          f"relative block-output error (auto rank = {auto} for 576-wide layers)")
+    print("| steps | scale | calib error | held-out error | seconds |")
+    print("|---|---|---|---|---|")
+    for steps, rank in GRID:
+        work = copy.deepcopy(block)
+        config = LRQConfig(bits=3, iters=steps, full_scale=rank == "full", rank=rank if isinstance(rank, int) else 0)
+        t0 = time.perf_counter()
+        with torch.enable_grad():
+            res = lrq_quantize_block(work, names, inps[:n], targets[:n], lambda blk, x: run_block(blk, x, kwargs),
+                                     config)
+        for name in names:
+            work.get_submodule(name).weight.data.copy_(res.states[name].dequantize().float())
+        label = "full (FlexRound-style)" if rank == "full" else f"low-rank, rank {auto if rank == 'auto' else rank}"
+        print(f"| {steps} | {label} | {rel_error(work, slice(0, n)):.5f} | {rel_error(work, slice(n, None)):.5f} | "
+              f"{time.perf_counter() - t0:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
