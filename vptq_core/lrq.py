@@ -308,7 +308,7 @@ def _mean_loss(
 
 
 @torch.no_grad()
-def _calibrate_scales(forward, block, names, inputs, bits, batch_size, device) -> dict[str, torch.Tensor]:
+def calibrate_static_scales(forward, block, names, inputs, bits, batch_size, device) -> dict[str, torch.Tensor]:
     """Static per-tensor activation scales (absmax) of each linear's input over the calibration inputs."""
     found: dict[str, list[torch.Tensor]] = {name: [] for name in names}
     modules = dict(block.named_modules())
@@ -361,7 +361,8 @@ def lrq_quantize_block(
         static = None
         if config.act_bits < 16 and config.act_granularity == "tensor":
             if act_scales is None:
-                act_scales = _calibrate_scales(forward, work, linear_names, inputs, config.act_bits, eval_batch, device)
+                act_scales = calibrate_static_scales(forward, work, linear_names, inputs, config.act_bits, eval_batch,
+                                                     device)
             static = {name: act_scales[name].detach().float().reshape(()).cpu() for name in linear_names}
         wrappers = _wrap_linears(work, linear_names, config, static, device, generator)
 

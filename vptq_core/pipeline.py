@@ -8,6 +8,7 @@ inputs and the block's relative output error. Only the current block's working s
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -73,6 +74,14 @@ class QuantizeResult:
 
     def add_time(self, phase: str, seconds: float) -> None:
         self.timings[phase] = self.timings.get(phase, 0.0) + seconds
+
+    @contextlib.contextmanager
+    def timed(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add_time(phase, time.perf_counter() - start)
 
     def summary(self) -> dict:
         return {
@@ -234,15 +243,13 @@ def quantize_model(
             orig_device = next(block.parameters()).device
             block.to(dev, torch.float32)
             linears = {n: m for n, m in block_linears(block).items() if not (skip and skip(f"{prefix}.{b}.{n}"))}
-            clock = time.perf_counter()
-            hessians, targets = _pass_a(block, linears, inps, kwargs)
-            result.add_time("hessians_targets", time.perf_counter() - clock)
+            with result.timed("hessians_targets"):
+                hessians, targets = _pass_a(block, linears, inps, kwargs)
             block_reports = []
             if method == "lrq":
-                clock = time.perf_counter()
-                block_reports = _lrq_block(b, prefix, block, linears, hessians, inps, targets, kwargs, config,
-                                           should_stop, states, on_layer)
-                result.add_time("lrq_train", time.perf_counter() - clock)
+                with result.timed("lrq_train"):
+                    block_reports = _lrq_block(b, prefix, block, linears, hessians, inps, targets, kwargs, config,
+                                               should_stop, states, on_layer)
                 reports.extend(block_reports)
             else:
                 cache: dict = {}
@@ -265,23 +272,19 @@ def quantize_model(
                 if method == "vptq" and config.finetune_iters > 0:
                     from .finetune import finetune_block_centroids
 
-                    clock = time.perf_counter()
-
-                    ft = finetune_block_centroids(
-                        block, {n: states[f"{prefix}.{b}.{n}"] for n in linears}, inps, targets,
-                        lambda blk, x: run_block(blk, x, kwargs), config,
-                    )
+                    with result.timed("finetune"):
+                        ft = finetune_block_centroids(
+                            block, {n: states[f"{prefix}.{b}.{n}"] for n in linears}, inps, targets,
+                            lambda blk, x: run_block(blk, x, kwargs), config,
+                        )
                     for rep in block_reports:
                         rep.extra.update(ft)
-                    result.add_time("finetune", time.perf_counter() - clock)
             if method in ("gptq", "rtn") and config.act_bits < 16:
-                clock = time.perf_counter()
-                _scalar_act_quant(block, linears, {n: states[f"{prefix}.{b}.{n}"] for n in linears}, inps, kwargs,
-                                  config)
-                result.add_time("act_calibration", time.perf_counter() - clock)
-            clock = time.perf_counter()
-            outs = _run_batched(block, inps, kwargs)
-            result.add_time("block_outputs", time.perf_counter() - clock)
+                with result.timed("act_calibration"):
+                    _scalar_act_quant(block, linears, {n: states[f"{prefix}.{b}.{n}"] for n in linears}, inps,
+                                      kwargs, config)
+            with result.timed("block_outputs"):
+                outs = _run_batched(block, inps, kwargs)
             err = float(((outs - targets) ** 2).sum() / (targets**2).sum().clamp(min=1e-20))
             for rep in block_reports:
                 rep.rel_output_error = err
@@ -376,24 +379,16 @@ def _scalar_act_quant(block, linears, block_states, inps, kwargs, config) -> Non
     """RTN / GPTQ with activation quantization: set the states' activation settings (static per-tensor
     scales = absmax of each linear's input over the calibration windows, seen through the weight-quantized
     block) and fake-quantize those inputs from now on."""
-    from .act_quant import calibrate_act_scale
+    from .lrq import calibrate_static_scales
 
+    scales = {}
     if config.act_granularity == "tensor":
-        found: dict[str, list[torch.Tensor]] = {n: [] for n in linears}
-
-        def hook(name):
-            return lambda _m, args: found[name].append(calibrate_act_scale([args[0]], config.act_bits))
-
-        handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
-        try:
-            _run_batched(block, inps, kwargs)
-        finally:
-            for h in handles:
-                h.remove()
+        scales = calibrate_static_scales(lambda blk, x: run_block(blk, x, kwargs), block, list(linears), inps,
+                                   config.act_bits, BATCH, inps.device)
     for name, st in block_states.items():
         st.act_bits, st.act_granularity = config.act_bits, config.act_granularity
-        if config.act_granularity == "tensor":
-            st.act_scale = torch.stack(found[name]).max().reshape(()).cpu()
+        if name in scales:
+            st.act_scale = scales[name].reshape(()).cpu()
     _install_act_quant(block, linears, block_states)
 
 

@@ -97,16 +97,18 @@ def _sweep(
         rows = math.ceil(out / seg.vector_len)
         seg.indices = torch.zeros(rows, seg.end - seg.start, dtype=torch.long)
         seg.res_indices = torch.zeros_like(seg.indices) if seg.res_centroids is not None else None
-    sq = [CodebookSearch(seg.centroids) for seg in segments]
-    rsq = [None if seg.res_centroids is None else CodebookSearch(seg.res_centroids) for seg in segments]
+    searches = [CodebookSearch(seg.centroids) for seg in segments]
+    res_searches = [None if seg.res_centroids is None else CodebookSearch(seg.res_centroids) for seg in segments]
     residuals: dict[int, list[torch.Tensor]] = {s: [] for s in range(len(segments))}
     seg_list = seg_of.tolist()
     with single_thread_torch():
-        _sweep_blocks(W, Q, U, segments, seg_list, sq, rsq, residuals, block_size, second_order, collect_residuals)
+        _sweep_blocks(W, Q, U, segments, seg_list, searches, res_searches, residuals, block_size, second_order,
+                      collect_residuals)
     return Q, residuals
 
 
-def _sweep_blocks(W, Q, U, segments, seg_list, sq, rsq, residuals, block_size, second_order, collect_residuals):
+def _sweep_blocks(W, Q, U, segments, seg_list, searches, res_searches, residuals, block_size, second_order,
+                  collect_residuals):
     out, cols = W.shape
     for b0 in range(0, cols, block_size):
         b1 = min(b0 + block_size, cols)
@@ -117,7 +119,7 @@ def _sweep_blocks(W, Q, U, segments, seg_list, sq, rsq, residuals, block_size, s
             s = seg_list[j]
             seg = segments[s]
             w = W1[:, i]
-            q, idx, ridx = _assign(seg, w, sq[s], rsq[s])
+            q, idx, ridx = _assign(seg, w, searches[s], res_searches[s])
             Q[:, j] = q
             seg.indices[:, j - seg.start] = idx
             if ridx is not None:
