@@ -23,11 +23,19 @@ from pathlib import Path
 
 import gradio as gr
 
-from vptq_core import plots
-from vptq_core.archive import DEFAULT_MAX_BYTES, extract_checkpoint
-from vptq_core.config import VPTQ_PRESETS, CalibConfig, method_config
-from vptq_core.jobs import JobManager, JobSnapshot, ModelCache, default_device, estimate, model_info, quantization_task
 from vptq_core.models import BUNDLED, TINY
+from vptq_core.quant.config import VPTQ_PRESETS, CalibConfig, method_config
+from vptq_core.storage.archive import DEFAULT_MAX_BYTES, extract_checkpoint
+from vptq_core.studio import plots
+from vptq_core.studio.jobs import (
+    JobManager,
+    JobSnapshot,
+    ModelCache,
+    default_device,
+    estimate,
+    model_info,
+    quantization_task,
+)
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 TITLE = "VPTQ Studio"
@@ -55,7 +63,7 @@ SESSION_NOTE = ("Runs belong to this browser tab: download the archive before cl
 def available_methods() -> list[tuple[str, str]]:
     methods = [("VPTQ", "vptq"), ("GPTQ", "gptq"), ("RTN", "rtn")]
     try:
-        import vptq_core.lrq  # noqa: F401
+        import vptq_core.quant.lrq  # noqa: F401
     except ImportError:
         return methods
     return methods + [("LRQ", "lrq")]
@@ -413,7 +421,7 @@ class Studio:
 
     # ------------------------------------------------------------------------------- models and eval
     def _load_quantized(self, ckpt: Path):
-        from vptq_core.checkpoint import load_quantized
+        from vptq_core.storage.checkpoint import load_quantized
 
         def load():
             model, tok = load_quantized(ckpt, device=self.settings.device, dtype=self.dtype)
@@ -479,7 +487,7 @@ class Studio:
     def upload(self, archive, request: gr.Request):
         """Validate and unpack an uploaded checkpoint archive into a new run of this session."""
         from vptq_core.api import source_model_of
-        from vptq_core.checkpoint import checkpoint_size, read_quantization_config
+        from vptq_core.storage.checkpoint import checkpoint_size, read_quantization_config
 
         owner = self.owner(request)
         if not archive:
@@ -522,7 +530,7 @@ class Studio:
         return (self._models_md(qmodel, original, why, source), [], [], "", "")
 
     def _models_md(self, qmodel, original, why: str, source: str | None) -> str:
-        from vptq_core.chat import model_memory_bytes
+        from vptq_core.studio.chat import model_memory_bytes
 
         device, dtype = self.settings.device, self.dtype
         left = (f"**Original** `{source}` ({dtype}, {device}): weights {_mb(model_memory_bytes(original[0]))}"
@@ -540,7 +548,7 @@ class Studio:
              max_new_tokens, request: gr.Request):
         """Answer ``prompt`` with the original model, then with the quantized one (one after the other, so each
         one's tokens/s is measured without the other competing for the same cores), streaming tokens."""
-        from vptq_core.chat import ChatSession, check_sampling, model_memory_bytes
+        from vptq_core.studio.chat import ChatSession, check_sampling, model_memory_bytes
 
         owner = self.owner(request)
         try:

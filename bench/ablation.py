@@ -18,11 +18,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vptq_core.config import VPTQConfig  # noqa: E402
 from vptq_core.data import calibration_windows  # noqa: E402
-from vptq_core.models import block_linears, decoder_blocks, load_model  # noqa: E402
-from vptq_core.pipeline import _pass_a, _run_batched, capture_block_inputs  # noqa: E402
-from vptq_core.vptq import vptq_quantize  # noqa: E402
+from vptq_core.models import load_model  # noqa: E402
+from vptq_core.quant.blocks import block_linears, decoder_blocks  # noqa: E402
+from vptq_core.quant.config import VPTQConfig  # noqa: E402
+from vptq_core.quant.pipeline import _pass_a, _run_batched, capture_block_inputs  # noqa: E402
+from vptq_core.quant.vptq import vptq_quantize  # noqa: E402
 
 BASE = dict(vector_len=4, num_centroids=256)
 VARIANTS = {

@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels import available_backends
-from vptq_core.checkpoint import load_quantized
-from vptq_core.quantized_linear import ScalarQLinear, VQLinear
+from vptq_core.storage.checkpoint import load_quantized
+from vptq_core.storage.modules import ScalarQLinear, VQLinear
 
 PROMPT = "Explain in a few sentences why the sky looks blue during the day and red at sunset."
 

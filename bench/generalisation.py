@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vptq_core.checkpoint import load_quantized  # noqa: E402
 from vptq_core.eval import evaluate  # noqa: E402
 from vptq_core.models import load_model  # noqa: E402
+from vptq_core.storage.checkpoint import load_quantized  # noqa: E402
 
 
 def pydoc_text(path: Path) -> str:

@@ -20,11 +20,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vptq_core.config import LRQConfig  # noqa: E402
 from vptq_core.data import calibration_windows, eval_windows  # noqa: E402
-from vptq_core.lrq import auto_rank, lrq_quantize_block  # noqa: E402
-from vptq_core.models import block_linears, decoder_blocks, load_model  # noqa: E402
-from vptq_core.pipeline import _run_batched, capture_block_inputs, run_block  # noqa: E402
+from vptq_core.models import load_model  # noqa: E402
+from vptq_core.quant.blocks import block_linears, decoder_blocks  # noqa: E402
+from vptq_core.quant.config import LRQConfig  # noqa: E402
+from vptq_core.quant.lrq import auto_rank, lrq_quantize_block  # noqa: E402
+from vptq_core.quant.pipeline import _run_batched, capture_block_inputs, run_block  # noqa: E402
 
 GRID = [(32, "auto"), (32, "full"), (128, 16), (128, 48), (128, "auto"), (128, "full"), (384, "auto"),
         (384, "full")]

@@ -23,11 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vptq_core.config import LRQConfig, ScalarConfig, VPTQConfig  # noqa: E402
 from vptq_core.data import calibration_windows  # noqa: E402
 from vptq_core.eval import evaluate  # noqa: E402
 from vptq_core.models import load_model  # noqa: E402
-from vptq_core.pipeline import quantize_model  # noqa: E402
+from vptq_core.quant.config import LRQConfig, ScalarConfig, VPTQConfig  # noqa: E402
+from vptq_core.quant.pipeline import quantize_model  # noqa: E402
 
 ROWS: dict[str, tuple[str, object, str]] = {
     "rtn-2": ("rtn", ScalarConfig(bits=2, group_size=64), "RTN 2-bit g64"),
@@ -82,7 +82,7 @@ def run_row(key: str, model, tok, calib: torch.Tensor, args) -> dict:
     qmodel, result = quantize_model(model, calib, method, config, device="cpu")
     seconds = time.perf_counter() - t0
     if args.save_dir:
-        from vptq_core.checkpoint import save_quantized
+        from vptq_core.storage.checkpoint import save_quantized
 
         save_quantized(model, tok, result.states, Path(args.save_dir) / key, dtype=torch.bfloat16,
                        report={"model": {"source": "smollm2-135m-instruct"}, "summary": result.summary()})

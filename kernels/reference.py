@@ -1,6 +1,6 @@
 """Torch reference: dequantize the packed layer to a dense ``W`` and call ``F.linear``. Ground truth in tests.
 
-The math follows ``vptq_core/formats.py`` (and the public VPTQ ``ops.dequant``)::
+The math follows ``vptq_core/quant/states.py`` (and the public VPTQ ``ops.dequant``)::
 
     main[r*v + t, g*group_size + c] = centroids[g, idx[g, r, c]*v + t] (+ res_centroids[g, ridx[g, r, c]*v + t])
     outl[r*vo + t, c]               = outlier_centroids[0, oidx[0, r, c]*vo + t]

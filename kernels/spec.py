@@ -1,6 +1,6 @@
 """``VQSpec``: the integer shape of one VPTQ lookup-linear layer, shared by every kernel backend.
 
-Vocabulary (public VPTQ layout, see ``vptq_core/formats.py``):
+Vocabulary (public VPTQ layout, see ``vptq_core/quant/states.py``):
   v = vector_len, k = num_centroids, G = group_num, R = rows = ceil(out / v);
   the main indices cover ``group_num * group_size`` stored columns, preceded by ``outlier_size``
   outlier columns that have their own codebook (vector length vo, k_o centroids).
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from vptq_core.formats import VQLayerState
+    from vptq_core.quant.states import VQLayerState
 
 
 def _is_pow2(n: int) -> bool:
@@ -146,7 +146,7 @@ class VQSpec:
 
     @classmethod
     def from_state(cls, state: VQLayerState) -> VQSpec:
-        """The spec of a ``vptq_core.formats.VQLayerState``."""
+        """The spec of a ``vptq_core.quant.states.VQLayerState``."""
         has_outliers = state.outlier_size > 0
         return cls(
             in_features=int(state.in_features),

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from vptq_core.act_quant import calibrate_act_scale, quantize_activations
+from vptq_core.quant.act_quant import calibrate_act_scale, quantize_activations
 
 
 def _activations(seed: int = 0) -> torch.Tensor:

@@ -117,10 +117,10 @@ def test_bad_settings_give_clear_errors(served, monkeypatch):
 
 
 def test_quantize_cancel_evaluate_chat_download_reload(served, tmp_path):
-    from vptq_core.chat import ChatSession
-    from vptq_core.checkpoint import load_quantized
     from vptq_core.eval import evaluate
     from vptq_core.models import load_model
+    from vptq_core.storage.checkpoint import load_quantized
+    from vptq_core.studio.chat import ChatSession
 
     client = Client(served.url, verbose=False)
     other = Client(served.url, verbose=False)
@@ -223,7 +223,7 @@ def test_quantize_cancel_evaluate_chat_download_reload(served, tmp_path):
 
 
 def test_closing_the_session_deletes_its_runs(served, tmp_path):
-    from vptq_core.archive import pack_checkpoint
+    from vptq_core.storage.archive import pack_checkpoint
 
     client = Client(served.url, verbose=False)
     w8a8 = "8-bit per tensor (static, calibrated)"

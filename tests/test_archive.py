@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vptq_core.archive import (
+from vptq_core.storage.archive import (
     ArchiveError,
     check_safetensors,
     extract_checkpoint,

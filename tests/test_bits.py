@@ -2,9 +2,9 @@ import math
 
 import pytest
 
-from vptq_core.bits import config_bits, model_bits, scalar_bits, state_bits, vq_bits
-from vptq_core.config import ScalarConfig, VPTQConfig
-from vptq_core.vptq import vptq_quantize
+from vptq_core.quant.bits import config_bits, model_bits, scalar_bits, state_bits, vq_bits
+from vptq_core.quant.config import ScalarConfig, VPTQConfig
+from vptq_core.quant.vptq import vptq_quantize
 
 
 def test_vq_bits_exact_for_known_config():

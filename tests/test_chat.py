@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from vptq_core.chat import ChatSession, check_sampling, model_memory_bytes
+from vptq_core.studio.chat import ChatSession, check_sampling, model_memory_bytes
 
 
 def test_greedy_stream_matches_generate_and_keeps_history(tiny_model):

@@ -1,6 +1,6 @@
 import pytest
 
-from vptq_core.config import CalibConfig, LRQConfig, ScalarConfig, VPTQConfig, method_config
+from vptq_core.quant.config import CalibConfig, LRQConfig, ScalarConfig, VPTQConfig, method_config
 
 
 def test_defaults_valid_and_bits():

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vptq_core.config import ScalarConfig
 from vptq_core.eval import evaluate
-from vptq_core.pipeline import quantize_model
+from vptq_core.quant.config import ScalarConfig
+from vptq_core.quant.pipeline import quantize_model
 
 
 @pytest.fixture

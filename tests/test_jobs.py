@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from vptq_core.archive import inspect_archive
-from vptq_core.config import CalibConfig, ScalarConfig, VPTQConfig
-from vptq_core.jobs import (
+from vptq_core.models import TINY
+from vptq_core.quant.config import CalibConfig, ScalarConfig, VPTQConfig
+from vptq_core.storage.archive import inspect_archive
+from vptq_core.studio.jobs import (
     JobCancelled,
     JobManager,
     ModelCache,
@@ -20,7 +21,6 @@ from vptq_core.jobs import (
     model_info,
     quantization_task,
 )
-from vptq_core.models import TINY
 
 TINY_CALIB = CalibConfig(samples=4, seqlen=64, seed=0)
 TINY_VPTQ = VPTQConfig(vector_len=4, num_centroids=16, outlier_percent=0.0, kmeans_iters=2, kmeans_sample=1024)

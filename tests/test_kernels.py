@@ -20,7 +20,7 @@ from kernels import (
     vq_linear,
 )
 from kernels.synthetic import random_scalar_layer, random_vq_layer
-from vptq_core.formats import VQLayerState
+from vptq_core.quant.states import VQLayerState
 
 CPU_OK, CPU_REASON = available_backends()["cpu"]
 needs_cpu = pytest.mark.skipif(not CPU_OK, reason=CPU_REASON or "cpu backend unavailable")
@@ -34,7 +34,7 @@ def weights_only(layer: dict) -> dict:
 
 
 def naive_dequantize(spec: VQSpec, layer: dict) -> torch.Tensor:
-    """Entry-by-entry loop over the formula in vptq_core/formats.py (fp64)."""
+    """Entry-by-entry loop over the formula in vptq_core/quant/states.py (fp64)."""
     idx, ridx = unpack_indices(layer["indices"], spec.index_bits, spec.group_size, spec.res_bits)
     v, vo, out = spec.vector_len, spec.outlier_vector_len, spec.out_features
     cb = layer["centroids"].double()

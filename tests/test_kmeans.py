@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from vptq_core.kmeans import CodebookSearch, _use_kdtree, nearest, weighted_kmeans, weighted_objective
+from vptq_core.quant.kmeans import CodebookSearch, _use_kdtree, nearest, weighted_kmeans, weighted_objective
 
 
 def test_nearest_matches_brute_force_both_paths():

@@ -5,10 +5,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vptq_core.act_quant import calibrate_act_scale, quantize_activations
-from vptq_core.config import LRQConfig
-from vptq_core.lrq import LRQWeightQuantizer, auto_rank, lrq_quantize_block
-from vptq_core.scalar import rtn_quantize
+from vptq_core.quant.act_quant import calibrate_act_scale, quantize_activations
+from vptq_core.quant.config import LRQConfig
+from vptq_core.quant.lrq import LRQWeightQuantizer, auto_rank, lrq_quantize_block
+from vptq_core.quant.rtn import rtn_quantize
 
 
 class TinyBlock(nn.Module):

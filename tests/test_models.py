@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from vptq_core.models import block_linears, byte_tokenizer, decoder_blocks, load_model, tiny_random_llama
+from vptq_core.models import byte_tokenizer, load_model, tiny_random_llama
+from vptq_core.quant.blocks import block_linears, decoder_blocks
 
 
 def test_tiny_model_is_seeded_and_structured():

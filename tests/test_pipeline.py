@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from vptq_core.config import ScalarConfig, VPTQConfig
-from vptq_core.models import decoder_blocks
-from vptq_core.pipeline import capture_block_inputs, quantize_model, run_block
+from vptq_core.quant.blocks import decoder_blocks
+from vptq_core.quant.config import ScalarConfig, VPTQConfig
+from vptq_core.quant.pipeline import capture_block_inputs, quantize_model, run_block
 
 TINY_VQ = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=3, outlier_percent=0.0)
 
@@ -29,7 +29,7 @@ def test_reports_stream_per_linear_and_model_matches_states(tiny_model, calib_id
         assert r.rel_output_error is not None and 0 < r.rel_output_error < 1
         assert r.index_bits == 1.0 and r.total_bits > 1.0
     # the returned model holds exactly the dequantized states; the input model is untouched
-    from vptq_core.vptq import dequantize_state
+    from vptq_core.quant.vptq import dequantize_state
 
     q = qmodel.get_submodule("model.layers.1.mlp.down_proj").weight
     torch.testing.assert_close(q, dequantize_state(result.states["model.layers.1.mlp.down_proj"]))
@@ -73,7 +73,7 @@ def test_finetune_lowers_block_loss(tiny_model, calib_ids):
 
 
 def test_lrq_through_pipeline(tiny_model, calib_ids):
-    from vptq_core.config import LRQConfig
+    from vptq_core.quant.config import LRQConfig
 
     model, _ = tiny_model
     seen = []
@@ -87,8 +87,8 @@ def test_lrq_through_pipeline(tiny_model, calib_ids):
 
 
 def test_hessians_shared_only_by_linears_with_the_same_input(tiny_model, calib_ids):
-    from vptq_core.models import block_linears
-    from vptq_core.pipeline import _pass_a
+    from vptq_core.quant.blocks import block_linears
+    from vptq_core.quant.pipeline import _pass_a
 
     model, _ = tiny_model
     with torch.no_grad():
@@ -112,7 +112,7 @@ def test_hessians_shared_only_by_linears_with_the_same_input(tiny_model, calib_i
 
 @pytest.mark.parametrize("method,granularity", [("gptq", "tensor"), ("rtn", "token")])
 def test_scalar_methods_with_activation_quantization(tmp_path, tiny_model, calib_ids, method, granularity):
-    from vptq_core.checkpoint import load_quantized, save_quantized
+    from vptq_core.storage.checkpoint import load_quantized, save_quantized
 
     model, tok = tiny_model
     weight_only, _ = quantize_model(model, calib_ids, method, ScalarConfig(bits=8, group_size=0))

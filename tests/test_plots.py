@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from vptq_core.pipeline import LayerReport
-from vptq_core.plots import (
+from vptq_core.quant.pipeline import LayerReport
+from vptq_core.studio.plots import (
     MODULE_ORDER,
     REPORT_COLUMNS,
     error_heatmap_figure,

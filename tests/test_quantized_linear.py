@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vptq_core.act_quant import quantize_activations
-from vptq_core.quantized_linear import (
+from vptq_core.quant.act_quant import quantize_activations
+from vptq_core.storage.modules import (
     ScalarQLinear,
     VQLinear,
     random_scalar_state,

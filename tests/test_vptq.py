@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from vptq_core.config import VPTQConfig
-from vptq_core.hessian import proxy_loss
-from vptq_core.vptq import dequantize_state, outlier_columns, vptq_quantize
+from vptq_core.quant.config import VPTQConfig
+from vptq_core.quant.hessian import proxy_loss
+from vptq_core.quant.vptq import dequantize_state, outlier_columns, vptq_quantize
 
 BASE = dict(vector_len=4, num_centroids=64, kmeans_iters=8)
 

@@ -15,9 +15,9 @@ from conftest import VQ_LAYOUTS
 from safetensors.torch import load_file
 from torch import nn
 
-from vptq_core.checkpoint import load_quantized, save_quantized
 from vptq_core.models import tiny_random_llama
-from vptq_core.quantized_linear import VQLinear, random_vq_state
+from vptq_core.storage.checkpoint import load_quantized, save_quantized
+from vptq_core.storage.modules import VQLinear, random_vq_state
 
 vqlinear = pytest.importorskip(
     "vptq.layers.vqlinear", reason="the public vptq package (pip install --no-deps vptq==0.0.5.post1) is not installed"

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from .config import CalibConfig
 from .data import calibration_windows
 from .eval import EvalResult, evaluate
 from .models import BUNDLED, load_model
-from .pipeline import quantize_model, total_linear_shapes
+from .quant.config import CalibConfig
+from .quant.pipeline import quantize_model, total_linear_shapes
 
 REPORT_NAME = "quant_report.json"
 
@@ -60,7 +60,7 @@ def quantize_to_dir(
     """Load ``model_name``, quantize it with ``method``/``config`` on ``calib`` data, write the packed
     checkpoint to ``out_dir``. Returns (directory, summary). A cancelled run writes nothing and returns
     ``summary["cancelled"] = True``."""
-    from .checkpoint import save_quantized
+    from .storage.checkpoint import save_quantized
 
     model, tok = load_model(model_name, dtype=torch.float32)
     calib_ids = calibration_windows(tok, calib.text, calib.samples, calib.seqlen, calib.seed)

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from .config import CalibConfig, LRQConfig, ScalarConfig, VPTQConfig
+from .quant.config import CalibConfig, LRQConfig, ScalarConfig, VPTQConfig
 
 DESCRIPTION = "Extreme low-bit quantization of LLMs (VPTQ, LRQ, GPTQ, RTN)."
 
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _vptq_settings(args) -> dict:
-    from .config import VPTQ_PRESETS
+    from .quant.config import VPTQ_PRESETS
 
     settings = dict(VPTQ_PRESETS[f"{args.preset} bits"]) if args.preset else {}
     mapping = {
@@ -190,8 +190,8 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_chat(args) -> int:
-    from .chat import ChatSession
     from .models import load_model
+    from .studio.chat import ChatSession
 
     model, tok = load_model(args.model)
     session = ChatSession(model, tok)

@@ -1,7 +1,7 @@
 """Model sources: the bundled SmolLM2-135M-Instruct, a tiny random llama for tests, local dirs, hub ids.
 
-Also the structural helpers the pipeline needs: where the decoder blocks are and which ``nn.Linear``
-projections each block holds.
+The structural helpers (where the decoder blocks are, which linears a block holds) live in
+``vptq_core.quant.blocks``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import os
 from pathlib import Path
 
 import torch
-from torch import nn
 
 BUNDLED = "smollm2-135m-instruct"
 TINY = "tiny-random-llama"
@@ -43,10 +42,6 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return table[dtype]
 
 
-def available_models() -> list[str]:
-    return list(KNOWN_MODELS)
-
-
 def load_model(name_or_dir: str, dtype: torch.dtype | str | None = None, device: str = "cpu"):
     """Load ``(model, tokenizer)`` in eval mode.
 
@@ -73,7 +68,7 @@ def load_model(name_or_dir: str, dtype: torch.dtype | str | None = None, device:
         if not os.path.isfile(config_path):
             raise ValueError(f"directory {name!r} has no config.json; expected a Hugging Face model directory")
         if _is_quantized_dir(config_path):
-            from .checkpoint import load_quantized
+            from .storage.checkpoint import load_quantized
 
             return load_quantized(name, device=device, dtype=dtype)
         model, tok = _load_hf_dir(name, dtype)
@@ -206,41 +201,3 @@ def tiny_random_llama(seed: int = 0, num_layers: int = 2, hidden: int = 64, inte
         torch.random.set_rng_state(gen_state)
     model.generation_config.pad_token_id = tok.pad_token_id
     return model.eval(), tok
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Structure
-
-
-def decoder_blocks(model: nn.Module) -> nn.ModuleList:
-    """The list of transformer blocks of a causal LM (llama, qwen2, mistral, phi3, gemma, ... families)."""
-    candidates = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers",
-                  "model.language_model.layers")
-    for path in candidates:
-        obj = model
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-            if obj is None:
-                break
-        if isinstance(obj, nn.ModuleList) and len(obj) > 0:
-            return obj
-    raise ValueError(
-        f"cannot find the decoder blocks of {type(model).__name__}; supported: models whose blocks live at "
-        "model.layers (llama, qwen2, mistral, ...)"
-    )
-
-
-def blocks_prefix(model: nn.Module) -> str:
-    blocks = decoder_blocks(model)
-    for name, module in model.named_modules():
-        if module is blocks:
-            return name
-    raise AssertionError("decoder blocks not found among named modules")
-
-
-def block_linears(block: nn.Module) -> dict[str, nn.Linear]:
-    """The ``nn.Linear`` projections of one block, by name relative to the block, in definition order."""
-    linears = {name: m for name, m in block.named_modules() if isinstance(m, nn.Linear)}
-    if not linears:
-        raise ValueError(f"block {type(block).__name__} holds no nn.Linear projections; cannot quantize it")
-    return linears

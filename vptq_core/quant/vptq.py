@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from .config import VPTQConfig
-from .formats import VQLayerState
 from .hessian import inverse_hessian_cholesky, prepare_hessian, proxy_loss, single_thread_torch
 from .kmeans import CodebookSearch, weighted_kmeans
+from .states import VQLayerState
 
 
 @dataclass

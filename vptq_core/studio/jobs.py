@@ -473,9 +473,9 @@ def quantization_task(model_name: str, method: str, config, calib, device: str =
     ``archive_bytes``, ``source_model``, ``method``, ``config``, ``calib``.
     """
     def task(ctx: JobContext) -> dict:
-        from .api import quantize_to_dir
-        from .archive import pack_checkpoint
-        from .checkpoint import checkpoint_size
+        from ..api import quantize_to_dir
+        from ..storage.archive import pack_checkpoint
+        from ..storage.checkpoint import checkpoint_size
 
         ctx.set_phase("loading the model and the calibration text")
         used_calib = calib
@@ -537,8 +537,8 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 def describe_model(model) -> tuple[int, tuple[str, ...], tuple[tuple[int, int], ...], int]:
     """(blocks, linear names in a block, linear shapes, other parameter count) of a causal LM (meta is fine)."""
-    from .models import block_linears, decoder_blocks
-    from .pipeline import total_linear_shapes
+    from ..quant.blocks import block_linears, decoder_blocks
+    from ..quant.pipeline import total_linear_shapes
 
     blocks = decoder_blocks(model)
     shapes = tuple(total_linear_shapes(model))
@@ -548,7 +548,7 @@ def describe_model(model) -> tuple[int, tuple[str, ...], tuple[tuple[int, int], 
 
 @functools.lru_cache(maxsize=32)
 def _info_cached(name: str, stamp: float) -> ModelInfo:
-    from .models import KNOWN_MODELS, load_model
+    from ..models import KNOWN_MODELS, load_model
 
     if name in KNOWN_MODELS:
         model, _ = load_model(name)
@@ -565,7 +565,7 @@ def model_info(name: str) -> ModelInfo:
     no weights). Raises ValueError with what to do instead: an unknown name, a directory without config.json,
     an already quantized checkpoint, or a hub id while the hub cannot be reached.
     """
-    from .models import KNOWN_MODELS
+    from ..models import KNOWN_MODELS
 
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"model must be one of {', '.join(KNOWN_MODELS)}, a local directory or a hub id, "
@@ -643,7 +643,7 @@ def hub_reachable(timeout: float = 3.0, ttl: float = 60.0) -> tuple[bool, str]:
 
 def estimate(info: ModelInfo, config) -> Estimate:
     """Bits per weight and checkpoint size of quantizing ``info``'s block linears with ``config``."""
-    from .bits import model_bits
+    from ..quant.bits import model_bits
 
     bits = model_bits(config, list(info.linear_shapes))
     quantized = math.ceil(bits.total_bits / 8)

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from .bits import BitsInfo, state_bits
+from .blocks import block_linears, blocks_prefix, decoder_blocks
 from .config import LRQConfig, ScalarConfig, VPTQConfig
 from .hessian import HessianAccumulator, proxy_loss, single_thread_torch
-from .models import block_linears, blocks_prefix, decoder_blocks
 
 OnLayer = Callable[["LayerReport"], None]
 ShouldStop = Callable[[], bool]

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .config import VPTQConfig
-from .formats import VQLayerState
+from .states import VQLayerState
 from .vptq import dequantize_state
 
 _CODEBOOKS = ("centroids", "res_centroids", "outlier_centroids")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from .config import ScalarConfig
-from .formats import ScalarLayerState
 from .hessian import inverse_hessian_cholesky, prepare_hessian, proxy_loss, single_thread_torch
-from .scalar import effective_group_size, grid_params, rtn_quantize
+from .rtn import effective_group_size, grid_params, rtn_quantize
+from .states import ScalarLayerState
 from .vptq import QuantResult
 
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from .config import LRQConfig, ScalarConfig, VPTQConfig
-from .formats import ScalarLayerState, VQLayerState
+from .states import ScalarLayerState, VQLayerState
 
 FLOAT_BITS = 16
 OUTLIER_INDEX_BITS = 16

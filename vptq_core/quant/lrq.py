@@ -28,8 +28,8 @@ from torch import nn
 
 from .act_quant import calibrate_act_scale, quantize_activations
 from .config import LRQConfig
-from .formats import ScalarLayerState
-from .scalar import effective_group_size, rtn_quantize
+from .rtn import effective_group_size, rtn_quantize
+from .states import ScalarLayerState
 
 MAX_CURVE_POINTS = 100
 EVAL_BATCH = 8

@@ -26,7 +26,7 @@ from torch import nn
 
 from kernels import VQSpec, pack_codes, pack_indices, scalar_dequantize, scalar_linear, vq_dequantize, vq_linear
 
-from .formats import ScalarLayerState, VQLayerState
+from ..quant.states import ScalarLayerState, VQLayerState
 
 # Keys of a public ``config_for_layers`` entry; the ignored ones are constructor arguments of the public
 # module that carry no information for an inference-only packed checkpoint.
@@ -327,7 +327,7 @@ class ScalarQLinear(nn.Module):
     Tensors: ``codes`` int32 [out, ceil(in*bits/32)] (bit-packed), ``scales``/``zeros`` [out, n_groups] and
     ``bias`` [out] in the model dtype, ``act_scale`` [] (static per-tensor activation scale, only when
     ``act_bits < 16`` and ``act_granularity == "tensor"``). With ``act_bits < 16`` the input is fake-quantized
-    (``vptq_core.act_quant``) before the matmul.
+    (``vptq_core.quant.act_quant``) before the matmul.
     """
 
     def __init__(
@@ -405,7 +405,7 @@ class ScalarQLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> y [..., out]."""
         if self.act_bits < 16:
-            from .act_quant import quantize_activations
+            from ..quant.act_quant import quantize_activations
 
             x = quantize_activations(x, self.act_bits, self.act_granularity, self.act_scale)
         return scalar_linear(x, self.codes, self.scales, self.zeros, self.bias, self.bits, self.group_size,

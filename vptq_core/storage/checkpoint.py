@@ -9,7 +9,7 @@ Layout of a checkpoint directory::
 
 VPTQ checkpoints use the public schema, ``quantization_config = {"quant_method": "vptq", "config_for_layers":
 {module_name: layer_config}, "shared_layer_config": {}}`` with the public tensor names, so the ``vptq``
-package and ``transformers`` (through ``vptq_core.hf_integration``) read them too. Scalar methods (RTN, GPTQ,
+package and ``transformers`` (through ``vptq_core.storage.hf_integration``) read them too. Scalar methods (RTN, GPTQ,
 LRQ) use ``quant_method = "vptq_core_scalar"`` with per-layer bits, group size and activation settings.
 
 Loading never unpickles: JSON and safetensors only. Every tensor is checked against the module that will
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .formats import ScalarLayerState, VQLayerState
-from .quantized_linear import (
+from ..quant.states import ScalarLayerState, VQLayerState
+from .modules import (
     ScalarQLinear,
     VQLinear,
     module_from_state,

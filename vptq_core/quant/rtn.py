@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import ScalarLayerState
+from .states import ScalarLayerState
 
 
 def effective_group_size(group_size: int, in_features: int) -> int:

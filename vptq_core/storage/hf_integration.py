@@ -4,7 +4,7 @@ transformers maps ``quant_method == "vptq"`` to ``VptqHfQuantizer``, which needs
 CUDA device, and ``register_quantizer`` refuses a second "vptq" entry. ``install()`` therefore puts a subclass
 of that quantizer into ``AUTO_QUANTIZER_MAPPING["vptq"]``: when ``vptq`` is importable and CUDA is present
 it behaves exactly like the upstream class (the ecosystem's own kernels); otherwise it swaps in
-``vptq_core.quantized_linear.VQLinear`` (same tensor names, so the same checkpoint loads either way). The
+``vptq_core.storage.modules.VQLinear`` (same tensor names, so the same checkpoint loads either way). The
 scalar format ("vptq_core_scalar") is a new method, registered through the public registration functions.
 ``install()`` is idempotent and runs on ``import vptq_core``.
 """
