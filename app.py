@@ -24,18 +24,14 @@ from pathlib import Path
 import gradio as gr
 
 from vptq_core.models import BUNDLED, TINY
-from vptq_core.quant.config import VPTQ_PRESETS, CalibConfig, method_config
+from vptq_core.quant import methods
+from vptq_core.quant.config import CalibConfig
 from vptq_core.storage.archive import DEFAULT_MAX_BYTES, extract_checkpoint
 from vptq_core.studio import plots
-from vptq_core.studio.jobs import (
-    JobManager,
-    JobSnapshot,
-    ModelCache,
-    default_device,
-    estimate,
-    model_info,
-    quantization_task,
-)
+from vptq_core.studio.estimate import estimate, model_info
+from vptq_core.studio.model_cache import ModelCache
+from vptq_core.studio.queue import JobManager, JobSnapshot, default_device
+from vptq_core.studio.task import quantization_task
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 TITLE = "VPTQ Studio"
@@ -50,10 +46,6 @@ ACTIVATIONS = {  # label -> (act_bits, act_granularity) for the scalar methods
 WIKI_SOURCE = "bundled Wikipedia text"
 FILE_SOURCE = "my .txt file"
 MODEL_CHOICES = [("SmolLM2-135M-Instruct (bundled, offline)", BUNDLED), ("tiny random llama (for tests)", TINY)]
-SCALAR_PRESETS = {"2 bits": {"bits": 2, "group_size": 64}, "3 bits": {"bits": 3, "group_size": 64},
-                  "4 bits": {"bits": 4, "group_size": 64}}
-LRQ_PRESETS = {"2 bits": {"bits": 2, "group_size": 64}, "3 bits": {"bits": 3, "group_size": 0},
-               "4 bits": {"bits": 4, "group_size": 0}}
 SMOLLM2_NOTE = ("The bundled SmolLM2-135M-Instruct was shipped as 4-bit **Q4_1** weights (groups of 32), so 4-bit "
                 "results on it are flattered: a 4-bit group-32 grid nearly reproduces them. Judge methods at 2–3 bits.")
 SESSION_NOTE = ("Runs belong to this browser tab: download the archive before closing or reloading it "
@@ -61,12 +53,7 @@ SESSION_NOTE = ("Runs belong to this browser tab: download the archive before cl
 
 
 def available_methods() -> list[tuple[str, str]]:
-    methods = [("VPTQ", "vptq"), ("GPTQ", "gptq"), ("RTN", "rtn")]
-    try:
-        import vptq_core.quant.lrq  # noqa: F401
-    except ImportError:
-        return methods
-    return methods + [("LRQ", "lrq")]
+    return [(m.label, m.name) for m in methods.all_methods()]
 
 
 @dataclass(frozen=True)
@@ -200,7 +187,7 @@ class Studio:
         else:
             settings = dict(bits=bits, group_size=group_size, rank=lrq_rank, iters=lrq_iters, seed=seed,
                             **_act_settings(activations))
-        return method_config(method, settings)
+        return methods.make_config(method, settings)
 
     @staticmethod
     def model_name(model: str | None, custom_model: str | None) -> str:
@@ -230,7 +217,7 @@ class Studio:
             info = model_info(name)
         except ValueError as exc:
             return f"⚠️ {exc}"
-        est = estimate(info, config)
+        est = estimate(info, method, config)
         warning = ""
         if est.total_bits_per_weight > 1.5 * est.index_bits_per_weight:
             warning = ("  \n⚠️ Codebooks and scales outweigh the indices on this model's small layers: use fewer "
@@ -249,12 +236,12 @@ class Studio:
         if preset not in PRESETS:
             return [*skip9, gr.skip(), gr.skip()]
         if method == "vptq":
-            values = {**asdict(method_config("vptq", {})), **VPTQ_PRESETS[preset]}
+            values = {**asdict(methods.make_config("vptq")), **methods.get("vptq").preset(preset)}
             return [values["vector_len"], values["num_centroids"], values["num_res_centroids"],
                     values["outlier_percent"], values["group_num"], values["enable_norm"], values["enable_perm"],
                     values["kmeans_iters"], values["finetune_iters"], gr.skip(), gr.skip()]
-        table = LRQ_PRESETS if method == "lrq" else SCALAR_PRESETS
-        return [*skip9, table[preset]["bits"], table[preset]["group_size"]]
+        values = methods.get(method).preset(preset)
+        return [*skip9, values["bits"], values["group_size"]]
 
     @staticmethod
     def method_visibility(method: str):
@@ -293,7 +280,7 @@ class Studio:
             calib = CalibConfig(text="wiki", samples=calib_samples, seqlen=calib_seqlen, seed=seed)
             calib_text = self._read_calibration_file(calib_file) if calib_source == FILE_SOURCE else None
             info = model_info(name)
-            est = estimate(info, config)
+            est = estimate(info, method, config)
             title = f"{name} · {method.upper()} · {est.total_bits_per_weight:.2f} bits"
             task = quantization_task(name, method, config, calib, device=self.settings.device, calib_text=calib_text)
             snap = self.manager.submit(owner, task, title=title, device=self.settings.device, meta={
@@ -353,8 +340,8 @@ class Studio:
             method = (result.get("method") or s.get("method") or "?").lower()
             label = f"{method.upper()} {s['total_bits_per_weight']:.2f}b" if s.get("total_bits_per_weight") else method
             rows.append([
-                snap.id, result.get("source_model") or "?", method.upper(), _settings_text(method, result.get("config")
-                                                                                          or s.get("config") or {}),
+                snap.id, result.get("source_model") or "?", method.upper(),
+                _describe(method, result.get("config") or s.get("config") or {}),
                 _round(s.get("index_bits_per_weight"), 3), _round(s.get("total_bits_per_weight"), 3),
                 _round((result.get("checkpoint_bytes") or 0) / 1e6, 1),
                 _round(s["seconds"] / 60, 2) if s.get("seconds") is not None else None,
@@ -648,27 +635,11 @@ def _round(value, digits: int):
     return None if value is None else round(float(value), digits)
 
 
-def _settings_text(method: str, config: dict) -> str:
-    if not config:
+def _describe(method: str, settings: dict) -> str:
+    """The method's one-line label of a run's settings ("" for an unknown method or no settings)."""
+    if not settings or method not in methods.names():
         return ""
-    if method == "vptq":
-        text = f"v{config.get('vector_len')} k{config.get('num_centroids')}"
-        if config.get("num_res_centroids"):
-            text += f" +res{config['num_res_centroids']}"
-        if config.get("outlier_percent"):
-            text += f" out{config['outlier_percent']}%"
-        if (config.get("group_num") or 1) > 1:
-            text += f" g{config['group_num']}"
-        if config.get("enable_norm"):
-            text += " norm"
-        if config.get("finetune_iters"):
-            text += f" ft{config['finetune_iters']}"
-        return text
-    group = config.get("group_size")
-    text = f"{config.get('bits')}b " + (f"g{group}" if group else "per-channel")
-    if method == "lrq" and config.get("rank") is not None:
-        text += f" rank{config['rank'] or 'auto'}"
-    return text
+    return methods.get(method).describe(settings)
 
 
 def _examples() -> list[list[str]]:
@@ -691,8 +662,8 @@ def _gpu(fn, duration: int):
 def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
     """The Gradio Blocks of the studio (launch it with ``launch_options(settings)``)."""
     app = studio or Studio(settings)
-    methods = app.methods
-    vptq_defaults = {**asdict(method_config("vptq", {})), **VPTQ_PRESETS["2 bits"]}
+    method_choices = app.methods
+    vptq_defaults = {**asdict(methods.make_config("vptq")), **methods.get("vptq").preset("2 bits")}
     default_model = settings.default_model if settings.default_model in (BUNDLED, TINY) else BUNDLED
     custom_default = "" if settings.default_model in (BUNDLED, TINY) else settings.default_model
     small = settings.default_model == TINY
@@ -715,7 +686,7 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                                                   placeholder="e.g. HuggingFaceTB/SmolLM2-360M-Instruct or a path")
                         model_note = gr.Markdown(app.model_note(default_model, custom_default),
                                                  elem_classes="vq-note")
-                        method = gr.Radio(methods, value="vptq", label="Method")
+                        method = gr.Radio(method_choices, value="vptq", label="Method")
                         preset = gr.Radio([*PRESETS, CUSTOM], value=CUSTOM if small else "2 bits", label="Preset")
                         with gr.Accordion("Advanced settings", open=False):
                             with gr.Group(visible=True) as vptq_group:

@@ -27,6 +27,49 @@ def as_index(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int64)
 
 
+def vq_expand(
+    spec: VQSpec,
+    indices: torch.Tensor,
+    res_indices: torch.Tensor | None,
+    centroids: torch.Tensor,
+    res_centroids: torch.Tensor | None = None,
+    outlier_indices: torch.Tensor | None = None,
+    outlier_centroids: torch.Tensor | None = None,
+    perm: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
+    weight_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The one VQ dequantizer: dense weight [out, in] (dtype of ``centroids``) from *unpacked* indices.
+
+    indices, res_indices int [G, R, group_size]; centroids [G, k*v]; res_centroids [G, k_res*v];
+    outlier_indices int [1, Ro, outlier_size] (int16 holds uint16 patterns); outlier_centroids [1, k_o*vo];
+    perm [in]; weight_scale / weight_bias [in]. Differentiable in the float tensors.
+    """
+    G, v, out = spec.group_num, spec.vector_len, spec.out_features
+    group = torch.arange(G, device=indices.device).view(G, 1, 1)
+    codebook = centroids.reshape(G, spec.num_centroids, v)
+    vectors = codebook[group, as_index(indices)]  # [G, R, gs, v]
+    if spec.has_residual:
+        assert res_centroids is not None and res_indices is not None
+        vectors = vectors + res_centroids.reshape(G, spec.num_res_centroids, v)[group, as_index(res_indices)]
+    # [G, R, gs, v] -> [R, v, G, gs] -> [R*v, G*gs]
+    weight = vectors.permute(1, 3, 0, 2).reshape(spec.rows * v, G * spec.group_size)[:out]
+    if spec.has_outliers:
+        assert outlier_indices is not None and outlier_centroids is not None
+        vo = spec.outlier_vector_len
+        outlier_codebook = outlier_centroids.reshape(spec.num_outlier_centroids, vo)
+        outlier_vectors = outlier_codebook[as_index(outlier_indices[0])]  # [Ro, os, vo]
+        outlier_weight = outlier_vectors.permute(0, 2, 1).reshape(spec.outlier_rows * vo, spec.outlier_size)
+        weight = torch.cat([outlier_weight[:out], weight], dim=1)
+    if perm is not None:
+        weight = weight[:, torch.argsort(as_index(perm))]
+    if weight_scale is not None:
+        weight = weight * weight_scale
+    if weight_bias is not None:
+        weight = weight + weight_bias
+    return weight
+
+
 def vq_dequantize(
     spec: VQSpec,
     indices: torch.Tensor,
@@ -40,34 +83,11 @@ def vq_dequantize(
 ) -> torch.Tensor:
     """Dense weight [out, in] in the dtype of ``centroids`` (inputs assumed validated by ``kernels.ops``).
 
-    indices int32 [G, R, packed_words]; centroids [G, k*v]; res_centroids [G, k_res*v];
-    outlier_indices int16 [1, Ro, outlier_size]; outlier_centroids [1, k_o*vo]; perm [in];
-    weight_scale / weight_bias [in].
+    indices int32 [G, R, packed_words] (packed streams); the rest as in ``vq_expand``.
     """
-    G, v, out = spec.group_num, spec.vector_len, spec.out_features
     idx, ridx = unpack_indices(indices, spec.index_bits, spec.group_size, spec.res_bits)  # [G, R, gs]
-    group = torch.arange(G, device=indices.device).view(G, 1, 1)
-    codebook = centroids.view(G, spec.num_centroids, v)
-    vectors = codebook[group, idx]  # [G, R, gs, v]
-    if spec.has_residual:
-        assert res_centroids is not None and ridx is not None
-        vectors = vectors + res_centroids.view(G, spec.num_res_centroids, v)[group, ridx]
-    # [G, R, gs, v] -> [R, v, G, gs] -> [R*v, G*gs]
-    weight = vectors.permute(1, 3, 0, 2).reshape(spec.rows * v, G * spec.group_size)[:out]
-    if spec.has_outliers:
-        assert outlier_indices is not None and outlier_centroids is not None
-        vo = spec.outlier_vector_len
-        outlier_codebook = outlier_centroids.view(spec.num_outlier_centroids, vo)
-        outlier_vectors = outlier_codebook[as_index(outlier_indices[0])]  # [Ro, os, vo]
-        outlier_weight = outlier_vectors.permute(0, 2, 1).reshape(spec.outlier_rows * vo, spec.outlier_size)
-        weight = torch.cat([outlier_weight[:out], weight], dim=1)
-    if perm is not None:
-        weight = weight[:, torch.argsort(as_index(perm))]
-    if weight_scale is not None:
-        weight = weight * weight_scale
-    if weight_bias is not None:
-        weight = weight + weight_bias
-    return weight
+    return vq_expand(spec, idx, ridx, centroids, res_centroids, outlier_indices, outlier_centroids, perm,
+                     weight_scale, weight_bias)
 
 
 def vq_linear(
@@ -90,6 +110,13 @@ def vq_linear(
     return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
+def scalar_expand(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The one scalar dequantizer: W [out, in] = scales * (codes - zeros) per (row, group of ``group_size``
+    columns), dtype of ``scales``. codes int [out, in] (unpacked); scales, zeros [out, ceil(in/group_size)]."""
+    group = torch.arange(codes.shape[1], device=codes.device) // group_size
+    return scales[:, group] * (codes.to(scales.dtype) - zeros[:, group].to(scales.dtype))
+
+
 def scalar_dequantize(
     codes_packed: torch.Tensor,
     scales: torch.Tensor,
@@ -102,9 +129,7 @@ def scalar_dequantize(
 
     codes_packed int32 [out, ceil(in*bits/32)]; scales, zeros [out, ceil(in/group_size)].
     """
-    codes = unpack_codes(codes_packed, bits, in_features)
-    group = torch.arange(in_features, device=codes.device) // group_size
-    return scales[:, group] * (codes.to(scales.dtype) - zeros[:, group].to(scales.dtype))
+    return scalar_expand(unpack_codes(codes_packed, bits, in_features), scales, zeros, group_size)
 
 
 def scalar_linear(

@@ -2,7 +2,8 @@ import math
 
 import pytest
 
-from vptq_core.quant.bits import config_bits, model_bits, scalar_bits, state_bits, vq_bits
+from vptq_core.quant import methods
+from vptq_core.quant.bits import scalar_bits, vq_bits
 from vptq_core.quant.config import ScalarConfig, VPTQConfig
 from vptq_core.quant.vptq import vptq_quantize
 
@@ -36,12 +37,12 @@ def test_state_bits_matches_config_bits(correlated_layer):
     cfg = VPTQConfig(vector_len=4, num_centroids=16, num_res_centroids=4, outlier_percent=5, outlier_vector_len=2,
                      outlier_centroids=8, group_num=2, enable_norm=True, kmeans_iters=2)
     state = vptq_quantize(W, H, cfg).state
-    assert state_bits(state) == config_bits(cfg, 96, 64)
+    assert state.storage_bits() == methods.get("vptq").bits(cfg, 96, 64)
 
 
 def test_model_bits_sums_layers():
     cfg = ScalarConfig(bits=4, group_size=0)
-    total = model_bits(cfg, [(8, 16), (16, 8)])
+    total = methods.get("gptq").model_bits(cfg, [(8, 16), (16, 8)])
     assert total.weights == 256 and total.index_bits == 1024
 
 

@@ -1,6 +1,7 @@
 import pytest
 
-from vptq_core.quant.config import CalibConfig, LRQConfig, ScalarConfig, VPTQConfig, method_config
+from vptq_core.quant.config import CalibConfig, LRQConfig, ScalarConfig, VPTQConfig
+from vptq_core.quant.methods import make_config
 
 
 def test_defaults_valid_and_bits():
@@ -36,9 +37,9 @@ def test_scalar_lrq_calib_errors():
 
 
 def test_method_config_from_dict():
-    assert method_config("gptq", {"bits": 3}).bits == 3
-    assert method_config("vptq", {"vector_len": 4}).vector_len == 4
+    assert make_config("gptq", {"bits": 3}).bits == 3
+    assert make_config("vptq", {"vector_len": 4}).vector_len == 4
     with pytest.raises(ValueError, match="unknown method 'awq'; allowed: vptq, gptq, rtn, lrq"):
-        method_config("awq")
+        make_config("awq")
     with pytest.raises(ValueError, match=r"unknown VPTQConfig settings \['centroidz'\]"):
-        method_config("vptq", {"centroidz": 4})
+        make_config("vptq", {"centroidz": 4})

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from vptq_core.quant.config import ScalarConfig
-from vptq_core.quant.gptq import gptq_layer, rtn_layer
-from vptq_core.quant.rtn import grid_params, rtn_quantize
+from vptq_core.quant.gptq import gptq_layer
+from vptq_core.quant.rtn import grid_params, rtn_layer, rtn_quantize
 
 
 @pytest.mark.parametrize("bits,group", [(2, 0), (3, 16), (4, 32)])

@@ -13,14 +13,10 @@ import pytest
 from vptq_core.models import TINY
 from vptq_core.quant.config import CalibConfig, ScalarConfig, VPTQConfig
 from vptq_core.storage.archive import inspect_archive
-from vptq_core.studio.jobs import (
-    JobCancelled,
-    JobManager,
-    ModelCache,
-    estimate,
-    model_info,
-    quantization_task,
-)
+from vptq_core.studio.estimate import estimate, model_info
+from vptq_core.studio.model_cache import ModelCache
+from vptq_core.studio.queue import JobCancelled, JobManager
+from vptq_core.studio.task import quantization_task
 
 TINY_CALIB = CalibConfig(samples=4, seqlen=64, seed=0)
 TINY_VPTQ = VPTQConfig(vector_len=4, num_centroids=16, outlier_percent=0.0, kmeans_iters=2, kmeans_sample=1024)
@@ -132,7 +128,7 @@ def test_finished_quantization_job_has_reports_checkpoint_and_archive(tmp_path: 
     assert names == sorted(p.name for p in ckpt.iterdir())
     assert result["archive_bytes"] == Path(result["archive"]).stat().st_size
     # The estimate shown before the run matches the bits the run reports.
-    est = estimate(model_info(TINY), config)
+    est = estimate(model_info(TINY), "gptq", config)
     assert est.total_bits_per_weight == pytest.approx(result["summary"]["total_bits_per_weight"], rel=1e-12)
     assert est.index_bits_per_weight == pytest.approx(3.0)
 
@@ -276,7 +272,7 @@ def test_model_info_and_its_errors(tmp_path: Path, monkeypatch):
 def test_estimate_counts_codebooks_and_kept_weights():
     info = model_info(TINY)
     config = VPTQConfig(vector_len=4, num_centroids=16, outlier_percent=0.0, enable_perm=False)
-    est = estimate(info, config)
+    est = estimate(info, "vptq", config)
     weights = info.linear_weights
     # 4 index bits per 4-vector, plus one 16-entry fp16 codebook of 4-vectors per linear.
     codebook_bits = len(info.linear_shapes) * 16 * 4 * 16

@@ -3,7 +3,7 @@ import torch
 
 from vptq_core.quant.config import VPTQConfig
 from vptq_core.quant.hessian import proxy_loss
-from vptq_core.quant.vptq import dequantize_state, outlier_columns, vptq_quantize
+from vptq_core.quant.vptq import outlier_columns, vptq_quantize
 
 BASE = dict(vector_len=4, num_centroids=64, kmeans_iters=8)
 
@@ -39,7 +39,7 @@ def test_state_dequantizes_to_the_reported_weight(correlated_layer, extra):
     cfg = VPTQConfig(**{**BASE, **extra})
     res = vptq_quantize(W, H, cfg, bias=torch.ones(96))
     st = res.state
-    torch.testing.assert_close(dequantize_state(st), res.weight)
+    torch.testing.assert_close(st.dequantize(), res.weight)
     loss, rel = proxy_loss(W, res.weight, H)
     assert rel == pytest.approx(res.rel_proxy_loss, rel=1e-5)
     assert st.indices.max() < cfg.num_centroids and st.indices.min() >= 0

@@ -11,7 +11,8 @@ import os
 import sys
 from pathlib import Path
 
-from .quant.config import CalibConfig, LRQConfig, ScalarConfig, VPTQConfig
+from .quant import methods
+from .quant.config import CalibConfig
 
 DESCRIPTION = "Extreme low-bit quantization of LLMs (VPTQ, LRQ, GPTQ, RTN)."
 
@@ -31,44 +32,91 @@ def _positive(text: str) -> int:
     return value
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except ``None`` ones (their help says what the method's default is)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
+# flag -> (config setting, kind, help); settings not listed here are reachable with --set NAME=VALUE.
+METHOD_FLAGS: dict[str, dict[str, tuple[str, str, str]]] = {
+    "VPTQ": {
+        "--vector-len": ("vector_len", "int", "weights per vector"),
+        "--centroids": ("num_centroids", "int", "codebook size, a power of two"),
+        "--res-centroids": ("num_res_centroids", "int", "residual codebook size, 0 = none"),
+        "--outlier-percent": ("outlier_percent", "float",
+                              "percent of input columns (largest Hessian diagonal) with their own codebook"),
+        "--outlier-vector-len": ("outlier_vector_len", "int", "vector length of the outlier codebook"),
+        "--outlier-centroids": ("outlier_centroids", "int", "outlier codebook size"),
+        "--groups": ("group_num", "int", "codebooks per layer for the non-outlier columns"),
+        "--norm": ("enable_norm", "bool", "per-input-column normalisation"),
+        "--perm": ("enable_perm", "bool", "process columns by decreasing Hessian diagonal"),
+        "--kmeans-iters": ("kmeans_iters", "int", "k-means iterations"),
+        "--finetune-iters": ("finetune_iters", "int", "layer-wise centroid fine-tuning steps per block"),
+        "--no-second-order": ("second_order", "false", "ablation: plain nearest-centroid assignment"),
+    },
+    "GPTQ / RTN / LRQ": {
+        "--bits": ("bits", "int", "bits per weight"),
+        "--group-size": ("group_size", "int", "weights per scale; 0 = one scale per output channel"),
+        "--no-act-order": ("act_order", "false", "GPTQ: natural column order"),
+        "--rank": ("rank", "int", "LRQ rank, 0 = auto from the layer size"),
+        "--lr": ("lr", "float", "LRQ learning rate"),
+        "--iters": ("iters", "int", "LRQ training iterations per block"),
+        "--full-scale": ("full_scale", "true", "LRQ: learn a full per-weight scale (FlexRound-style)"),
+        "--act-bits": ("act_bits", "int", "activation bits: 16 = weight-only, 8 = W?A8"),
+        "--act-granularity": ("act_granularity", "choice:token,tensor",
+                              "activation quantizer: token = dynamic per token, tensor = static per tensor"),
+    },
+}
+
+
+def _defaults_text(setting: str) -> str:
+    """"default X" from every built-in method whose config has ``setting`` (the flags' help)."""
+    found = {}
+    for method in methods.all_methods():
+        if setting in method.setting_names:
+            value = getattr(method.config_class(), setting)
+            found.setdefault(repr(value) if isinstance(value, str) else str(value), []).append(method.name)
+    if not found:
+        return ""
+    if len(found) == 1:
+        return f" (default {next(iter(found))})"
+    return " (default " + "; ".join(f"{', '.join(names)}: {value}" for value, names in found.items()) + ")"
+
+
+def _add_setting_flag(group, flag: str, setting: str, kind: str, text: str) -> None:
+    text += _defaults_text(setting)
+    if kind == "bool":
+        group.add_argument(flag, dest=setting, action=argparse.BooleanOptionalAction, default=None, help=text)
+    elif kind in ("true", "false"):
+        group.add_argument(flag, dest=setting, action="store_const", const=kind == "true", default=None, help=text)
+    elif kind.startswith("choice:"):
+        group.add_argument(flag, dest=setting, choices=kind.removeprefix("choice:").split(","), help=text)
+    else:
+        group.add_argument(flag, dest=setting, type=int if kind == "int" else float, help=text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m vptq_core", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     q = sub.add_parser("quantize", help="quantize a model and write a packed checkpoint",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=_HelpFormatter)
     q.add_argument("--model", required=True, help="smollm2-135m-instruct | tiny-random-llama | DIR | hub id")
-    q.add_argument("--method", required=True, choices=["vptq", "gptq", "rtn", "lrq"])
+    q.add_argument("--method", required=True, choices=list(methods.names()),
+                   help="; ".join(f"{m.name}: {m.description}" for m in methods.all_methods()))
     q.add_argument("--out", required=True, help="output directory for the checkpoint")
-    q.add_argument("--preset", choices=["2", "3", "4"], help="VPTQ preset bits (sized for small models); "
-                   "explicit flags override it")
-    v = q.add_argument_group("VPTQ")
-    v.add_argument("--vector-len", type=int, help="weights per vector (default 6)")
-    v.add_argument("--centroids", type=int, help="codebook size, a power of two (default 4096)")
-    v.add_argument("--res-centroids", type=int, help="residual codebook size, 0 = none (default 0)")
-    v.add_argument("--outlier-percent", type=float,
-                   help="percent of input columns (largest Hessian diagonal) with their own codebook (default 0.5)")
-    v.add_argument("--outlier-vector-len", type=int, help="vector length of the outlier codebook (default 4)")
-    v.add_argument("--outlier-centroids", type=int, help="outlier codebook size (default 256)")
-    v.add_argument("--groups", type=int, help="codebooks per layer for the non-outlier columns (default 1)")
-    v.add_argument("--norm", action=argparse.BooleanOptionalAction, default=None,
-                   help="per-input-column normalisation (default off)")
-    v.add_argument("--perm", action=argparse.BooleanOptionalAction, default=None,
-                   help="process columns by decreasing Hessian diagonal (default on)")
-    v.add_argument("--kmeans-iters", type=int, help="k-means iterations (default 10)")
-    v.add_argument("--finetune-iters", type=int, help="layer-wise centroid fine-tuning steps per block (default 0)")
-    v.add_argument("--no-second-order", action="store_true", help="ablation: plain nearest-centroid assignment")
-    s = q.add_argument_group("GPTQ / RTN / LRQ")
-    s.add_argument("--bits", type=int, help="bits per weight (default 4)")
-    s.add_argument("--group-size", type=int, help="weights per scale; 0 = one scale per output channel")
-    s.add_argument("--no-act-order", action="store_true", help="GPTQ: natural column order")
-    s.add_argument("--rank", type=int, help="LRQ rank, 0 = auto from the layer size")
-    s.add_argument("--lr", type=float, help="LRQ learning rate")
-    s.add_argument("--iters", type=int, help="LRQ training iterations per block")
-    s.add_argument("--full-scale", action="store_true", help="LRQ: learn a full per-weight scale (FlexRound-style)")
-    s.add_argument("--act-bits", type=int, help="LRQ / GPTQ / RTN activation bits: 16 = weight-only, 8 = W?A8")
-    s.add_argument("--act-granularity", choices=["token", "tensor"],
-                   help="activation quantizer: token = dynamic per token, tensor = static per tensor")
+    q.add_argument("--preset", choices=["2", "3", "4"], help="the method's preset for this many bits (sized for "
+                   "small models); explicit flags override it")
+    for group_name, flags in METHOD_FLAGS.items():
+        group = q.add_argument_group(group_name)
+        for flag, (setting, kind, text) in flags.items():
+            _add_setting_flag(group, flag, setting, kind, text)
+    q.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", dest="extra_settings",
+                   help="any other setting of the method's config, VALUE as JSON (e.g. --set damp_percent=0.05)")
     c = q.add_argument_group("calibration")
     c.add_argument("--calib-text", default="wiki", help="'wiki' (bundled) or a UTF-8 text file")
     c.add_argument("--calib-samples", type=_positive, default=32, help="random calibration windows")
@@ -103,39 +151,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _vptq_settings(args) -> dict:
-    from .quant.config import VPTQ_PRESETS
-
-    settings = dict(VPTQ_PRESETS[f"{args.preset} bits"]) if args.preset else {}
-    mapping = {
-        "vector_len": args.vector_len, "num_centroids": args.centroids, "num_res_centroids": args.res_centroids,
-        "outlier_percent": args.outlier_percent, "outlier_vector_len": args.outlier_vector_len,
-        "outlier_centroids": args.outlier_centroids, "group_num": args.groups, "enable_norm": args.norm,
-        "enable_perm": args.perm, "kmeans_iters": args.kmeans_iters, "finetune_iters": args.finetune_iters,
-    }
-    settings.update({k: v for k, v in mapping.items() if v is not None})
-    if args.no_second_order:
-        settings["second_order"] = False
-    settings["seed"] = args.seed
-    return settings
-
-
 def method_config_from_args(args):
-    """The validated config object for ``args.method`` (ValueError on bad values)."""
-    if args.method == "vptq":
-        return VPTQConfig(**_vptq_settings(args))
-    common = {k: v for k, v in {"bits": args.bits, "group_size": args.group_size}.items() if v is not None}
-    common.update({k: v for k, v in {"act_bits": args.act_bits, "act_granularity": args.act_granularity}.items()
-                   if v is not None})
-    if args.method in ("gptq", "rtn"):
-        if args.no_act_order:
-            common["act_order"] = False
-        return ScalarConfig(**common)
-    extra = {"rank": args.rank, "lr": args.lr, "iters": args.iters}
-    common.update({k: v for k, v in extra.items() if v is not None})
-    if args.full_scale:
-        common["full_scale"] = True
-    return LRQConfig(seed=args.seed, **common)
+    """The validated config object for ``args.method`` (ValueError on bad values or flags that do not apply)."""
+    method = methods.get(args.method)
+    names = set(method.setting_names)
+    settings = method.preset(f"{args.preset} bits") if args.preset else {}
+    for flags in METHOD_FLAGS.values():
+        for flag, (setting, _kind, _text) in flags.items():
+            value = getattr(args, setting, None)
+            if value is None:
+                continue
+            if setting not in names:
+                raise ValueError(f"{flag} does not apply to --method {method.name} (its settings: "
+                                 f"{', '.join(sorted(names))})")
+            settings[setting] = value
+    for item in args.extra_settings:
+        name, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set takes NAME=VALUE, got {item!r}")
+        try:
+            settings[name.strip()] = json.loads(text)
+        except json.JSONDecodeError:
+            settings[name.strip()] = text  # a bare word: a string setting
+    if "seed" in names:
+        settings.setdefault("seed", args.seed)
+    return method.make_config(settings)
 
 
 def _cmd_quantize(args) -> int:

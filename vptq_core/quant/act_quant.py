@@ -12,9 +12,12 @@ with respect to ``x`` is 1 inside the grid range and 0 where the value was clipp
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
+from torch import nn
+
+from .methods import BlockContext, BlockHook
 
 GRANULARITIES = ("token", "tensor")
 _EPS = 1e-8
@@ -118,3 +121,56 @@ def calibrate_act_scale(samples: Iterable[torch.Tensor], bits: int, percentile: 
     if count == 0:
         raise ValueError("samples must contain at least one non-empty tensor")
     return (best / qmax).clamp(min=_EPS).cpu()
+
+
+@torch.no_grad()
+def calibrate_static_scales(
+    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor], block: nn.Module, names: list[str],
+    inputs: torch.Tensor, bits: int, batch_size: int = 8,
+) -> dict[str, torch.Tensor]:
+    """Static per-tensor scales (absmax / qmax) of the inputs of ``block``'s linears ``names`` while
+    ``forward(block, x)`` runs over ``inputs`` [n, seq, hidden] in batches (on the block's device, float32)."""
+    found: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    device = next(iter(block.parameters()), inputs).device
+
+    def hook(name):
+        return lambda module, args: found[name].append(calibrate_act_scale([args[0]], bits))
+
+    handles = [block.get_submodule(name).register_forward_pre_hook(hook(name)) for name in names]
+    try:
+        for start in range(0, inputs.shape[0], batch_size):
+            forward(block, inputs[start : start + batch_size].to(device=device, dtype=torch.float32))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: torch.stack(values).max() for name, values in found.items()}
+
+
+def install_activation_quant(linears: dict[str, nn.Module], states: dict) -> None:
+    """Fake-quantize the inputs of quantized linears (W4A8 / W8A8) from now on, as the packed modules will."""
+    for name, linear in linears.items():
+        st = states[name]
+
+        def pre_hook(_m, args, st=st):
+            return (quantize_activations(args[0], st.act_bits, st.act_granularity, st.act_scale),) + args[1:]
+
+        linear.register_forward_pre_hook(pre_hook)
+
+
+def _activation_hook(ctx: BlockContext) -> dict | None:
+    """After a scalar method quantized a block's weights: record the activation settings in the states,
+    calibrate static per-tensor scales the method did not set itself (on the weight-quantized block), and
+    fake-quantize the linears' inputs for the following blocks."""
+    config = ctx.config
+    missing = [name for name, st in ctx.states.items()
+               if config.act_granularity == "tensor" and getattr(st, "act_scale", None) is None]
+    scales = calibrate_static_scales(ctx.forward, ctx.block, missing, ctx.inputs, config.act_bits) if missing else {}
+    for name, st in ctx.states.items():
+        st.act_bits, st.act_granularity = config.act_bits, config.act_granularity
+        if name in scales:
+            st.act_scale = scales[name].reshape(()).cpu()
+    install_activation_quant(ctx.linears, ctx.states)
+    return None
+
+
+ACTIVATION_HOOK = BlockHook("act_calibration", lambda config: config.act_bits < 16, _activation_hook)

@@ -1,16 +1,15 @@
 """Bits per weight, counted two ways: index (or code) bits alone, and total bits including codebooks,
 outlier codebooks and indices, normalisation scales/biases, permutations and scalar grids.
 
-Every stored float (centroid, scale, zero point) counts 16 bits; a permutation entry counts 16 bits.
+Every stored float (centroid, scale, zero point) counts 16 bits; a permutation entry counts 16 bits. Before a
+run, a layer's bits come from its method (``Method.bits``, ``vptq_core.quant.methods``); after it, from its
+state (``storage_bits()`` of ``VQLayerState`` / ``ScalarLayerState``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-from .config import LRQConfig, ScalarConfig, VPTQConfig
-from .states import ScalarLayerState, VQLayerState
 
 FLOAT_BITS = 16
 OUTLIER_INDEX_BITS = 16
@@ -61,35 +60,3 @@ def scalar_bits(out_features: int, in_features: int, bits: int, group_size: int)
     groups = math.ceil(in_features / gs)
     index = out_features * in_features * bits
     return BitsInfo(out_features * in_features, index, index + 2 * out_features * groups * FLOAT_BITS)
-
-
-def state_bits(state: VQLayerState | ScalarLayerState) -> BitsInfo:
-    if isinstance(state, VQLayerState):
-        return vq_bits(
-            state.out_features, state.in_features, state.vector_len, state.num_centroids,
-            max(state.num_res_centroids, 0), state.outlier_size, state.outlier_vector_len,
-            state.num_outlier_centroids, state.group_num, state.enable_norm, state.enable_perm,
-        )
-    return scalar_bits(state.out_features, state.in_features, state.bits, state.group_size)
-
-
-def config_bits(config: VPTQConfig | ScalarConfig | LRQConfig, out_features: int, in_features: int) -> BitsInfo:
-    """Bits a layer of this shape will take under ``config`` (what the app shows before a run)."""
-    if isinstance(config, VPTQConfig):
-        from .vptq import outlier_columns
-
-        outliers = outlier_columns(in_features, config.outlier_percent, config.group_num)
-        return vq_bits(
-            out_features, in_features, config.vector_len, config.num_centroids, config.num_res_centroids,
-            outliers, config.outlier_vector_len, config.outlier_centroids, config.group_num,
-            config.enable_norm, config.enable_perm or outliers > 0,
-        )
-    return scalar_bits(out_features, in_features, config.bits, config.group_size)
-
-
-def model_bits(config, shapes: list[tuple[int, int]]) -> BitsInfo:
-    """Sum of ``config_bits`` over linear shapes [(out, in), ...]."""
-    total = BitsInfo(0, 0, 0)
-    for out_f, in_f in shapes:
-        total = total + config_bits(config, out_f, in_f)
-    return total

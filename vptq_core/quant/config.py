@@ -1,4 +1,6 @@
-"""Validated, frozen settings for every quantization method and for calibration.
+"""Validated, frozen settings for the built-in quantization methods and for calibration.
+
+The ``check_*`` helpers are for new methods' configs too (see README.md, "Adding a method").
 
 Every bad value raises ``ValueError`` naming the field, the value and what is allowed; the CLI turns that
 into exit code 2 and the app into a visible error.
@@ -9,14 +11,12 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 
-METHODS = ("vptq", "gptq", "rtn", "lrq")
-
 
 def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
-def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
+def check_int(name: str, value, lo: int, hi: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < lo or (hi is not None and value > hi):
@@ -24,13 +24,13 @@ def _check_int(name: str, value, lo: int, hi: int | None = None) -> None:
         raise ValueError(f"{name} must be {allowed}, got {value}")
 
 
-def _check_pow2(name: str, value, lo: int, hi: int) -> None:
-    _check_int(name, value, lo, hi)
+def check_pow2(name: str, value, lo: int, hi: int) -> None:
+    check_int(name, value, lo, hi)
     if not _is_pow2(value):
         raise ValueError(f"{name} must be a power of two in {lo}..{hi}, got {value}")
 
 
-def _check_float(name: str, value, lo: float, hi: float, lo_open: bool = False) -> None:
+def check_float(name: str, value, lo: float, hi: float, lo_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         raise ValueError(f"{name} must be a number, got {value!r}")
     if value < lo or value > hi or (lo_open and value == lo):
@@ -38,7 +38,15 @@ def _check_float(name: str, value, lo: float, hi: float, lo_open: bool = False) 
         raise ValueError(f"{name} must be in {bracket}{lo}, {hi}], got {value}")
 
 
-class _Base:
+def check_bools(config, names: tuple[str, ...]) -> None:
+    for name in names:
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"{name} must be true or false, got {getattr(config, name)!r}")
+
+
+class ConfigBase:
+    """``to_dict`` / ``from_dict`` for frozen config dataclasses (unknown keys are refused by name)."""
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -52,7 +60,7 @@ class _Base:
 
 
 @dataclass(frozen=True)
-class VPTQConfig(_Base):
+class VPTQConfig(ConfigBase):
     """VPTQ settings. ``num_res_centroids=0`` disables the residual codebook, ``outlier_percent=0`` outliers.
 
     Index bits per weight = log2(num_centroids)/vector_len (+ log2(num_res_centroids)/vector_len).
@@ -88,10 +96,10 @@ class VPTQConfig(_Base):
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_int("vector_len", self.vector_len, 1, 16)
-        _check_pow2("num_centroids", self.num_centroids, 2, 65536)
+        check_int("vector_len", self.vector_len, 1, 16)
+        check_pow2("num_centroids", self.num_centroids, 2, 65536)
         if self.num_res_centroids != 0:
-            _check_pow2("num_res_centroids", self.num_res_centroids, 2, 65536)
+            check_pow2("num_res_centroids", self.num_res_centroids, 2, 65536)
         if self.num_res_centroids > self.num_centroids:
             raise ValueError(
                 f"num_res_centroids ({self.num_res_centroids}) must be <= num_centroids ({self.num_centroids}): "
@@ -99,20 +107,18 @@ class VPTQConfig(_Base):
             )
         if int(math.log2(self.num_centroids)) + self.res_bits > 32:
             raise ValueError("log2(num_centroids) + log2(num_res_centroids) must be <= 32")
-        _check_float("outlier_percent", self.outlier_percent, 0.0, 50.0)
-        _check_int("outlier_vector_len", self.outlier_vector_len, 1, 16)
-        _check_pow2("outlier_centroids", self.outlier_centroids, 2, 65536)
-        _check_int("group_num", self.group_num, 1, 64)
-        _check_int("kmeans_iters", self.kmeans_iters, 0, 1000)
-        _check_int("kmeans_sample", self.kmeans_sample, 1024)
-        _check_float("damp_percent", self.damp_percent, 0.0, 1.0, lo_open=True)
-        _check_int("block_size", self.block_size, 1, 4096)
-        _check_int("finetune_iters", self.finetune_iters, 0, 100000)
-        _check_float("finetune_lr", self.finetune_lr, 0.0, 1.0, lo_open=True)
-        _check_int("seed", self.seed, 0)
-        for name in ("enable_norm", "enable_perm", "second_order"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        check_float("outlier_percent", self.outlier_percent, 0.0, 50.0)
+        check_int("outlier_vector_len", self.outlier_vector_len, 1, 16)
+        check_pow2("outlier_centroids", self.outlier_centroids, 2, 65536)
+        check_int("group_num", self.group_num, 1, 64)
+        check_int("kmeans_iters", self.kmeans_iters, 0, 1000)
+        check_int("kmeans_sample", self.kmeans_sample, 1024)
+        check_float("damp_percent", self.damp_percent, 0.0, 1.0, lo_open=True)
+        check_int("block_size", self.block_size, 1, 4096)
+        check_int("finetune_iters", self.finetune_iters, 0, 100000)
+        check_float("finetune_lr", self.finetune_lr, 0.0, 1.0, lo_open=True)
+        check_int("seed", self.seed, 0)
+        check_bools(self, ("enable_norm", "enable_perm", "second_order"))
 
     @property
     def index_bits(self) -> int:
@@ -127,7 +133,7 @@ class VPTQConfig(_Base):
         return (self.index_bits + self.res_bits) / self.vector_len
 
 
-def _check_act(act_bits, act_granularity) -> None:
+def check_act(act_bits, act_granularity) -> None:
     if isinstance(act_bits, bool) or act_bits not in (4, 8, 16):
         raise ValueError(f"act_bits must be 4, 8 or 16 (16 = no activation quantization), got {act_bits!r}")
     if act_granularity not in ("token", "tensor"):
@@ -135,7 +141,7 @@ def _check_act(act_bits, act_granularity) -> None:
 
 
 @dataclass(frozen=True)
-class ScalarConfig(_Base):
+class ScalarConfig(ConfigBase):
     """RTN / GPTQ settings. ``group_size=0`` means one scale per output channel.
 
     ``act_bits`` 16 = weight-only; 8 (or 4) fake-quantizes the inputs of the quantized linears, per token
@@ -152,18 +158,16 @@ class ScalarConfig(_Base):
     act_granularity: str = "token"
 
     def __post_init__(self) -> None:
-        _check_int("bits", self.bits, 1, 8)
-        _check_int("group_size", self.group_size, 0)
-        _check_float("damp_percent", self.damp_percent, 0.0, 1.0, lo_open=True)
-        _check_int("block_size", self.block_size, 1, 4096)
-        _check_act(self.act_bits, self.act_granularity)
-        for name in ("sym", "act_order", "clip_search"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        check_int("bits", self.bits, 1, 8)
+        check_int("group_size", self.group_size, 0)
+        check_float("damp_percent", self.damp_percent, 0.0, 1.0, lo_open=True)
+        check_int("block_size", self.block_size, 1, 4096)
+        check_act(self.act_bits, self.act_granularity)
+        check_bools(self, ("sym", "act_order", "clip_search"))
 
 
 @dataclass(frozen=True)
-class LRQConfig(_Base):
+class LRQConfig(ConfigBase):
     """LRQ settings (METHODS.md section 2).
 
     ``rank=0`` picks the rank from the layer size (``auto_rank``); ``full_scale=True`` learns one scale per
@@ -189,21 +193,19 @@ class LRQConfig(_Base):
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_int("bits", self.bits, 2, 8)
-        _check_int("group_size", self.group_size, 0)
-        _check_int("rank", self.rank, 0, 8192)
-        _check_int("iters", self.iters, 0, 100000)
-        _check_float("lr", self.lr, 0.0, 1.0, lo_open=True)
-        _check_int("batch_size", self.batch_size, 1, 1024)
-        _check_int("seed", self.seed, 0)
-        _check_act(self.act_bits, self.act_granularity)
-        for name in ("clip_search", "full_scale"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        check_int("bits", self.bits, 2, 8)
+        check_int("group_size", self.group_size, 0)
+        check_int("rank", self.rank, 0, 8192)
+        check_int("iters", self.iters, 0, 100000)
+        check_float("lr", self.lr, 0.0, 1.0, lo_open=True)
+        check_int("batch_size", self.batch_size, 1, 1024)
+        check_int("seed", self.seed, 0)
+        check_act(self.act_bits, self.act_granularity)
+        check_bools(self, ("clip_search", "full_scale"))
 
 
 @dataclass(frozen=True)
-class CalibConfig(_Base):
+class CalibConfig(ConfigBase):
     """Calibration data: ``text`` is "wiki" (bundled Wikipedia, even articles) or a path to a UTF-8 file."""
 
     text: str = "wiki"
@@ -214,27 +216,6 @@ class CalibConfig(_Base):
     def __post_init__(self) -> None:
         if not isinstance(self.text, str) or not self.text:
             raise ValueError(f"calibration text must be 'wiki' or a file path, got {self.text!r}")
-        _check_int("samples", self.samples, 1, 100000)
-        _check_int("seqlen", self.seqlen, 8, 131072)
-        _check_int("seed", self.seed, 0)
-
-
-def method_config(method: str, settings: dict | None = None):
-    """Build the config object for ``method`` from a plain dict (CLI, app, JSON)."""
-    settings = dict(settings or {})
-    if method == "vptq":
-        return VPTQConfig.from_dict(settings)
-    if method in ("gptq", "rtn"):
-        return ScalarConfig.from_dict(settings)
-    if method == "lrq":
-        return LRQConfig.from_dict(settings)
-    raise ValueError(f"unknown method {method!r}; allowed: {', '.join(METHODS)}")
-
-
-# Presets sized for small models (SmolLM2-135M): per-layer codebooks must stay small next to the layer,
-# so the codebook overhead in total bits stays well below the index bits. Keys: preset name -> settings.
-VPTQ_PRESETS: dict[str, dict] = {
-    "2 bits": {"vector_len": 6, "num_centroids": 4096},
-    "3 bits": {"vector_len": 4, "num_centroids": 4096},
-    "4 bits": {"vector_len": 4, "num_centroids": 256, "num_res_centroids": 256},
-}
+        check_int("samples", self.samples, 1, 100000)
+        check_int("seqlen", self.seqlen, 8, 131072)
+        check_int("seed", self.seed, 0)

@@ -11,7 +11,6 @@ from torch import nn
 
 from .config import VPTQConfig
 from .states import VQLayerState
-from .vptq import dequantize_state
 
 _CODEBOOKS = ("centroids", "res_centroids", "outlier_centroids")
 
@@ -57,7 +56,7 @@ def finetune_block_centroids(
 
     def loss_on(idx: torch.Tensor) -> torch.Tensor:
         for name, lin in linears.items():
-            _swap_weight(lin, dequantize_state(current(name)).to(saved[name].dtype))
+            _swap_weight(lin, current(name).dequantize().to(saved[name].dtype))
         out = forward(block, inputs[idx])
         return torch.mean((out.float() - targets[idx].float()) ** 2)
 
@@ -81,5 +80,5 @@ def finetune_block_centroids(
             if after <= before:
                 for key, p in params[name].items():
                     setattr(states[name], key, p.detach().clone())
-            lin.weight.data.copy_(dequantize_state(states[name]).to(lin.weight.dtype))
+            lin.weight.data.copy_(states[name].dequantize().to(lin.weight.dtype))
     return {"finetune_loss_before": before, "finetune_loss_after": min(after, before)}

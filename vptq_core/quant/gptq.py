@@ -1,31 +1,16 @@
-"""Scalar baselines in the same pipeline: RTN and GPTQ (Hessian error feedback, groups, act-order)."""
+"""GPTQ: scalar grids with Hessian error feedback (the shared sweep), groups and act-order."""
 
 from __future__ import annotations
 
 import torch
 
+from .act_quant import ACTIVATION_HOOK
 from .config import ScalarConfig
-from .hessian import inverse_hessian_cholesky, prepare_hessian, proxy_loss, single_thread_torch
-from .rtn import effective_group_size, grid_params, rtn_quantize
+from .hessian import inverse_hessian_cholesky, prepare_hessian
+from .methods import Method, QuantResult, register
+from .rtn import SCALAR_PRESETS, describe_scalar, effective_group_size, grid_params, scalar_config_bits, scalar_result
 from .states import ScalarLayerState
-from .vptq import QuantResult
-
-
-def _result(state: ScalarLayerState, W: torch.Tensor, H: torch.Tensor) -> QuantResult:
-    W_hat = state.dequantize().float()
-    loss, rel = proxy_loss(W, W_hat, H.float())
-    rel_w = float(torch.linalg.norm(W_hat - W) / torch.linalg.norm(W).clamp(min=1e-12))
-    return QuantResult(state=state, weight=W_hat, proxy_loss=loss, rel_proxy_loss=rel, rel_weight_error=rel_w)
-
-
-def rtn_layer(
-    W: torch.Tensor, H: torch.Tensor, config: ScalarConfig, bias: torch.Tensor | None = None,
-    hessian_cache: dict | None = None,
-) -> QuantResult:
-    """Round-to-nearest (H is only used to report the proxy loss)."""
-    W = W.detach().float()
-    state = rtn_quantize(W, config.bits, config.group_size, sym=config.sym, clip_search=config.clip_search, bias=bias)
-    return _result(state, W, H)
+from .sweep import error_feedback_sweep
 
 
 def gptq_layer(
@@ -54,10 +39,14 @@ def gptq_layer(
     Wp, Hp = Wd[:, perm], Hd[perm][:, perm]
     col_scale = scales_t[:, col_group[perm]]  # [out, in] in permuted order
     col_zero = zeros_t[:, col_group[perm]]
-    U = inverse_hessian_cholesky(Hp, hessian_cache)
     codes_p = torch.zeros_like(Wp)
-    with single_thread_torch():
-        _gptq_sweep(Wp, U, col_scale, col_zero, codes_p, maxq, config.block_size)
+
+    def quantize_column(j: int, w: torch.Tensor) -> torch.Tensor:
+        c = torch.clamp(torch.round(w / col_scale[:, j]) + col_zero[:, j], 0, maxq)
+        codes_p[:, j] = c
+        return col_scale[:, j] * (c - col_zero[:, j])
+
+    error_feedback_sweep(Wp, inverse_hessian_cholesky(Hp, hessian_cache), quantize_column, config.block_size)
     codes = torch.empty_like(codes_p)
     codes[:, perm] = codes_p
     state = ScalarLayerState(
@@ -65,23 +54,12 @@ def gptq_layer(
         codes=codes.to(torch.uint8), scales=scales_t, zeros=zeros_t,
         bias=None if bias is None else bias.detach().clone(), method="gptq",
     )
-    return _result(state, W_orig, H)
+    return scalar_result(state, W_orig, H)
 
 
-def _gptq_sweep(Wp, U, col_scale, col_zero, codes_p, maxq, bs) -> None:
-    out_features, in_features = Wp.shape
-    for b0 in range(0, in_features, bs):
-        b1 = min(b0 + bs, in_features)
-        W1 = Wp[:, b0:b1]
-        Err = torch.zeros(out_features, b1 - b0)
-        for i in range(b1 - b0):
-            j = b0 + i
-            w = W1[:, i]
-            c = torch.clamp(torch.round(w / col_scale[:, j]) + col_zero[:, j], 0, maxq)
-            q = col_scale[:, j] * (c - col_zero[:, j])
-            codes_p[:, j] = c
-            e = (w - q) / U[j, j]
-            W1[:, i + 1 :].addr_(e, U[j, j + 1 : b1], alpha=-1.0)
-            Err[:, i] = e
-        if b1 < in_features:
-            Wp[:, b1:].addmm_(Err, U[b0:b1, b1:], alpha=-1.0)
+METHOD = register(Method(
+    name="gptq", label="GPTQ", config_class=ScalarConfig, bits=scalar_config_bits, describe=describe_scalar,
+    presets=SCALAR_PRESETS, description="scalar grids with GPTQ's second-order error feedback",
+    quantize_linear=lambda W, H, config, bias, cache: gptq_layer(W, H, config, bias, hessian_cache=cache),
+    after_block=(ACTIVATION_HOOK,),
+))

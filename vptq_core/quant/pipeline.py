@@ -8,9 +8,7 @@ inputs and the block's relative output error. Only the current block's working s
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -18,17 +16,15 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from .bits import BitsInfo, state_bits
+from . import methods
+from .bits import BitsInfo
 from .blocks import block_linears, blocks_prefix, decoder_blocks
-from .config import LRQConfig, ScalarConfig, VPTQConfig
-from .hessian import HessianAccumulator, proxy_loss, single_thread_torch
+from .hessian import HessianAccumulator
+from .methods import BlockContext, Cancelled, Method, QuantResult
+from .timing import Timings
 
 OnLayer = Callable[["LayerReport"], None]
 ShouldStop = Callable[[], bool]
-
-
-class Cancelled(Exception):
-    """Raised inside the pipeline when ``should_stop()`` turns true; caught by ``quantize_model``."""
 
 
 @dataclass
@@ -68,20 +64,13 @@ class QuantizeResult:
     cancelled: bool = False
     blocks_done: int = 0
     # wall seconds per phase: capture_inputs, hessians_targets (original block forwards with Hessian hooks),
-    # the method's phases (VPTQ: kmeans, inverse_hessian, sweep; scalar: quantize; lrq: lrq_train),
-    # finetune, act_calibration, block_outputs (quantized block forwards)
-    timings: dict = field(default_factory=dict)
+    # the method's phases (VPTQ: kmeans, inverse_hessian, sweep; scalar: quantize; lrq: lrq_train), its
+    # after-block hooks (finetune, act_calibration), block_outputs (quantized block forwards)
+    timings: Timings = field(default_factory=Timings)
 
-    def add_time(self, phase: str, seconds: float) -> None:
-        self.timings[phase] = self.timings.get(phase, 0.0) + seconds
-
-    @contextlib.contextmanager
     def timed(self, phase: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add_time(phase, time.perf_counter() - start)
+        """``with result.timed(phase): ...`` adds the wall time to ``timings[phase]``."""
+        return self.timings.timed(phase)
 
     def summary(self) -> dict:
         return {
@@ -167,29 +156,23 @@ def _kwargs_to(kwargs: dict, device: torch.device, dtype: torch.dtype) -> dict:
 # The driver
 
 
-def _quantize_linear(method: str, W: torch.Tensor, H: torch.Tensor, config, bias, cache: dict):
-    if method == "vptq":
-        from .vptq import vptq_quantize
-
-        return vptq_quantize(W, H, config, bias, hessian_cache=cache)
-    from .gptq import gptq_layer, rtn_layer
-
-    return (gptq_layer if method == "gptq" else rtn_layer)(W, H, config, bias, hessian_cache=cache)
-
-
-def _check_method(method: str, config) -> None:
-    expected = {"vptq": VPTQConfig, "gptq": ScalarConfig, "rtn": ScalarConfig, "lrq": LRQConfig}
-    if method not in expected:
-        raise ValueError(f"unknown method {method!r}; allowed: {', '.join(expected)}")
-    if not isinstance(config, expected[method]):
-        raise TypeError(f"method {method!r} takes a {expected[method].__name__}, got {type(config).__name__}")
+def quantize_linears(ctx: BlockContext) -> None:
+    """The default block step: each linear on its own with the method's ``quantize_linear``."""
+    cache: dict = {}  # shared by the block's linears (inverse-Hessian factors of shared inputs)
+    for name, linear in ctx.linears.items():
+        if ctx.should_stop():
+            raise Cancelled
+        t0 = time.perf_counter()
+        res = ctx.method.quantize_linear(linear.weight.data, ctx.hessians[name], ctx.config, linear.bias, cache)
+        ctx.result.timings.merge(res.timings or {"quantize": time.perf_counter() - t0})
+        ctx.publish(name, res, time.perf_counter() - t0)
 
 
 @torch.no_grad()
 def quantize_model(
     model: nn.Module,
     calib_ids: torch.Tensor,
-    method: str,
+    method: str | Method,
     config,
     on_layer: OnLayer | None = None,
     should_stop: ShouldStop | None = None,
@@ -202,7 +185,8 @@ def quantize_model(
     Args:
         model: a Hugging Face causal LM (llama / qwen2 / mistral families: blocks at ``model.layers``).
         calib_ids: calibration token ids [n, seq] (see ``data.calibration_windows``).
-        method: "vptq" | "gptq" | "rtn" | "lrq"; config: the matching config object.
+        method: a registered method name ("vptq", "gptq", "rtn", "lrq", ...) or a ``Method``; config: an
+            instance of its config class.
         on_layer: called with a ``LayerReport`` as each linear finishes.
         should_stop: polled between linears; when it returns True the run stops cleanly and the result
             has ``cancelled=True`` with the layers done so far.
@@ -214,7 +198,8 @@ def quantize_model(
     per-layer states to pack and save). Only the blocks' linears are quantized; embeddings, norms and the
     LM head stay as they are.
     """
-    _check_method(method, config)
+    method = methods.get(method)
+    method.check_config(config)
     if calib_ids.dim() != 2 or calib_ids.shape[0] < 1:
         raise ValueError(f"calib_ids must be [samples, seqlen], got shape {tuple(calib_ids.shape)}")
     on_layer = on_layer or (lambda _r: None)
@@ -224,18 +209,15 @@ def quantize_model(
         model = copy.deepcopy(model)
     model.eval()
     start_time = time.perf_counter()
-    states: dict = {}
-    reports: list[LayerReport] = []
-    bits = BitsInfo(0, 0, 0)
-    result = QuantizeResult(method, config.to_dict(), states, reports, bits, 0.0)
+    result = QuantizeResult(method.name, config.to_dict(), {}, [], BitsInfo(0, 0, 0), 0.0)
 
     blocks = decoder_blocks(model)
     prefix = blocks_prefix(model)
     model_dtype = next(model.parameters()).dtype
-    inps, kwargs = capture_block_inputs(model, calib_ids)
-    inps = inps.to(dev, torch.float32)
-    kwargs = _kwargs_to(kwargs, dev, torch.float32)
-    result.add_time("capture_inputs", time.perf_counter() - start_time)
+    with result.timed("capture_inputs"):
+        inps, kwargs = capture_block_inputs(model, calib_ids)
+        inps = inps.to(dev, torch.float32)
+        kwargs = _kwargs_to(kwargs, dev, torch.float32)
     try:
         for b, block in enumerate(blocks):
             if should_stop():
@@ -245,50 +227,30 @@ def quantize_model(
             linears = {n: m for n, m in block_linears(block).items() if not (skip and skip(f"{prefix}.{b}.{n}"))}
             with result.timed("hessians_targets"):
                 hessians, targets = _pass_a(block, linears, inps, kwargs)
-            block_reports = []
-            if method == "lrq":
-                with result.timed("lrq_train"):
-                    block_reports = _lrq_block(b, prefix, block, linears, hessians, inps, targets, kwargs, config,
-                                               should_stop, states, on_layer)
-                reports.extend(block_reports)
+            ctx = BlockContext(
+                index=b, prefix=prefix, block=block, linears=linears, hessians=hessians, inputs=inps,
+                targets=targets, forward=lambda blk, x: run_block(blk, x, kwargs), config=config, method=method,
+                result=result, should_stop=should_stop, publish=None,
+            )
+            ctx.publish = _publisher(ctx, on_layer)
+            if method.quantize_block is not None:
+                with result.timed(method.block_phase):
+                    method.quantize_block(ctx)
             else:
-                cache: dict = {}
-                for name, linear in linears.items():
-                    if should_stop():
-                        raise Cancelled
-                    t0 = time.perf_counter()
-                    H = hessians[name]
-                    res = _quantize_linear(method, linear.weight.data, H, config, linear.bias, cache)
-                    for phase, seconds in (res.timings or {"quantize": time.perf_counter() - t0}).items():
-                        result.add_time(phase, seconds)
-                    linear.weight.data.copy_(res.weight.to(linear.weight.dtype))
-                    full = f"{prefix}.{b}.{name}"
-                    states[full] = res.state
-                    report = _report(b, full, name, linear, method, res.state, res.rel_proxy_loss,
-                                     res.rel_weight_error, time.perf_counter() - t0)
-                    block_reports.append(report)
-                    reports.append(report)
-                    on_layer(report)
-                if method == "vptq" and config.finetune_iters > 0:
-                    from .finetune import finetune_block_centroids
-
-                    with result.timed("finetune"):
-                        ft = finetune_block_centroids(
-                            block, {n: states[f"{prefix}.{b}.{n}"] for n in linears}, inps, targets,
-                            lambda blk, x: run_block(blk, x, kwargs), config,
-                        )
-                    for rep in block_reports:
-                        rep.extra.update(ft)
-            if method in ("gptq", "rtn") and config.act_bits < 16:
-                with result.timed("act_calibration"):
-                    _scalar_act_quant(block, linears, {n: states[f"{prefix}.{b}.{n}"] for n in linears}, inps,
-                                      kwargs, config)
+                quantize_linears(ctx)
+            for hook in method.after_block:
+                if not hook.applies(config):
+                    continue
+                with result.timed(hook.phase):
+                    metrics = hook.run(ctx)
+                for rep in ctx.reports:
+                    rep.extra.update(metrics or {})
             with result.timed("block_outputs"):
                 outs = _run_batched(block, inps, kwargs)
             err = float(((outs - targets) ** 2).sum() / (targets**2).sum().clamp(min=1e-20))
-            for rep in block_reports:
+            for rep in ctx.reports:
                 rep.rel_output_error = err
-                result.bits = result.bits + state_bits(states[rep.name])
+                result.bits = result.bits + result.states[rep.name].storage_bits()
             block.to(orig_device, model_dtype)
             inps = outs
             result.blocks_done = b + 1
@@ -296,6 +258,29 @@ def quantize_model(
         result.cancelled = True
     result.seconds = time.perf_counter() - start_time
     return model, result
+
+
+def _publisher(ctx: BlockContext, on_layer: OnLayer) -> Callable[..., LayerReport]:
+    """``publish(name, res, seconds, extra=None)``: keep a linear's quantized weight and state, report it."""
+
+    def publish(name: str, res: QuantResult, seconds: float, extra: dict | None = None) -> LayerReport:
+        linear = ctx.linears[name]
+        linear.weight.data.copy_(res.weight.to(linear.weight.dtype))
+        full = ctx.full_name(name)
+        ctx.states[name] = ctx.result.states[full] = res.state
+        info = res.state.storage_bits()
+        report = LayerReport(
+            block=ctx.index, name=full, module=name, out_features=linear.out_features,
+            in_features=linear.in_features, method=ctx.method.name, rel_proxy_loss=res.rel_proxy_loss,
+            rel_weight_error=res.rel_weight_error, index_bits=info.index_bits_per_weight,
+            total_bits=info.total_bits_per_weight, seconds=seconds, extra=extra or {},
+        )
+        ctx.reports.append(report)
+        ctx.result.reports.append(report)
+        on_layer(report)
+        return report
+
+    return publish
 
 
 def _pass_a(block: nn.Module, linears: dict, inps: torch.Tensor, kwargs: dict):
@@ -333,88 +318,9 @@ def _pass_a(block: nn.Module, linears: dict, inps: torch.Tensor, kwargs: dict):
     return hessians, targets
 
 
-def _report(b, full, name, linear, method, state, rel_proxy, rel_w, seconds, extra=None) -> LayerReport:
-    info = state_bits(state)
-    return LayerReport(
-        block=b, name=full, module=name, out_features=linear.out_features, in_features=linear.in_features,
-        method=method, rel_proxy_loss=rel_proxy, rel_weight_error=rel_w,
-        index_bits=info.index_bits_per_weight, total_bits=info.total_bits_per_weight, seconds=seconds,
-        extra=extra or {},
-    )
-
-
-def _lrq_block(b, prefix, block, linears, hessians, inps, targets, kwargs, config, should_stop, states, on_layer):
-    from .lrq import lrq_quantize_block
-
-    t0 = time.perf_counter()
-    # One torch thread: LRQ's small training steps ran 4.6x slower with 2 threads on a busy 2-core machine.
-    with torch.enable_grad(), single_thread_torch():
-        res = lrq_quantize_block(
-            block, list(linears), inps, targets, lambda blk, x: run_block(blk, x, kwargs), config,
-            should_stop=should_stop,
-        )
-    if should_stop():
-        raise Cancelled
-    per_layer = (time.perf_counter() - t0) / max(len(linears), 1)
-    reports = []
-    for name, linear in linears.items():
-        state = res.states[name]
-        W = linear.weight.data.float()
-        W_hat = state.dequantize().float()
-        _, rel = proxy_loss(W, W_hat, hessians[name])
-        rel_w = float(torch.linalg.norm(W_hat - W) / torch.linalg.norm(W).clamp(min=1e-12))
-        linear.weight.data.copy_(W_hat.to(linear.weight.dtype))
-        full = f"{prefix}.{b}.{name}"
-        states[full] = state
-        report = _report(b, full, name, linear, "lrq", state, rel, rel_w, per_layer,
-                         {"block_loss_before": res.loss_before, "block_loss_after": res.loss_after})
-        reports.append(report)
-        on_layer(report)
-    if config.act_bits < 16:
-        _install_act_quant(block, linears, {n: res.states[n] for n in linears})
-    return reports
-
-
-def _scalar_act_quant(block, linears, block_states, inps, kwargs, config) -> None:
-    """RTN / GPTQ with activation quantization: set the states' activation settings (static per-tensor
-    scales = absmax of each linear's input over the calibration windows, seen through the weight-quantized
-    block) and fake-quantize those inputs from now on."""
-    from .lrq import calibrate_static_scales
-
-    scales = {}
-    if config.act_granularity == "tensor":
-        scales = calibrate_static_scales(lambda blk, x: run_block(blk, x, kwargs), block, list(linears), inps,
-                                   config.act_bits, BATCH, inps.device)
-    for name, st in block_states.items():
-        st.act_bits, st.act_granularity = config.act_bits, config.act_granularity
-        if name in scales:
-            st.act_scale = scales[name].reshape(()).cpu()
-    _install_act_quant(block, linears, block_states)
-
-
-def _install_act_quant(block, linears, block_states) -> None:
-    """Fake-quantize the inputs of quantized linears (W4A8 / W8A8) in the returned model too."""
-    from .act_quant import quantize_activations
-
-    for name, linear in linears.items():
-        st = block_states[name]
-
-        def pre_hook(_m, args, st=st):
-            return (quantize_activations(args[0], st.act_bits, st.act_granularity, st.act_scale),) + args[1:]
-
-        linear.register_forward_pre_hook(pre_hook)
-
-
 def total_linear_shapes(model: nn.Module) -> list[tuple[int, int]]:
     """(out, in) of every block linear: what the app uses to show bits and size before a run."""
     shapes = []
     for block in decoder_blocks(model):
         shapes.extend((m.out_features, m.in_features) for m in block_linears(block).values())
     return shapes
-
-
-def expected_size_bytes(model: nn.Module, config) -> int:
-    """Bytes the quantized block linears will take (everything else stays as it is)."""
-    from .bits import model_bits
-
-    return math.ceil(model_bits(config, total_linear_shapes(model)).total_bits / 8)

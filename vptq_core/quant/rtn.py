@@ -1,12 +1,18 @@
 """Uniform integer grids: per-channel / per-group scale and zero point, round-to-nearest (RTN).
 
-Shared by RTN, GPTQ and LRQ (whose training starts exactly at RTN).
+The grids, the bits accounting, presets and settings label are shared by RTN, GPTQ and LRQ (whose training
+starts exactly at RTN).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .act_quant import ACTIVATION_HOOK
+from .bits import BitsInfo, scalar_bits
+from .config import ScalarConfig
+from .hessian import proxy_loss
+from .methods import Method, QuantResult, register
 from .states import ScalarLayerState
 
 
@@ -81,3 +87,48 @@ def rtn_quantize(
         codes=torch.cat(codes, dim=1).to(torch.uint8), scales=torch.cat(scales, dim=1),
         zeros=torch.cat(zeros, dim=1), bias=None if bias is None else bias.detach().clone(), method="rtn",
     )
+
+
+def scalar_result(state: ScalarLayerState, W: torch.Tensor, H: torch.Tensor) -> QuantResult:
+    """The ``QuantResult`` of a scalar state for the original weight ``W`` and its Hessian ``H``."""
+    W_hat = state.dequantize().float()
+    loss, rel = proxy_loss(W, W_hat, H.float())
+    rel_w = float(torch.linalg.norm(W_hat - W) / torch.linalg.norm(W).clamp(min=1e-12))
+    return QuantResult(state=state, weight=W_hat, proxy_loss=loss, rel_proxy_loss=rel, rel_weight_error=rel_w)
+
+
+def rtn_layer(
+    W: torch.Tensor, H: torch.Tensor, config: ScalarConfig, bias: torch.Tensor | None = None,
+    hessian_cache: dict | None = None,
+) -> QuantResult:
+    """Round-to-nearest (H is only used to report the proxy loss)."""
+    W = W.detach().float()
+    state = rtn_quantize(W, config.bits, config.group_size, sym=config.sym, clip_search=config.clip_search, bias=bias)
+    return scalar_result(state, W, H)
+
+
+def scalar_config_bits(config, out_features: int, in_features: int) -> BitsInfo:
+    """Bits of one layer under any scalar config (codes + a scale and a zero point per group)."""
+    return scalar_bits(out_features, in_features, config.bits, config.group_size)
+
+
+def describe_scalar(settings) -> str:
+    """Short label of scalar settings, e.g. ``3b g64`` or ``4b per-channel rankauto A8``."""
+    group = settings.get("group_size")
+    text = f"{settings.get('bits')}b " + (f"g{group}" if group else "per-channel")
+    if "rank" in settings and settings["rank"] is not None:
+        text += f" rank{settings['rank'] or 'auto'}"
+    if (settings.get("act_bits") or 16) < 16:
+        text += f" A{settings['act_bits']}{'' if settings.get('act_granularity') == 'token' else ' static'}"
+    return text
+
+
+SCALAR_PRESETS = {"2 bits": {"bits": 2, "group_size": 64}, "3 bits": {"bits": 3, "group_size": 64},
+                  "4 bits": {"bits": 4, "group_size": 64}}
+
+METHOD = register(Method(
+    name="rtn", label="RTN", config_class=ScalarConfig, bits=scalar_config_bits, describe=describe_scalar,
+    presets=SCALAR_PRESETS, description="round-to-nearest on per-channel or per-group grids (the baseline)",
+    quantize_linear=lambda W, H, config, bias, cache: rtn_layer(W, H, config, bias),
+    after_block=(ACTIVATION_HOOK,),
+))

@@ -24,6 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels import VQSpec
+from kernels.reference import scalar_expand, vq_expand
+
+from .bits import BitsInfo, scalar_bits, vq_bits
+
 
 @dataclass
 class VQLayerState:
@@ -90,23 +95,29 @@ class VQLayerState:
     def enable_perm(self) -> bool:
         return self.perm is not None
 
+    @property
+    def spec(self) -> VQSpec:
+        return VQSpec.from_state(self)
+
     def layer_config(self) -> dict:
         """The per-layer entry of ``quantization_config["config_for_layers"]`` (public VPTQ schema)."""
-        return {
-            "bias": self.bias is not None,
-            "enable_norm": self.enable_norm,
-            "enable_perm": self.enable_perm,
-            "group_num": self.group_num,
-            "group_size": self.group_size,
-            "in_features": self.in_features,
-            "indices_as_float": False,
-            "is_indice_packed": True,
-            "num_centroids": [self.num_outlier_centroids, self.num_centroids],
-            "num_res_centroids": [-1, self.num_res_centroids],
-            "out_features": self.out_features,
-            "outlier_size": self.outlier_size,
-            "vector_lens": [self.outlier_vector_len, self.vector_len],
-        }
+        return self.spec.layer_config(bias=self.bias is not None, enable_norm=self.enable_norm,
+                                      enable_perm=self.enable_perm)
+
+    def dequantize(self) -> torch.Tensor:
+        """Ŵ [out, in] in the dtype of ``centroids`` (``kernels.reference.vq_expand``; differentiable in the
+        float tensors, which fine-tuning relies on)."""
+        return vq_expand(self.spec, self.indices, self.res_indices, self.centroids, self.res_centroids,
+                         self.outlier_indices, self.outlier_centroids, self.perm, self.weight_scale,
+                         self.weight_bias)
+
+    def storage_bits(self) -> BitsInfo:
+        """Exact storage of this layer."""
+        return vq_bits(
+            self.out_features, self.in_features, self.vector_len, self.num_centroids,
+            max(self.num_res_centroids, 0), self.outlier_size, self.outlier_vector_len,
+            self.num_outlier_centroids, self.group_num, self.enable_norm, self.enable_perm,
+        )
 
 
 @dataclass
@@ -145,8 +156,9 @@ class ScalarLayerState:
                 raise ValueError(f"{name} shape {shape} != ({self.out_features}, {n_groups})")
 
     def dequantize(self) -> torch.Tensor:
-        """Return W [out, in] in the dtype of ``scales``."""
-        idx = torch.arange(self.in_features, device=self.codes.device) // self.group_size
-        scales = self.scales[:, idx]
-        zeros = self.zeros[:, idx]
-        return scales * (self.codes.to(scales.dtype) - zeros)
+        """W [out, in] in the dtype of ``scales`` (``kernels.reference.scalar_expand``)."""
+        return scalar_expand(self.codes, self.scales, self.zeros, self.group_size)
+
+    def storage_bits(self) -> BitsInfo:
+        """Codes plus one scale and one zero point per (row, group)."""
+        return scalar_bits(self.out_features, self.in_features, self.bits, self.group_size)

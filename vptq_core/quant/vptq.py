@@ -10,28 +10,20 @@ Hessian's Cholesky factor (GPTQ-style, lazy block updates).
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .bits import BitsInfo, vq_bits
 from .config import VPTQConfig
-from .hessian import inverse_hessian_cholesky, prepare_hessian, proxy_loss, single_thread_torch
+from .finetune import finetune_block_centroids
+from .hessian import inverse_hessian_cholesky, prepare_hessian, proxy_loss
 from .kmeans import CodebookSearch, weighted_kmeans
+from .methods import BlockHook, Method, QuantResult, register
 from .states import VQLayerState
-
-
-@dataclass
-class QuantResult:
-    """What quantizing one linear produced: its state, the dequantized weight and its errors."""
-
-    state: object  # VQLayerState | ScalarLayerState
-    weight: torch.Tensor  # Ŵ [out, in] float32, original column order
-    proxy_loss: float  # tr(ΔW H ΔWᵀ)
-    rel_proxy_loss: float  # tr(ΔW H ΔWᵀ) / tr(W H Wᵀ)
-    rel_weight_error: float  # ||ΔW||_F / ||W||_F
-    timings: dict = field(default_factory=dict)  # seconds per phase: kmeans, inverse_hessian, sweep
+from .sweep import error_feedback_sweep
+from .timing import Timings
 
 
 @dataclass
@@ -84,66 +76,133 @@ def _sweep(
     W: torch.Tensor, U: torch.Tensor, segments: list[_Segment], block_size: int, second_order: bool,
     collect_residuals: bool = False,
 ) -> tuple[torch.Tensor, dict[int, list[torch.Tensor]]]:
-    """Quantize W [out, in] column by column (stored order) with error feedback; fills segment indices.
-
-    Returns (Q [out, in], residual vectors per segment when ``collect_residuals``).
-    """
+    """Quantize W [out, in] (stored order) with the segments' codebooks and error feedback; fills the segments'
+    indices. Returns (Q [out, in], the residual vectors per segment when ``collect_residuals``)."""
     W = W.clone()
-    out, cols = W.shape
+    out = W.shape[0]
     Q = torch.zeros_like(W)
-    seg_of = torch.empty(cols, dtype=torch.long)
+    segment_of: list[int] = []
     for s, seg in enumerate(segments):
-        seg_of[seg.start : seg.end] = s
-        rows = math.ceil(out / seg.vector_len)
-        seg.indices = torch.zeros(rows, seg.end - seg.start, dtype=torch.long)
+        segment_of += [s] * (seg.end - seg.start)
+        seg.indices = torch.zeros(math.ceil(out / seg.vector_len), seg.end - seg.start, dtype=torch.long)
         seg.res_indices = torch.zeros_like(seg.indices) if seg.res_centroids is not None else None
     searches = [CodebookSearch(seg.centroids) for seg in segments]
     res_searches = [None if seg.res_centroids is None else CodebookSearch(seg.res_centroids) for seg in segments]
     residuals: dict[int, list[torch.Tensor]] = {s: [] for s in range(len(segments))}
-    seg_list = seg_of.tolist()
-    with single_thread_torch():
-        _sweep_blocks(W, Q, U, segments, seg_list, searches, res_searches, residuals, block_size, second_order,
-                      collect_residuals)
+
+    def quantize_column(j: int, w: torch.Tensor) -> torch.Tensor:
+        s = segment_of[j]
+        seg = segments[s]
+        q, idx, ridx = _assign(seg, w, searches[s], res_searches[s])
+        Q[:, j] = q
+        seg.indices[:, j - seg.start] = idx
+        if ridx is not None:
+            seg.res_indices[:, j - seg.start] = ridx
+        if collect_residuals:
+            residuals[s].append(seg.vectors(w - q))
+        return q
+
+    error_feedback_sweep(W, U, quantize_column, block_size, second_order)
     return Q, residuals
-
-
-def _sweep_blocks(W, Q, U, segments, seg_list, searches, res_searches, residuals, block_size, second_order,
-                  collect_residuals):
-    out, cols = W.shape
-    for b0 in range(0, cols, block_size):
-        b1 = min(b0 + block_size, cols)
-        W1 = W[:, b0:b1]  # a view: updates below write through to W
-        Err = torch.zeros(out, b1 - b0)
-        for i in range(b1 - b0):
-            j = b0 + i
-            s = seg_list[j]
-            seg = segments[s]
-            w = W1[:, i]
-            q, idx, ridx = _assign(seg, w, searches[s], res_searches[s])
-            Q[:, j] = q
-            seg.indices[:, j - seg.start] = idx
-            if ridx is not None:
-                seg.res_indices[:, j - seg.start] = ridx
-            if collect_residuals:
-                residuals[s].append(seg.vectors(w - q))
-            if second_order:
-                e = (w - q) / U[j, j]
-                W1[:, i + 1 :].addr_(e, U[j, j + 1 : b1], alpha=-1.0)
-                Err[:, i] = e
-        if second_order and b1 < cols:
-            W[:, b1:].addmm_(Err, U[b0:b1, b1:], alpha=-1.0)
-
-
-def _lap(timings: dict, phase: str, since: float) -> float:
-    now = time.perf_counter()
-    timings[phase] += now - since
-    return now
 
 
 def _fit_sample(config: VPTQConfig, k: int) -> int:
     """Vectors k-means fits on: at most ``kmeans_sample``, and at most 64 per centroid (more barely moves
     the centroids, and the fit's cost grows with it)."""
     return min(config.kmeans_sample, 64 * k)
+
+
+@dataclass
+class ColumnLayout:
+    """Stored column order of a layer: ``perm[i]`` is the original column stored at ``i`` (None = natural
+    order); the first ``outlier_size`` stored columns are the outliers; ``segments`` cover the stored columns
+    (the outlier segment first, then one per group)."""
+
+    perm: torch.Tensor | None
+    outlier_size: int
+    group_size: int
+    segments: list[_Segment]
+
+    @property
+    def main_segments(self) -> list[_Segment]:
+        return self.segments[1:] if self.outlier_size else self.segments
+
+
+def column_layout(diag: torch.Tensor, config: VPTQConfig) -> ColumnLayout:
+    """Column order and codebook segments from the Hessian diagonal ``diag`` [in] (METHODS.md 1.5-1.7)."""
+    in_features = diag.shape[0]
+    outlier_size = outlier_columns(in_features, config.outlier_percent, config.group_num)
+    by_importance = torch.argsort(diag, descending=True, stable=True)
+    if config.enable_perm:
+        perm = by_importance
+    elif outlier_size:
+        # Outlier columns must come first in stored order; the rest keep their natural order.
+        outliers = by_importance[:outlier_size]
+        rest = torch.ones(in_features, dtype=torch.bool)
+        rest[outliers] = False
+        perm = torch.cat([outliers, torch.arange(in_features)[rest]])
+    else:
+        perm = None
+    group_size = (in_features - outlier_size) // config.group_num
+    segments = [_Segment(0, outlier_size, config.outlier_vector_len)] if outlier_size else []
+    for g in range(config.group_num):
+        start = outlier_size + g * group_size
+        segments.append(_Segment(start, start + group_size, config.vector_len))
+    return ColumnLayout(perm, outlier_size, group_size, segments)
+
+
+def _segment_weights(diag: torch.Tensor, seg: _Segment, vectors: torch.Tensor) -> torch.Tensor:
+    """Every vector of stored column j weighs H_jj (the diagonal part of the objective)."""
+    rows = vectors.shape[0] // (seg.end - seg.start)
+    return diag[seg.start : seg.end].repeat_interleave(rows)
+
+
+def fit_codebooks(W: torch.Tensor, diag: torch.Tensor, layout: ColumnLayout, config: VPTQConfig) -> None:
+    """Hessian-weighted k-means codebook per segment, on the (normalised, permuted) weight W [out, in]."""
+    for s, seg in enumerate(layout.segments):
+        k = config.outlier_centroids if layout.outlier_size and s == 0 else config.num_centroids
+        vectors = _column_vectors(W[:, seg.start : seg.end], seg.vector_len)
+        seg.centroids = weighted_kmeans(
+            vectors, _segment_weights(diag, seg, vectors), k, config.kmeans_iters, seed=config.seed + s,
+            sample=_fit_sample(config, k),
+        ).centroids
+
+
+def fit_residual_codebooks(residuals: dict[int, list[torch.Tensor]], diag: torch.Tensor, layout: ColumnLayout,
+                           config: VPTQConfig) -> None:
+    """Residual codebook per main segment: weighted k-means on what the first sweep left."""
+    first = 1 if layout.outlier_size else 0
+    for s, seg in enumerate(layout.segments[first:], start=first):
+        vectors = torch.cat(residuals[s])
+        seg.res_centroids = weighted_kmeans(
+            vectors, _segment_weights(diag, seg, vectors), config.num_res_centroids, config.kmeans_iters,
+            seed=config.seed + 1000 + s, sample=_fit_sample(config, config.num_res_centroids),
+        ).centroids
+
+
+def build_state(layout: ColumnLayout, config: VPTQConfig, out_features: int, in_features: int,
+                weight_scale: torch.Tensor | None, weight_bias: torch.Tensor | None,
+                bias: torch.Tensor | None) -> VQLayerState:
+    """The ``VQLayerState`` of a swept layout (indices unpacked)."""
+    main = layout.main_segments
+    residual = config.num_res_centroids > 0
+    outliers = layout.segments[0] if layout.outlier_size else None
+    return VQLayerState(
+        in_features=in_features, out_features=out_features, vector_len=config.vector_len,
+        num_centroids=config.num_centroids, group_num=config.group_num, group_size=layout.group_size,
+        centroids=torch.stack([seg.centroids.reshape(-1) for seg in main]),
+        indices=torch.stack([seg.indices for seg in main]),
+        num_res_centroids=config.num_res_centroids if residual else -1,
+        res_centroids=torch.stack([seg.res_centroids.reshape(-1) for seg in main]) if residual else None,
+        res_indices=torch.stack([seg.res_indices for seg in main]) if residual else None,
+        outlier_vector_len=config.outlier_vector_len if outliers else -1,
+        num_outlier_centroids=config.outlier_centroids if outliers else -1,
+        outlier_size=layout.outlier_size,
+        outlier_centroids=outliers.centroids.reshape(1, -1) if outliers else None,
+        outlier_indices=outliers.indices.unsqueeze(0) if outliers else None,
+        perm=layout.perm, weight_scale=weight_scale, weight_bias=weight_bias,
+        bias=None if bias is None else bias.detach().clone(),
+    )
 
 
 def vptq_quantize(
@@ -157,6 +216,7 @@ def vptq_quantize(
     out_features, in_features = W.shape
     if H.shape != (in_features, in_features):
         raise ValueError(f"H must be [{in_features}, {in_features}], got {tuple(H.shape)}")
+    timings = Timings(kmeans=0.0, inverse_hessian=0.0, sweep=0.0)
     W_orig = W.detach().float()
     Wd, Hd = prepare_hessian(W_orig, H.detach(), config.damp_percent)
 
@@ -169,121 +229,75 @@ def vptq_quantize(
         Wd = (Wd - weight_bias) / weight_scale
         Hd = Hd * weight_scale.unsqueeze(0) * weight_scale.unsqueeze(1)
 
+    layout = column_layout(torch.diag(Hd), config)
+    if layout.perm is not None:
+        Wd, Hd = Wd[:, layout.perm], Hd[layout.perm][:, layout.perm]
     diag = torch.diag(Hd)
-    outlier_size = outlier_columns(in_features, config.outlier_percent, config.group_num)
-    by_importance = torch.argsort(diag, descending=True, stable=True)
-    if config.enable_perm:
-        perm = by_importance
-    elif outlier_size:
-        # Outlier columns must come first in stored order; the rest keep their natural order.
-        outliers = by_importance[:outlier_size]
-        rest_mask = torch.ones(in_features, dtype=torch.bool)
-        rest_mask[outliers] = False
-        perm = torch.cat([outliers, torch.arange(in_features)[rest_mask]])
-    else:
-        perm = None
-    if perm is not None:
-        Wd = Wd[:, perm]
-        Hd = Hd[perm][:, perm]
-        diag = diag[perm]
 
-    group_size = (in_features - outlier_size) // config.group_num
-    segments: list[_Segment] = []
-    if outlier_size:
-        segments.append(_Segment(0, outlier_size, config.outlier_vector_len))
-    for g in range(config.group_num):
-        start = outlier_size + g * group_size
-        segments.append(_Segment(start, start + group_size, config.vector_len))
-    n_outlier_segments = 1 if outlier_size else 0
+    with timings.timed("kmeans"):
+        fit_codebooks(Wd, diag, layout, config)
+    with timings.timed("inverse_hessian"):
+        U = inverse_hessian_cholesky(Hd, hessian_cache)
+    residual = config.num_res_centroids > 0
+    with timings.timed("sweep"):
+        Q, residuals = _sweep(Wd, U, layout.segments, config.block_size, config.second_order,
+                              collect_residuals=residual)
+    if residual:
+        # Residual codebooks fitted on what the first sweep left, then the sweep again from the original W.
+        with timings.timed("kmeans"):
+            fit_residual_codebooks(residuals, diag, layout, config)
+        with timings.timed("sweep"):
+            Q, _ = _sweep(Wd, U, layout.segments, config.block_size, config.second_order)
 
-    # Hessian-weighted k-means codebook per segment, fitted on the (normalised, permuted) weight.
-    timings = {"kmeans": 0.0, "inverse_hessian": 0.0, "sweep": 0.0}
-    clock = time.perf_counter()
-    for s, seg in enumerate(segments):
-        k = config.outlier_centroids if s < n_outlier_segments else config.num_centroids
-        vectors = _column_vectors(Wd[:, seg.start : seg.end], seg.vector_len)
-        rows = vectors.shape[0] // (seg.end - seg.start)
-        weights = diag[seg.start : seg.end].repeat_interleave(rows)
-        seg.centroids = weighted_kmeans(
-            vectors, weights, k, config.kmeans_iters, seed=config.seed + s, sample=_fit_sample(config, k)
-        ).centroids
-
-    clock = _lap(timings, "kmeans", clock)
-    U = inverse_hessian_cholesky(Hd, hessian_cache)
-    clock = _lap(timings, "inverse_hessian", clock)
-    Q, residuals = _sweep(
-        Wd, U, segments, config.block_size, config.second_order, collect_residuals=config.num_res_centroids > 0
-    )
-    clock = _lap(timings, "sweep", clock)
-    if config.num_res_centroids > 0:
-        # Residual codebook: k-means on what the first sweep left, then sweep again from the original W.
-        for s, seg in enumerate(segments[n_outlier_segments:], start=n_outlier_segments):
-            vectors = torch.cat(residuals[s])
-            rows = vectors.shape[0] // (seg.end - seg.start)
-            weights = diag[seg.start : seg.end].repeat_interleave(rows)
-            seg.res_centroids = weighted_kmeans(
-                vectors, weights, config.num_res_centroids, config.kmeans_iters, seed=config.seed + 1000 + s,
-                sample=_fit_sample(config, config.num_res_centroids),
-            ).centroids
-        clock = _lap(timings, "kmeans", clock)
-        Q, _ = _sweep(Wd, U, segments, config.block_size, config.second_order)
-        clock = _lap(timings, "sweep", clock)
-
-    W_hat = torch.empty_like(Q)
-    if perm is not None:
-        W_hat[:, perm] = Q
-    else:
-        W_hat = Q
-    if config.enable_norm:
-        W_hat = W_hat * weight_scale + weight_bias
-
-    main = segments[n_outlier_segments:]
-    state = VQLayerState(
-        in_features=in_features, out_features=out_features, vector_len=config.vector_len,
-        num_centroids=config.num_centroids, group_num=config.group_num, group_size=group_size,
-        centroids=torch.stack([seg.centroids.reshape(-1) for seg in main]),
-        indices=torch.stack([seg.indices for seg in main]),
-        num_res_centroids=config.num_res_centroids if config.num_res_centroids > 0 else -1,
-        res_centroids=(torch.stack([seg.res_centroids.reshape(-1) for seg in main])
-                       if config.num_res_centroids else None),
-        res_indices=torch.stack([seg.res_indices for seg in main]) if config.num_res_centroids else None,
-        outlier_vector_len=config.outlier_vector_len if outlier_size else -1,
-        num_outlier_centroids=config.outlier_centroids if outlier_size else -1,
-        outlier_size=outlier_size,
-        outlier_centroids=segments[0].centroids.reshape(1, -1) if outlier_size else None,
-        outlier_indices=segments[0].indices.unsqueeze(0) if outlier_size else None,
-        perm=perm, weight_scale=weight_scale, weight_bias=weight_bias,
-        bias=None if bias is None else bias.detach().clone(),
-    )
+    state = build_state(layout, config, out_features, in_features, weight_scale, weight_bias, bias)
+    W_hat = state.dequantize()
     loss, rel = proxy_loss(W_orig, W_hat, H.float())
     rel_w = float(torch.linalg.norm(W_hat - W_orig) / torch.linalg.norm(W_orig).clamp(min=1e-12))
     return QuantResult(state=state, weight=W_hat, proxy_loss=loss, rel_proxy_loss=rel, rel_weight_error=rel_w,
-                       timings=timings)
+                       timings=dict(timings))
 
 
-def dequantize_state(state: VQLayerState) -> torch.Tensor:
-    """Ŵ [out, in] float32 from an unpacked ``VQLayerState`` (pure torch, for the pipeline and tests)."""
-    out = state.out_features
+def config_bits(config: VPTQConfig, out_features: int, in_features: int) -> BitsInfo:
+    """Bits a layer of this shape will take under ``config`` (what the app shows before a run)."""
+    outliers = outlier_columns(in_features, config.outlier_percent, config.group_num)
+    return vq_bits(
+        out_features, in_features, config.vector_len, config.num_centroids, config.num_res_centroids, outliers,
+        config.outlier_vector_len, config.outlier_centroids, config.group_num, config.enable_norm,
+        config.enable_perm or outliers > 0,
+    )
 
-    def expand(centroids: torch.Tensor, indices: torch.Tensor, v: int) -> torch.Tensor:
-        # centroids [k*v], indices [rows, cols] -> [rows*v, cols] -> first `out` rows
-        vecs = centroids.view(-1, v)[indices]  # [rows, cols, v]
-        return vecs.permute(0, 2, 1).reshape(-1, indices.shape[1])[:out]
 
-    parts = []
-    if state.outlier_size:
-        parts.append(expand(state.outlier_centroids[0].float(), state.outlier_indices[0], state.outlier_vector_len))
-    for g in range(state.group_num):
-        block = expand(state.centroids[g].float(), state.indices[g], state.vector_len)
-        if state.res_centroids is not None:
-            block = block + expand(state.res_centroids[g].float(), state.res_indices[g], state.vector_len)
-        parts.append(block)
-    Wp = torch.cat(parts, dim=1)
-    W = torch.empty_like(Wp)
-    if state.perm is not None:
-        W[:, state.perm.long()] = Wp
-    else:
-        W = Wp
-    if state.weight_scale is not None:
-        W = W * state.weight_scale.float() + state.weight_bias.float()
-    return W
+def describe(settings) -> str:
+    """Short label of VPTQ settings, e.g. ``v6 k4096 +res256 out0.5%``."""
+    text = f"v{settings.get('vector_len')} k{settings.get('num_centroids')}"
+    if settings.get("num_res_centroids"):
+        text += f" +res{settings['num_res_centroids']}"
+    if settings.get("outlier_percent"):
+        text += f" out{settings['outlier_percent']}%"
+    if (settings.get("group_num") or 1) > 1:
+        text += f" g{settings['group_num']}"
+    if settings.get("enable_norm"):
+        text += " norm"
+    if settings.get("finetune_iters"):
+        text += f" ft{settings['finetune_iters']}"
+    return text
+
+
+def _finetune_hook(ctx) -> dict | None:
+    return finetune_block_centroids(ctx.block, ctx.states, ctx.inputs, ctx.targets, ctx.forward, ctx.config)
+
+
+# Presets sized for small models (SmolLM2-135M): per-layer codebooks must stay small next to the layer, so
+# the codebook overhead in total bits stays well below the index bits.
+PRESETS = {
+    "2 bits": {"vector_len": 6, "num_centroids": 4096, "num_res_centroids": 0},
+    "3 bits": {"vector_len": 4, "num_centroids": 4096, "num_res_centroids": 0},
+    "4 bits": {"vector_len": 4, "num_centroids": 256, "num_res_centroids": 256},
+}
+
+METHOD = register(Method(
+    name="vptq", label="VPTQ", config_class=VPTQConfig, bits=config_bits, describe=describe, presets=PRESETS,
+    description="vector quantization: Hessian-weighted k-means codebooks with second-order error feedback",
+    quantize_linear=lambda W, H, config, bias, cache: vptq_quantize(W, H, config, bias, hessian_cache=cache),
+    after_block=(BlockHook("finetune", lambda config: config.finetune_iters > 0, _finetune_hook),),
+))

@@ -1,10 +1,6 @@
-"""Background jobs for the app (and anything else that wants them): a FIFO queue per device with a
-concurrency limit, jobs owned by one browser session, per-layer reports published while they run,
-cancellation between layers, failures kept with their reason, and old runs pruned from disk.
-
-Also what the app needs around a quantization job: the estimate shown before a run (bits and checkpoint
-size from the model's linear shapes, cached per model) and a small cache of loaded models for chat and
-evaluation.
+"""Background jobs: a FIFO queue per device with a concurrency limit, jobs owned by one browser session,
+per-layer reports published while they run, cancellation between layers, failures kept with their reason,
+and old runs pruned from disk.
 
 A task is ``task(ctx: JobContext) -> dict``: it writes under ``ctx.out_dir``, reports through
 ``ctx.on_start`` / ``ctx.on_layer`` / ``ctx.set_phase``, polls ``ctx.should_stop()`` and raises
@@ -14,21 +10,17 @@ A task is ``task(ctx: JobContext) -> dict``: it writes under ``ctx.out_dir``, re
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-import math
 import os
 import re
 import secrets
 import shutil
-import socket
 import threading
 import time
 import traceback
-import urllib.parse
-from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -306,7 +298,7 @@ class JobManager:
         except JobCancelled:
             status = "cancelled"
         except Exception as exc:  # noqa: BLE001 - any task failure is shown to its owner with its reason
-            status, error, detail = "failed", _reason(exc), traceback.format_exc()
+            status, error, detail = "failed", error_reason(exc), traceback.format_exc()
             _log.warning("job %s failed: %s", job.id, error, exc_info=True)
         if status != "done":
             shutil.rmtree(job.out_dir, ignore_errors=True)
@@ -455,257 +447,8 @@ def _check_owner(owner: str) -> None:
         raise ValueError(f"owner must be a non-empty session id, got {owner!r}")
 
 
-def _reason(exc: BaseException) -> str:
+def error_reason(exc: BaseException) -> str:
     text = str(exc).strip()
     if isinstance(exc, ValueError) and text:
         return text
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-# ------------------------------------------------------------------------------------ quantization job
-def quantization_task(model_name: str, method: str, config, calib, device: str = "cpu",
-                      calib_text: str | None = None, archive_name: str | None = None) -> Callable[[JobContext], dict]:
-    """A task that quantizes ``model_name`` into ``<job dir>/checkpoint`` (``api.quantize_to_dir``) and packs
-    it into ``<job dir>/<archive_name>.zip``. ``calib_text``: text to calibrate on instead of ``calib.text``
-    (written into the job directory first, so an uploaded file may disappear meanwhile).
-
-    Result: ``summary`` (the pipeline's), ``checkpoint_dir``, ``archive``, ``checkpoint_bytes``,
-    ``archive_bytes``, ``source_model``, ``method``, ``config``, ``calib``.
-    """
-    def task(ctx: JobContext) -> dict:
-        from ..api import quantize_to_dir
-        from ..storage.archive import pack_checkpoint
-        from ..storage.checkpoint import checkpoint_size
-
-        ctx.set_phase("loading the model and the calibration text")
-        used_calib = calib
-        if calib_text is not None:
-            path = ctx.out_dir / "calibration.txt"
-            path.write_text(calib_text, encoding="utf-8")
-            used_calib = dataclasses.replace(calib, text=str(path))
-        out, summary = quantize_to_dir(
-            model_name, method, config, used_calib, ctx.out_dir / "checkpoint", device=device,
-            on_layer=ctx.on_layer, should_stop=ctx.should_stop, on_start=ctx.on_start,
-        )
-        if summary.get("cancelled"):
-            raise JobCancelled
-        ctx.set_phase("packing the archive")
-        name = archive_name or f"{_slug(model_name)}-{method}-{ctx.job_id}"
-        archive = pack_checkpoint(out, ctx.out_dir / f"{name}.zip")
-        return {
-            "summary": summary, "checkpoint_dir": str(out), "archive": str(archive),
-            "checkpoint_bytes": checkpoint_size(out), "archive_bytes": archive.stat().st_size,
-            "source_model": model_name, "method": method, "config": config.to_dict(),
-            "calib": {**calib.to_dict(), "text": "uploaded file" if calib_text is not None else calib.text},
-        }
-
-    return task
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.basename(text.rstrip("/\\")) or "model").strip("-")[:40] or "model"
-
-
-# -------------------------------------------------------------------------------- estimate before a run
-@dataclass(frozen=True)
-class ModelInfo:
-    """What a quantization run will touch, known without running it."""
-
-    name: str
-    num_blocks: int
-    modules: tuple[str, ...]  # linear names inside a block, e.g. ("self_attn.q_proj", ...)
-    linear_shapes: tuple[tuple[int, int], ...]  # (out, in) of every block linear, block by block
-    other_params: int  # parameters kept as they are (embeddings, norms, biases, LM head if untied)
-
-    @property
-    def linear_weights(self) -> int:
-        return sum(o * i for o, i in self.linear_shapes)
-
-
-@dataclass(frozen=True)
-class Estimate:
-    index_bits_per_weight: float
-    total_bits_per_weight: float  # including codebooks, scales, permutations
-    quantized_bytes: int  # the quantized linears
-    other_bytes: int  # everything else at 16 bits
-    checkpoint_bytes: int  # quantized_bytes + other_bytes (tokenizer and JSON files not counted)
-    dense_bytes: int  # the whole model at 16 bits
-
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-def describe_model(model) -> tuple[int, tuple[str, ...], tuple[tuple[int, int], ...], int]:
-    """(blocks, linear names in a block, linear shapes, other parameter count) of a causal LM (meta is fine)."""
-    from ..quant.blocks import block_linears, decoder_blocks
-    from ..quant.pipeline import total_linear_shapes
-
-    blocks = decoder_blocks(model)
-    shapes = tuple(total_linear_shapes(model))
-    total = sum(p.numel() for p in model.parameters())
-    return len(blocks), tuple(block_linears(blocks[0])), shapes, total - sum(o * i for o, i in shapes)
-
-
-@functools.lru_cache(maxsize=32)
-def _info_cached(name: str, stamp: float) -> ModelInfo:
-    from ..models import KNOWN_MODELS, load_model
-
-    if name in KNOWN_MODELS:
-        model, _ = load_model(name)
-    else:
-        model = _meta_model(name)
-    blocks, modules, shapes, other = describe_model(model)
-    return ModelInfo(name=name, num_blocks=blocks, modules=modules, linear_shapes=shapes, other_params=other)
-
-
-def model_info(name: str) -> ModelInfo:
-    """``ModelInfo`` of a model name (bundled / tiny), a dense local model directory, or a hub id.
-
-    Local directories and hub ids are read from their config alone (the model is built on the meta device,
-    no weights). Raises ValueError with what to do instead: an unknown name, a directory without config.json,
-    an already quantized checkpoint, or a hub id while the hub cannot be reached.
-    """
-    from ..models import KNOWN_MODELS
-
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"model must be one of {', '.join(KNOWN_MODELS)}, a local directory or a hub id, "
-                         f"got {name!r}")
-    name = name.strip()
-    stamp = 0.0
-    if name in KNOWN_MODELS:
-        pass
-    elif os.path.isdir(name):
-        config_path = os.path.join(name, "config.json")
-        if not os.path.isfile(config_path):
-            raise ValueError(f"directory {name!r} has no config.json; expected a Hugging Face model directory")
-        _refuse_quantized(config_path, name)
-        stamp = os.path.getmtime(config_path)
-    elif _HUB_ID.match(name):
-        reachable, why = hub_reachable()
-        if not reachable:
-            raise ValueError(f"cannot reach the Hugging Face hub to fetch {name!r} ({why}); offline you can use "
-                             f"{', '.join(KNOWN_MODELS)} or a local model directory")
-    else:
-        raise ValueError(f"model {name!r} is not a built-in name ({', '.join(KNOWN_MODELS)}), an existing local "
-                         "directory, or a hub id of the form owner/name")
-    try:
-        return _info_cached(name, stamp)
-    except ValueError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - config/hub errors of every kind become one clear message
-        raise ValueError(f"cannot read model {name!r}: {_reason(exc)[:300]}") from None
-
-
-def _refuse_quantized(config_path: str, name: str) -> None:
-    import json
-
-    try:
-        with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"cannot read {config_path}: {exc}") from None
-    if isinstance(config, dict) and "quantization_config" in config:
-        raise ValueError(f"{name!r} is already a quantized checkpoint; quantize a dense model, or chat with this "
-                         "one in the Chat tab")
-
-
-def _meta_model(source: str):
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(source)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
-
-
-_HUB_CHECK: dict[str, tuple[float, bool, str]] = {}
-
-
-def hub_reachable(timeout: float = 3.0, ttl: float = 60.0) -> tuple[bool, str]:
-    """(whether the hub endpoint accepts a TCP connection, why not), cached for ``ttl`` seconds. A quick
-    check that replaces the hub client's long retry loop when the machine is offline."""
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
-        return False, "HF_HUB_OFFLINE is set"
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    cached = _HUB_CHECK.get(endpoint)
-    if cached and time.monotonic() - cached[0] < ttl:
-        return cached[1], cached[2]
-    parsed = urllib.parse.urlparse(endpoint)
-    host, port = parsed.hostname or "huggingface.co", parsed.port or (443 if parsed.scheme != "http" else 80)
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            ok, why = True, ""
-    except OSError as exc:
-        ok, why = False, f"{host}: {exc.strerror or exc}"
-    _HUB_CHECK[endpoint] = (time.monotonic(), ok, why)
-    return ok, why
-
-
-def estimate(info: ModelInfo, config) -> Estimate:
-    """Bits per weight and checkpoint size of quantizing ``info``'s block linears with ``config``."""
-    from ..quant.bits import model_bits
-
-    bits = model_bits(config, list(info.linear_shapes))
-    quantized = math.ceil(bits.total_bits / 8)
-    other = 2 * info.other_params
-    return Estimate(
-        index_bits_per_weight=bits.index_bits_per_weight, total_bits_per_weight=bits.total_bits_per_weight,
-        quantized_bytes=quantized, other_bytes=other, checkpoint_bytes=quantized + other,
-        dense_bytes=2 * (info.linear_weights + info.other_params),
-    )
-
-
-# --------------------------------------------------------------------------------------- model cache
-@dataclass
-class _Slot:
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    value: Any = None
-    loaded: bool = False
-
-
-class ModelCache:
-    """Keeps the last ``max_items`` loaded values (models) by key; concurrent requests for the same key load
-    it once. Loading errors are not cached."""
-
-    def __init__(self, max_items: int = 4) -> None:
-        if isinstance(max_items, bool) or not isinstance(max_items, int) or max_items < 1:
-            raise ValueError(f"max_items must be a positive integer, got {max_items!r}")
-        self.max_items = max_items
-        self._lock = threading.Lock()
-        self._slots: OrderedDict[Hashable, _Slot] = OrderedDict()
-
-    def get(self, key: Hashable, loader: Callable[[], Any]) -> Any:
-        with self._lock:
-            slot = self._slots.get(key)
-            if slot is None:
-                slot = self._slots[key] = _Slot()
-            self._slots.move_to_end(key)
-        with slot.lock:
-            if not slot.loaded:
-                try:
-                    slot.value, slot.loaded = loader(), True
-                except BaseException:
-                    with self._lock:
-                        if self._slots.get(key) is slot:
-                            del self._slots[key]
-                    raise
-        with self._lock:
-            while len(self._slots) > self.max_items:
-                oldest = next(iter(self._slots))
-                if oldest == key:
-                    break
-                del self._slots[oldest]
-        return slot.value
-
-    def __contains__(self, key: Hashable) -> bool:
-        with self._lock:
-            slot = self._slots.get(key)
-            return slot is not None and slot.loaded
-
-    def drop(self, predicate: Callable[[Hashable], bool]) -> int:
-        """Forget every key for which ``predicate(key)`` is true; returns how many."""
-        with self._lock:
-            keys = [k for k in self._slots if predicate(k)]
-            for k in keys:
-                del self._slots[k]
-        return len(keys)

@@ -1,0 +1,198 @@
+"""What a quantization method is, and the registry every caller asks.
+
+A ``Method`` bundles everything the pipeline, the CLI, the app, the bits accounting and the checkpoint code
+need to know about one method: its name and config class, presets named by bits, how it quantizes a block
+(one linear at a time with ``quantize_linear``, or the whole block with ``quantize_block``), what runs after
+each block (``after_block`` hooks: fine-tuning, activation calibration), how many bits a layer will take,
+and how to describe its settings in one line. Nobody branches on a method's name.
+
+The built-in methods register themselves in their own modules (``vptq``, ``gptq``, ``rtn``, ``lrq``); they
+are imported the first time the registry is read. A new method is one module that calls ``register`` (see
+README.md, "Adding a method").
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch import nn
+
+from .bits import BitsInfo
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .pipeline import LayerReport, QuantizeResult
+
+BUILTIN_MODULES = ("vptq", "gptq", "rtn", "lrq")  # modules of this package that register the built-in methods
+
+
+class Cancelled(Exception):
+    """Raised inside the pipeline (or a block quantizer) when ``should_stop()`` turns true."""
+
+
+@dataclass
+class QuantResult:
+    """What quantizing one linear produced: its state, the dequantized weight and its errors."""
+
+    state: Any  # VQLayerState | ScalarLayerState (anything ``storage`` knows how to pack)
+    weight: torch.Tensor  # Ŵ [out, in] float32, original column order
+    proxy_loss: float  # tr(ΔW H ΔWᵀ)
+    rel_proxy_loss: float  # tr(ΔW H ΔWᵀ) / tr(W H Wᵀ)
+    rel_weight_error: float  # ||ΔW||_F / ||W||_F
+    timings: dict = field(default_factory=dict)  # seconds per phase (e.g. kmeans, inverse_hessian, sweep)
+
+
+@dataclass
+class BlockContext:
+    """One decoder block while it is being quantized: what a block quantizer or an after-block hook sees.
+
+    ``inputs`` [n, seq, hidden] come from the already quantized blocks; ``targets`` are the original block's
+    outputs on them; ``forward(block, x)`` runs a block on [b, seq, hidden]. ``states`` / ``reports`` collect
+    this block's layers by name relative to the block (``publish`` fills both).
+    """
+
+    index: int
+    prefix: str  # where the blocks live, e.g. "model.layers"
+    block: nn.Module  # float32, on the work device
+    linears: dict[str, nn.Linear]
+    hessians: dict[str, torch.Tensor]  # [in, in] per linear (shared tensors for shared inputs)
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    config: Any
+    method: Method
+    result: QuantizeResult
+    should_stop: Callable[[], bool]
+    publish: Callable[..., LayerReport]  # publish(name, QuantResult, seconds, extra=None) -> LayerReport
+    states: dict[str, Any] = field(default_factory=dict)
+    reports: list[LayerReport] = field(default_factory=list)
+
+    def full_name(self, name: str) -> str:
+        return f"{self.prefix}.{self.index}.{name}"
+
+
+QuantizeLinear = Callable[[torch.Tensor, torch.Tensor, Any, "torch.Tensor | None", dict], QuantResult]
+
+
+class BlockHook(NamedTuple):
+    """A step after a block's linears are quantized, for configs where ``applies(config)``; ``run(ctx)``
+    returns metrics for the block's reports (or None). Its wall time is recorded under ``phase``."""
+
+    phase: str
+    applies: Callable[[Any], bool]
+    run: Callable[[BlockContext], dict | None]
+
+
+@dataclass(frozen=True)
+class Method:
+    """One quantization method. Exactly one of ``quantize_linear`` / ``quantize_block`` is given.
+
+    quantize_linear(W [out, in], H [in, in], config, bias [out] | None, cache: dict) -> QuantResult, with
+        ``cache`` shared by the linears of one block (e.g. inverse-Hessian factors of shared inputs);
+    quantize_block(ctx) quantizes every linear of ``ctx.linears`` and calls ``ctx.publish`` for each;
+    bits(config, out_features, in_features) -> BitsInfo of one layer of that shape;
+    describe(settings dict) -> a short label of the settings (runs table, archive names).
+    """
+
+    name: str
+    label: str
+    description: str
+    config_class: type
+    bits: Callable[[Any, int, int], BitsInfo]
+    describe: Callable[[Mapping], str]
+    presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    quantize_linear: QuantizeLinear | None = None
+    quantize_block: Callable[[BlockContext], None] | None = None
+    after_block: tuple[BlockHook, ...] = ()
+    block_phase: str = "quantize"  # the timing phase of ``quantize_block``
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.isidentifier() or self.name != self.name.lower():
+            raise ValueError(f"method name must be a lower-case identifier, got {self.name!r}")
+        if (self.quantize_linear is None) == (self.quantize_block is None):
+            raise ValueError(f"method {self.name!r} needs exactly one of quantize_linear / quantize_block")
+        for preset, settings in self.presets.items():
+            self.make_config(settings)  # a preset that does not validate is a programming error: fail early
+            if not isinstance(preset, str):
+                raise ValueError(f"preset names must be strings, got {preset!r}")
+
+    @property
+    def setting_names(self) -> tuple[str, ...]:
+        """The config's field names: the settings a form or a command line may set for this method."""
+        return tuple(f.name for f in fields(self.config_class))
+
+    def make_config(self, settings: Mapping | None = None):
+        """The validated config from plain settings (ValueError naming an unknown or bad setting)."""
+        return self.config_class.from_dict(dict(settings or {}))
+
+    def check_config(self, config) -> None:
+        if not isinstance(config, self.config_class):
+            raise TypeError(f"method {self.name!r} takes a {self.config_class.__name__}, got {type(config).__name__}")
+
+    def preset(self, name: str) -> dict:
+        """The settings a preset fixes (the rest keep their defaults or the user's values)."""
+        if name not in self.presets:
+            raise ValueError(f"method {self.name!r} has no preset {name!r}; presets: {', '.join(self.presets)}")
+        return dict(self.presets[name])
+
+    def model_bits(self, config, shapes) -> BitsInfo:
+        """Sum of ``bits`` over linear shapes [(out, in), ...]."""
+        total = BitsInfo(0, 0, 0)
+        for out_features, in_features in shapes:
+            total = total + self.bits(config, out_features, in_features)
+        return total
+
+
+_REGISTRY: dict[str, Method] = {}
+_loaded = False
+
+
+def register(method: Method, *, replace: bool = False) -> Method:
+    """Add ``method`` to the registry (``replace=True`` to swap an existing one, e.g. in tests)."""
+    if not isinstance(method, Method):
+        raise TypeError(f"register() takes a Method, got {type(method).__name__}")
+    if method.name in _REGISTRY and not replace and _REGISTRY[method.name] is not method:
+        raise ValueError(f"a method named {method.name!r} is already registered")
+    _REGISTRY[method.name] = method
+    return method
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def _load_builtins() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in BUILTIN_MODULES:
+            importlib.import_module(f".{module}", __package__)
+
+
+def get(name: str | Method) -> Method:
+    """The method registered as ``name`` (a ``Method`` is returned as is); ValueError listing the names."""
+    if isinstance(name, Method):
+        return name
+    _load_builtins()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown method {name!r}; allowed: {', '.join(names())}")
+    return _REGISTRY[name]
+
+
+def all_methods() -> list[Method]:
+    """Every registered method: the built-ins in ``BUILTIN_MODULES`` order, then the others as registered."""
+    _load_builtins()
+    order = {name: i for i, name in enumerate(BUILTIN_MODULES)}
+    return sorted(_REGISTRY.values(), key=lambda m: order.get(m.name, len(order)))
+
+
+def names() -> tuple[str, ...]:
+    return tuple(m.name for m in all_methods())
+
+
+def make_config(method: str, settings: Mapping | None = None):
+    """The validated config object for ``method`` from a plain dict (CLI, app, JSON)."""
+    return get(method).make_config(settings)

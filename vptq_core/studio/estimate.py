@@ -1,0 +1,157 @@
+"""What a run will produce, known before it starts: model shapes (from the config alone where possible),
+bits per weight and checkpoint size, and whether the hub can be reached."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import re
+import socket
+import time
+import urllib.parse
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from ..models import KNOWN_MODELS, load_model
+from ..quant import methods
+from ..quant.blocks import block_linears, decoder_blocks
+from ..quant.pipeline import total_linear_shapes
+from .queue import error_reason
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a quantization run will touch, known without running it."""
+
+    name: str
+    num_blocks: int
+    modules: tuple[str, ...]  # linear names inside a block, e.g. ("self_attn.q_proj", ...)
+    linear_shapes: tuple[tuple[int, int], ...]  # (out, in) of every block linear, block by block
+    other_params: int  # parameters kept as they are (embeddings, norms, biases, LM head if untied)
+
+    @property
+    def linear_weights(self) -> int:
+        return sum(o * i for o, i in self.linear_shapes)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    index_bits_per_weight: float
+    total_bits_per_weight: float  # including codebooks, scales, permutations
+    quantized_bytes: int  # the quantized linears
+    other_bytes: int  # everything else at 16 bits
+    checkpoint_bytes: int  # quantized_bytes + other_bytes (tokenizer and JSON files not counted)
+    dense_bytes: int  # the whole model at 16 bits
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def describe_model(model) -> tuple[int, tuple[str, ...], tuple[tuple[int, int], ...], int]:
+    """(blocks, linear names in a block, linear shapes, other parameter count) of a causal LM (meta is fine)."""
+    blocks = decoder_blocks(model)
+    shapes = tuple(total_linear_shapes(model))
+    total = sum(p.numel() for p in model.parameters())
+    return len(blocks), tuple(block_linears(blocks[0])), shapes, total - sum(o * i for o, i in shapes)
+
+
+@functools.lru_cache(maxsize=32)
+def _info_cached(name: str, stamp: float) -> ModelInfo:
+    if name in KNOWN_MODELS:
+        model, _ = load_model(name)
+    else:
+        model = _meta_model(name)
+    blocks, modules, shapes, other = describe_model(model)
+    return ModelInfo(name=name, num_blocks=blocks, modules=modules, linear_shapes=shapes, other_params=other)
+
+
+def model_info(name: str) -> ModelInfo:
+    """``ModelInfo`` of a model name (bundled / tiny), a dense local model directory, or a hub id.
+
+    Local directories and hub ids are read from their config alone (the model is built on the meta device,
+    no weights). Raises ValueError with what to do instead: an unknown name, a directory without config.json,
+    an already quantized checkpoint, or a hub id while the hub cannot be reached.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"model must be one of {', '.join(KNOWN_MODELS)}, a local directory or a hub id, "
+                         f"got {name!r}")
+    name = name.strip()
+    stamp = 0.0
+    if name in KNOWN_MODELS:
+        pass
+    elif os.path.isdir(name):
+        config_path = os.path.join(name, "config.json")
+        if not os.path.isfile(config_path):
+            raise ValueError(f"directory {name!r} has no config.json; expected a Hugging Face model directory")
+        _refuse_quantized(config_path, name)
+        stamp = os.path.getmtime(config_path)
+    elif _HUB_ID.match(name):
+        reachable, why = hub_reachable()
+        if not reachable:
+            raise ValueError(f"cannot reach the Hugging Face hub to fetch {name!r} ({why}); offline you can use "
+                             f"{', '.join(KNOWN_MODELS)} or a local model directory")
+    else:
+        raise ValueError(f"model {name!r} is not a built-in name ({', '.join(KNOWN_MODELS)}), an existing local "
+                         "directory, or a hub id of the form owner/name")
+    try:
+        return _info_cached(name, stamp)
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - config/hub errors of every kind become one clear message
+        raise ValueError(f"cannot read model {name!r}: {error_reason(exc)[:300]}") from None
+
+
+def _refuse_quantized(config_path: str, name: str) -> None:
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {config_path}: {exc}") from None
+    if isinstance(config, dict) and "quantization_config" in config:
+        raise ValueError(f"{name!r} is already a quantized checkpoint; quantize a dense model, or chat with this "
+                         "one in the Chat tab")
+
+
+def _meta_model(source: str):
+    config = AutoConfig.from_pretrained(source)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+_HUB_CHECK: dict[str, tuple[float, bool, str]] = {}
+
+
+def hub_reachable(timeout: float = 3.0, ttl: float = 60.0) -> tuple[bool, str]:
+    """(whether the hub endpoint accepts a TCP connection, why not), cached for ``ttl`` seconds. A quick
+    check that replaces the hub client's long retry loop when the machine is offline."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return False, "HF_HUB_OFFLINE is set"
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    cached = _HUB_CHECK.get(endpoint)
+    if cached and time.monotonic() - cached[0] < ttl:
+        return cached[1], cached[2]
+    parsed = urllib.parse.urlparse(endpoint)
+    host, port = parsed.hostname or "huggingface.co", parsed.port or (443 if parsed.scheme != "http" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            ok, why = True, ""
+    except OSError as exc:
+        ok, why = False, f"{host}: {exc.strerror or exc}"
+    _HUB_CHECK[endpoint] = (time.monotonic(), ok, why)
+    return ok, why
+
+
+def estimate(info: ModelInfo, method: str, config) -> Estimate:
+    """Bits per weight and checkpoint size of quantizing ``info``'s block linears with ``method``/``config``."""
+    bits = methods.get(method).model_bits(config, info.linear_shapes)
+    quantized = math.ceil(bits.total_bits / 8)
+    other = 2 * info.other_params
+    return Estimate(
+        index_bits_per_weight=bits.index_bits_per_weight, total_bits_per_weight=bits.total_bits_per_weight,
+        quantized_bytes=quantized, other_bytes=other, checkpoint_bytes=quantized + other,
+        dense_bytes=2 * (info.linear_weights + info.other_params),
+    )

@@ -1,0 +1,52 @@
+"""The app's quantization job: load, calibrate, quantize, save the packed checkpoint, pack the archive."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Callable
+
+from ..api import quantize_to_dir
+from ..storage.archive import pack_checkpoint
+from ..storage.checkpoint import checkpoint_size
+from .queue import JobCancelled, JobContext
+
+
+def quantization_task(model_name: str, method: str, config, calib, device: str = "cpu",
+                      calib_text: str | None = None, archive_name: str | None = None) -> Callable[[JobContext], dict]:
+    """A task that quantizes ``model_name`` into ``<job dir>/checkpoint`` (``api.quantize_to_dir``) and packs
+    it into ``<job dir>/<archive_name>.zip``. ``calib_text``: text to calibrate on instead of ``calib.text``
+    (written into the job directory first, so an uploaded file may disappear meanwhile).
+
+    Result: ``summary`` (the pipeline's), ``checkpoint_dir``, ``archive``, ``checkpoint_bytes``,
+    ``archive_bytes``, ``source_model``, ``method``, ``config``, ``calib``.
+    """
+    def task(ctx: JobContext) -> dict:
+        ctx.set_phase("loading the model and the calibration text")
+        used_calib = calib
+        if calib_text is not None:
+            path = ctx.out_dir / "calibration.txt"
+            path.write_text(calib_text, encoding="utf-8")
+            used_calib = dataclasses.replace(calib, text=str(path))
+        out, summary = quantize_to_dir(
+            model_name, method, config, used_calib, ctx.out_dir / "checkpoint", device=device,
+            on_layer=ctx.on_layer, should_stop=ctx.should_stop, on_start=ctx.on_start,
+        )
+        if summary.get("cancelled"):
+            raise JobCancelled
+        ctx.set_phase("packing the archive")
+        name = archive_name or f"{_slug(model_name)}-{method}-{ctx.job_id}"
+        archive = pack_checkpoint(out, ctx.out_dir / f"{name}.zip")
+        return {
+            "summary": summary, "checkpoint_dir": str(out), "archive": str(archive),
+            "checkpoint_bytes": checkpoint_size(out), "archive_bytes": archive.stat().st_size,
+            "source_model": model_name, "method": method, "config": config.to_dict(),
+            "calib": {**calib.to_dict(), "text": "uploaded file" if calib_text is not None else calib.text},
+        }
+
+    return task
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.basename(text.rstrip("/\\")) or "model").strip("-")[:40] or "model"
