@@ -28,8 +28,6 @@ from kernels.synthetic import random_vq_layer  # noqa: E402
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (4096, 4096), (11008, 4096)]  # (out, in)
 CONFIGS = {"2-bit v6 k4096": (6, 4096, -1), "3-bit v4 k4096": (4, 4096, -1)}
 EXTRA_CONFIGS = {"v8 k256+res256": (8, 256, 256), "v4 k256+res256": (4, 256, 256)}
-LAYER_KEYS = ("indices", "centroids", "res_centroids", "outlier_indices", "outlier_centroids", "perm",
-              "weight_scale", "weight_bias")
 
 
 def time_call(fn: Callable[[], object], budget_s: float, max_reps: int, warmup: int = 3) -> tuple[float, int]:
@@ -61,18 +59,18 @@ def speed_table(shapes: list[tuple[int, int]], configs: dict, tokens_list: list[
         for name, (v, k, kr) in configs.items():
             spec = VQSpec(in_f, out_f, v, k, num_res_centroids=kr)
             layer = random_vq_layer(spec, seed=0, dtype=torch.bfloat16, perm=True)
-            dense = vq_dequantize(spec, **{key: layer[key] for key in LAYER_KEYS}).contiguous()
+            dense = vq_dequantize(spec, layer).contiguous()
             big = out_f * in_f >= 16_000_000
             for tokens in tokens_list:
                 x = torch.randn(tokens, in_f, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
                 reps = 10 if big else 200
                 d = time_call(lambda: F.linear(x, dense), budget, reps)[0]
-                r = time_call(lambda: vq_linear(x, spec, **layer, backend="reference"), budget, 3 if big else 50,
+                r = time_call(lambda: vq_linear(x, spec, layer, backend="reference"), budget, 3 if big else 50,
                               warmup=1)[0]
                 f = float("nan")
                 if tokens == 1 or not big:  # 128 GEMVs of a big layer would take seconds per call
-                    f = time_call(lambda: cpu.vq_linear(x, spec, **layer, fused=True), budget, reps, warmup=2)[0]
-                q = time_call(lambda: cpu.vq_linear(x, spec, **layer, fused=False), budget, 5 if big else reps,
+                    f = time_call(lambda: cpu.vq_linear(x, spec, layer, fused=True), budget, reps, warmup=2)[0]
+                q = time_call(lambda: cpu.vq_linear(x, spec, layer, fused=False), budget, 5 if big else reps,
                               warmup=1 if big else 2)[0]
                 cells = [f"{out_f}x{in_f}", name, str(tokens), fmt_us(d), fmt_us(r), fmt_us(f), fmt_us(q),
                          f"{r / d:.2f}", f"{f / d:.2f}", f"{q / d:.2f}"]
@@ -91,8 +89,8 @@ def crossover_table(budget: float) -> None:
     layer = random_vq_layer(spec, seed=1, dtype=torch.bfloat16, perm=True)
     for tokens in (1, 2, 4, 8, 16, 32):
         x = torch.randn(tokens, in_f).to(torch.bfloat16)
-        f = time_call(lambda: cpu.vq_linear(x, spec, **layer, fused=True), budget, 100)[0]
-        q = time_call(lambda: cpu.vq_linear(x, spec, **layer, fused=False), budget, 100)[0]
+        f = time_call(lambda: cpu.vq_linear(x, spec, layer, fused=True), budget, 100)[0]
+        q = time_call(lambda: cpu.vq_linear(x, spec, layer, fused=False), budget, 100)[0]
         print(f"| {tokens:>6} | {fmt_us(f):>9} | {fmt_us(q):>9} | {f / q:>11.2f} |", flush=True)
 
 
@@ -124,7 +122,7 @@ def decode_table(budget: float) -> None:
 
         def run_vq(layers: list = layers) -> None:
             for spec, layer in layers:
-                vq_linear(xs[spec.in_features], spec, **layer)
+                vq_linear(xs[spec.in_features], spec, layer)
 
         with torch.no_grad():
             t = time_call(run_vq, budget * 4, 30)[0]

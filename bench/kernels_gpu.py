@@ -22,13 +22,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import VQSpec, vq_dequantize, vq_linear  # noqa: E402
+from kernels import VQSpec, VQWeights, vq_dequantize, vq_linear  # noqa: E402
 from kernels.synthetic import random_vq_layer  # noqa: E402
 
 SHAPES = [(4096, 4096), (11008, 4096)]  # (out, in)
 CONFIGS = {"2-bit v6 k4096": (6, 4096, -1), "3-bit v4 k4096": (4, 4096, -1), "v8 k256+res256": (8, 256, 256)}
-LAYER_KEYS = ("indices", "centroids", "res_centroids", "outlier_indices", "outlier_centroids", "perm",
-              "weight_scale", "weight_bias")
 
 
 def cuda_time(fn: Callable[[], object], reps: int, warmup: int = 10) -> float:
@@ -66,17 +64,17 @@ def main() -> None:
         for name, (v, k, kr) in CONFIGS.items():
             spec = VQSpec(in_f, out_f, v, k, num_res_centroids=kr)
             layer = random_vq_layer(spec, seed=0, dtype=torch.float16, perm=True, device=device)
-            dense = vq_dequantize(spec, **{key: layer[key] for key in LAYER_KEYS}).contiguous()
+            dense = vq_dequantize(spec, layer).contiguous()
             for tokens, fused in ((1, True), (1, False), (8, True), (8, False), (128, True), (128, False)):
                 path = "fused lookup GEMV" if fused else "dequantize + matmul"
                 x = torch.randn(tokens, in_f, device=device, dtype=torch.float16)
-                got = triton_kernels.vq_linear(x, spec, **layer, fused=fused)
-                expected = vq_linear(x.float(), spec, **{key: (t.float() if t is not None and t.is_floating_point()
-                                                              else t) for key, t in layer.items()},
+                got = triton_kernels.vq_linear(x, spec, layer, fused=fused)
+                expected = vq_linear(x.float(), spec, VQWeights(*[t.float() if t is not None and t.is_floating_point()
+                                                                  else t for t in layer]),
                                      backend="reference")
                 torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
                 base = cuda_time(lambda: F.linear(x, dense), args.reps)
-                ours = cuda_time(lambda: triton_kernels.vq_linear(x, spec, **layer, fused=fused), args.reps)
+                ours = cuda_time(lambda: triton_kernels.vq_linear(x, spec, layer, fused=fused), args.reps)
                 print(f"| {out_f:>5}x{in_f:<5} | {name:<15} | {tokens:>6} | {path:<22} | {base * 1e3:>14.1f} | "
                       f"{ours * 1e3:>9.1f} | {ours / base:>13.2f} |", flush=True)
             torch.cuda.empty_cache()

@@ -1,7 +1,8 @@
 """Which kernel backends can run here, and which one a call uses.
 
-Names: ``"reference"`` (torch dequantize + ``F.linear``, always usable), ``"cpu"`` (fused numba kernels for
-CPU tensors), ``"triton"`` (CUDA tensors; CPU tensors only under ``TRITON_INTERPRET=1``).
+Names: ``"reference"`` (torch dequantize + ``F.linear``, always usable), ``"native"`` (the C++ kernels for CPU
+tensors, built on first use; unusable without a compiler or with ``VPTQ_NATIVE=0``), ``"cpu"`` (fused numba
+kernels for CPU tensors), ``"triton"`` (CUDA tensors; CPU tensors only under ``TRITON_INTERPRET=1``).
 ``backend=None`` (or ``"auto"``) picks per call; the environment variable ``VPTQ_KERNEL_BACKEND`` overrides
 ``None``. Asking for a backend that cannot run raises ``RuntimeError`` with the reason.
 """
@@ -14,7 +15,7 @@ import os
 
 import torch
 
-BACKENDS = ("reference", "cpu", "triton")
+BACKENDS = ("reference", "native", "cpu", "triton")
 ENV_VAR = "VPTQ_KERNEL_BACKEND"
 
 
@@ -56,6 +57,11 @@ def _status(name: str, interpret: bool) -> tuple[bool, str]:
     """(usable, reason when not) for one backend name."""
     if name == "reference":
         return True, ""
+    if name == "native":
+        reason = _module_reason(__package__ + ".native")
+        if reason:
+            return False, f"native backend unavailable: {reason}"
+        return importlib.import_module(__package__ + ".native").status()
     if name == "cpu":
         reason = _module_reason("numba")
         return (not reason), (f"cpu backend unavailable: {reason}" if reason else "")
@@ -93,7 +99,7 @@ def requested_backend(backend: str | None) -> str:
 
 def check_device(backend: str, x: torch.Tensor) -> None:
     """Explicit backends refuse tensors on a device they cannot serve."""
-    if backend == "cpu" and x.device.type != "cpu":
-        raise RuntimeError(f"cpu backend needs CPU tensors, got x on {x.device}")
+    if backend in ("cpu", "native") and x.device.type != "cpu":
+        raise RuntimeError(f"{backend} backend needs CPU tensors, got x on {x.device}")
     if backend == "triton" and x.device.type != "cuda" and not triton_interpret():
         raise RuntimeError(f"triton backend needs CUDA tensors (or TRITON_INTERPRET=1), got x on {x.device}")

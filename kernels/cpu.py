@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ._cache import LayerMemo
-from .spec import VQSpec
+from .spec import ScalarSpec, ScalarWeights, VQSpec, VQWeights
 
 # Lanes loaded past the end of a codebook row (the last centroid's 8/16-lane load), kept zero.
 _PAD = 16
@@ -121,8 +121,9 @@ def _f32(t: torch.Tensor | None, pad: int = 0) -> np.ndarray:
     return out
 
 
-def _prepare_vq(indices, centroids, res_centroids, outlier_indices, outlier_centroids, perm, weight_scale,
-                weight_bias, bias) -> dict:  # noqa: ANN001
+def _prepare_vq(weights: VQWeights) -> dict:
+    indices, centroids, res_centroids, outlier_indices, outlier_centroids, perm, weight_scale, weight_bias, bias = (
+        weights)
     words = indices.detach()
     if not words.is_contiguous():
         words = words.contiguous()
@@ -159,21 +160,8 @@ def _result(y: torch.Tensor, x: torch.Tensor, out_features: int) -> torch.Tensor
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], out_features)
 
 
-def vq_linear(
-    x: torch.Tensor,
-    spec: VQSpec,
-    indices: torch.Tensor,
-    centroids: torch.Tensor,
-    res_centroids: torch.Tensor | None = None,
-    outlier_indices: torch.Tensor | None = None,
-    outlier_centroids: torch.Tensor | None = None,
-    perm: torch.Tensor | None = None,
-    weight_scale: torch.Tensor | None = None,
-    weight_bias: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    state: dict | None = None,
-    fused: bool = True,
-) -> torch.Tensor:
+def vq_linear(x: torch.Tensor, spec: VQSpec, weights: VQWeights, state: dict | None = None,
+              fused: bool = True) -> torch.Tensor:
     """x [..., in] -> y [..., out] (x.dtype) on CPU; inputs validated by ``kernels.ops``.
 
     ``fused``: the lookup GEMV (decode: cost grows with every token); else the numba dequantize kernel
@@ -182,15 +170,14 @@ def vq_linear(
     without it, a module-level memo keyed on the tensors is used.
     """
     k = _kernels()
-    sources = (indices, centroids, res_centroids, outlier_indices, outlier_centroids, perm, weight_scale,
-               weight_bias, bias)
     a = state.get("cpu") if state is not None else None
     if a is None:
-        a = _memo.get(indices, sources, lambda: _prepare_vq(*sources))
+        a = _memo.get(weights.indices, tuple(weights), lambda: _prepare_vq(weights))
         if state is not None:
             state["cpu"] = a
+    perm, weight_scale, bias = weights.perm, weights.weight_scale, weights.bias
     if not fused:
-        return _dequant_matmul(k, a, x, spec, perm, weight_scale, weight_bias, bias)
+        return _dequant_matmul(k, a, x, spec, weights)
     x2, y, bf16 = _io(x, spec.in_features, spec.out_features)
     k.vq_gemv(
         x2.data_ptr(), y.data_ptr(), x2.shape[0], spec.in_features, spec.out_features, bf16, a["words"], a["cb"],
@@ -224,13 +211,12 @@ def _dequantize_into(k, a: dict, spec: VQSpec, weight: torch.Tensor, r_begin: in
                  num_threads())
 
 
-def _dequant_matmul(k, a: dict, x: torch.Tensor, spec: VQSpec, perm: torch.Tensor | None,  # noqa: ANN001
-                    weight_scale: torch.Tensor | None, weight_bias: torch.Tensor | None,
-                    bias: torch.Tensor | None) -> torch.Tensor:
+def _dequant_matmul(k, a: dict, x: torch.Tensor, spec: VQSpec, weights: VQWeights) -> torch.Tensor:  # noqa: ANN001
     """Prefill: y = (x * scale)[:, perm] @ Wp.T + x @ weight_bias + bias.
 
     Wp is decoded by numba in tiles of output rows that stay in cache, each followed by its matmul.
     """
+    perm, weight_scale, weight_bias, bias = weights.perm, weights.weight_scale, weights.weight_bias, weights.bias
     compute = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
     x2 = x.reshape(-1, spec.in_features)
     xp = x2.float()
@@ -259,33 +245,22 @@ def _dequant_matmul(k, a: dict, x: torch.Tensor, spec: VQSpec, perm: torch.Tenso
     return y.to(x.dtype).reshape(*x.shape[:-1], out)
 
 
-def vq_dequantize_stored(spec: VQSpec, indices: torch.Tensor, centroids: torch.Tensor,
-                         res_centroids: torch.Tensor | None = None, outlier_indices: torch.Tensor | None = None,
-                         outlier_centroids: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
-                         ) -> torch.Tensor:
+def vq_dequantize_stored(spec: VQSpec, weights: VQWeights, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Stored-order weight Wp [out, in] (outlier columns first, no perm/norm) in fp32 or bf16."""
     k = _kernels()
-    sources = (indices, centroids, res_centroids, outlier_indices, outlier_centroids, None, None, None, None)
-    a = _stored_memo.get(indices, sources, lambda: _prepare_vq(*sources))
+    stored = weights._replace(perm=None, weight_scale=None, weight_bias=None, bias=None)
+    a = _stored_memo.get(stored.indices, tuple(stored), lambda: _prepare_vq(stored))
     weight = torch.empty(spec.out_features, spec.in_features,
                          dtype=torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
     _dequantize_into(k, a, spec, weight, 0, spec.rows)
     return weight
 
 
-def scalar_linear(
-    x: torch.Tensor,
-    codes_packed: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    bias: torch.Tensor | None,
-    bits: int,
-    group_size: int,
-    in_features: int,
-    state: dict | None = None,
-) -> torch.Tensor:
+def scalar_linear(x: torch.Tensor, spec: ScalarSpec, weights: ScalarWeights, state: dict | None = None) -> torch.Tensor:
     """Fused scalar-code GEMV on CPU: x [..., in] -> y [..., out] (x.dtype); inputs validated by ``kernels.ops``."""
     k = _kernels()
+    codes_packed, scales, zeros, bias = weights
+    bits, group_size, in_features = spec.bits, spec.group_size, spec.in_features
 
     def build() -> dict:
         codes = codes_packed.detach().contiguous()

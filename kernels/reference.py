@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .packing import unpack_codes, unpack_indices
-from .spec import VQSpec
+from .spec import ScalarSpec, ScalarWeights, VQSpec, VQWeights
 
 
 def as_index(t: torch.Tensor) -> torch.Tensor:
@@ -70,43 +70,17 @@ def vq_expand(
     return weight
 
 
-def vq_dequantize(
-    spec: VQSpec,
-    indices: torch.Tensor,
-    centroids: torch.Tensor,
-    res_centroids: torch.Tensor | None = None,
-    outlier_indices: torch.Tensor | None = None,
-    outlier_centroids: torch.Tensor | None = None,
-    perm: torch.Tensor | None = None,
-    weight_scale: torch.Tensor | None = None,
-    weight_bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Dense weight [out, in] in the dtype of ``centroids`` (inputs assumed validated by ``kernels.ops``).
-
-    indices int32 [G, R, packed_words] (packed streams); the rest as in ``vq_expand``.
-    """
-    idx, ridx = unpack_indices(indices, spec.index_bits, spec.group_size, spec.res_bits)  # [G, R, gs]
-    return vq_expand(spec, idx, ridx, centroids, res_centroids, outlier_indices, outlier_centroids, perm,
-                     weight_scale, weight_bias)
+def vq_dequantize(spec: VQSpec, weights: VQWeights) -> torch.Tensor:
+    """Dense weight [out, in] in the dtype of ``weights.centroids`` (``weights.bias`` is not part of it)."""
+    idx, ridx = unpack_indices(weights.indices, spec.index_bits, spec.group_size, spec.res_bits)  # [G, R, gs]
+    return vq_expand(spec, idx, ridx, weights.centroids, weights.res_centroids, weights.outlier_indices,
+                     weights.outlier_centroids, weights.perm, weights.weight_scale, weights.weight_bias)
 
 
-def vq_linear(
-    x: torch.Tensor,
-    spec: VQSpec,
-    indices: torch.Tensor,
-    centroids: torch.Tensor,
-    res_centroids: torch.Tensor | None = None,
-    outlier_indices: torch.Tensor | None = None,
-    outlier_centroids: torch.Tensor | None = None,
-    perm: torch.Tensor | None = None,
-    weight_scale: torch.Tensor | None = None,
-    weight_bias: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
+def vq_linear(x: torch.Tensor, spec: VQSpec, weights: VQWeights) -> torch.Tensor:
     """x [..., in] -> y [..., out] in x.dtype: dequantize, then ``F.linear``."""
-    weight = vq_dequantize(
-        spec, indices, centroids, res_centroids, outlier_indices, outlier_centroids, perm, weight_scale, weight_bias
-    )
+    weight = vq_dequantize(spec, weights)
+    bias = weights.bias
     return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
@@ -117,31 +91,14 @@ def scalar_expand(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
     return scales[:, group] * (codes.to(scales.dtype) - zeros[:, group].to(scales.dtype))
 
 
-def scalar_dequantize(
-    codes_packed: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    bits: int,
-    group_size: int,
-    in_features: int,
-) -> torch.Tensor:
-    """W [out, in] = scales * (codes - zeros) per (row, group of ``group_size`` columns), dtype of ``scales``.
-
-    codes_packed int32 [out, ceil(in*bits/32)]; scales, zeros [out, ceil(in/group_size)].
-    """
-    return scalar_expand(unpack_codes(codes_packed, bits, in_features), scales, zeros, group_size)
+def scalar_dequantize(spec: ScalarSpec, weights: ScalarWeights) -> torch.Tensor:
+    """W [out, in] in the dtype of ``weights.scales`` from the packed codes."""
+    codes = unpack_codes(weights.codes, spec.bits, spec.in_features)
+    return scalar_expand(codes, weights.scales, weights.zeros, spec.group_size)
 
 
-def scalar_linear(
-    x: torch.Tensor,
-    codes_packed: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    bias: torch.Tensor | None,
-    bits: int,
-    group_size: int,
-    in_features: int,
-) -> torch.Tensor:
+def scalar_linear(x: torch.Tensor, spec: ScalarSpec, weights: ScalarWeights) -> torch.Tensor:
     """x [..., in] -> y [..., out] in x.dtype: dequantize, then ``F.linear``."""
-    weight = scalar_dequantize(codes_packed, scales, zeros, bits, group_size, in_features)
+    weight = scalar_dequantize(spec, weights)
+    bias = weights.bias
     return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))

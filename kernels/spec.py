@@ -1,4 +1,6 @@
-"""``VQSpec``: the integer shape of one VPTQ lookup-linear layer, shared by every kernel backend.
+"""What every kernel backend takes: a layer's integer shape (``VQSpec`` / ``ScalarSpec``) and its tensors
+(``VQWeights`` / ``ScalarWeights``), so one argument list serves every backend and is flattened only at the
+``torch.library`` custom-op boundary.
 
 Vocabulary (public VPTQ layout, see ``vptq_core/quant/states.py``):
   v = vector_len, k = num_centroids, G = group_num, R = rows = ceil(out / v);
@@ -10,22 +12,84 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
-if TYPE_CHECKING:  # pragma: no cover
-    from vptq_core.quant.states import VQLayerState
+import torch
+
+
+class VQWeights(NamedTuple):
+    """The tensors of one packed VPTQ linear (public VPTQ names and layout)."""
+
+    indices: torch.Tensor  # int32 [G, R, packed_words]: per vector row, LSB-first (res << b) | idx streams
+    centroids: torch.Tensor  # [G, k*v]
+    res_centroids: torch.Tensor | None = None  # [G, k_res*v]
+    outlier_indices: torch.Tensor | None = None  # int16 [1, Ro, outlier_size] (uint16 patterns)
+    outlier_centroids: torch.Tensor | None = None  # [1, k_o*vo]
+    perm: torch.Tensor | None = None  # [in]: stored column i holds original column perm[i]
+    weight_scale: torch.Tensor | None = None  # [in] (norm: W = W' * scale + bias per input column)
+    weight_bias: torch.Tensor | None = None  # [in]
+    bias: torch.Tensor | None = None  # [out]
+
+    def float_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """The tensors autograd may track (codebooks, norm, bias)."""
+        return (self.centroids, self.res_centroids, self.outlier_centroids, self.weight_scale, self.weight_bias,
+                self.bias)
+
+
+class ScalarWeights(NamedTuple):
+    """The tensors of one scalar-code linear (RTN / GPTQ / LRQ)."""
+
+    codes: torch.Tensor  # int32 [out, ceil(in*bits/32)]: per row, an LSB-first stream of bits-wide codes
+    scales: torch.Tensor  # [out, groups]
+    zeros: torch.Tensor  # [out, groups] (float or integer zero points)
+    bias: torch.Tensor | None = None  # [out]
+
+    def float_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return (self.scales, self.zeros if self.zeros.is_floating_point() else None, self.bias)
+
+
+@dataclass(frozen=True)
+class ScalarSpec:
+    """Integer shape of a scalar-code layer: ``W[o, j] = scales[o, j // group_size] * (code - zero)``."""
+
+    in_features: int
+    out_features: int
+    bits: int
+    group_size: int
+
+    def __post_init__(self) -> None:
+        for name, lo, hi in (("in_features", 1, None), ("out_features", 1, None), ("bits", 1, 8),
+                             ("group_size", 1, None)):
+            _check_int(name, getattr(self, name), lo, hi, owner="ScalarSpec")
+
+    @property
+    def groups(self) -> int:
+        return math.ceil(self.in_features / self.group_size)
+
+    @property
+    def packed_words(self) -> int:
+        return math.ceil(self.in_features * self.bits / 32)
+
+    def as_list(self) -> list[int]:
+        return [self.in_features, self.out_features, self.bits, self.group_size]
+
+    @classmethod
+    def from_list(cls, values: list[int] | tuple[int, ...]) -> ScalarSpec:
+        if len(values) != 4:
+            raise ValueError(f"ScalarSpec.from_list needs 4 ints, got {len(values)}")
+        return cls(*[int(v) for v in values])
 
 
 def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
 
-def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
+def _check_int(name: str, value: object, lo: int, hi: int | None = None, owner: str = "VQSpec") -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"VQSpec.{name} must be an int, got {value!r}")
+        raise TypeError(f"{owner}.{name} must be an int, got {value!r}")
     if value < lo or (hi is not None and value > hi):
         allowed = f">= {lo}" if hi is None else f"in {lo}..{hi}"
-        raise ValueError(f"VQSpec.{name} must be {allowed}, got {value}")
+        raise ValueError(f"{owner}.{name} must be {allowed}, got {value}")
 
 
 def _check_centroids(name: str, value: object) -> None:
@@ -145,8 +209,8 @@ class VQSpec:
         return cls(*[int(v) for v in values])
 
     @classmethod
-    def from_state(cls, state: VQLayerState) -> VQSpec:
-        """The spec of a ``vptq_core.quant.states.VQLayerState``."""
+    def from_state(cls, state) -> VQSpec:
+        """The spec of anything with a ``VQLayerState``'s integer fields (``vptq_core.quant.states``)."""
         has_outliers = state.outlier_size > 0
         return cls(
             in_features=int(state.in_features),

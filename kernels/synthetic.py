@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .packing import pack_codes, pack_indices
-from .spec import VQSpec
+from .spec import ScalarSpec, ScalarWeights, VQSpec, VQWeights
 
 
 def random_vq_layer(
@@ -18,8 +18,8 @@ def random_vq_layer(
     bias: bool = False,
     perm_dtype: torch.dtype = torch.int16,
     device: torch.device | str = "cpu",
-) -> dict[str, torch.Tensor | None]:
-    """Keyword arguments of ``vq_linear`` (without x/spec) for a random layer matching ``spec``.
+) -> VQWeights:
+    """The tensors of a random layer matching ``spec``.
 
     Indices are uniform; centroids ~ N(0, 1) / sqrt(in) so outputs stay O(1); perm is a random
     permutation stored as ``perm_dtype`` (int16 holds uint16 patterns, as in the public format).
@@ -55,30 +55,27 @@ def random_vq_layer(
         layer["weight_bias"] = torch.randn(spec.in_features, generator=gen) * scale * 0.1
     if bias:
         layer["bias"] = torch.randn(spec.out_features, generator=gen)
-    out: dict[str, torch.Tensor | None] = {}
-    for name, t in layer.items():
-        if t is not None and t.is_floating_point():
-            t = t.to(dtype)
-        out[name] = None if t is None else t.to(device)
-    return out
+    def place(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return (t.to(dtype) if t.is_floating_point() else t).to(device)
+
+    return VQWeights(**{name: place(t) for name, t in layer.items()})
 
 
 def random_scalar_layer(
     out_features: int, in_features: int, bits: int, group_size: int, *, seed: int = 0,
     dtype: torch.dtype = torch.float32, bias: bool = False, device: torch.device | str = "cpu",
-) -> dict[str, torch.Tensor | int | None]:
-    """Keyword arguments of ``scalar_linear`` (without x) for a random scalar-quantized layer."""
+) -> tuple[ScalarSpec, ScalarWeights]:
+    """(spec, tensors) of a random scalar-quantized layer."""
     gen = torch.Generator().manual_seed(seed)
     groups = -(-in_features // group_size)
     codes = torch.randint(0, 2**bits, (out_features, in_features), generator=gen)
     scales = (torch.rand(out_features, groups, generator=gen) + 0.5) * in_features**-0.5 / 2**bits
     zeros = torch.randint(0, 2**bits, (out_features, groups), generator=gen).to(torch.float32)
-    return {
-        "codes_packed": pack_codes(codes, bits).to(device),
-        "scales": scales.to(dtype).to(device),
-        "zeros": zeros.to(dtype).to(device),
-        "bias": torch.randn(out_features, generator=gen).to(dtype).to(device) if bias else None,
-        "bits": bits,
-        "group_size": group_size,
-        "in_features": in_features,
-    }
+    return ScalarSpec(in_features, out_features, bits, group_size), ScalarWeights(
+        codes=pack_codes(codes, bits).to(device),
+        scales=scales.to(dtype).to(device),
+        zeros=zeros.to(dtype).to(device),
+        bias=torch.randn(out_features, generator=gen).to(dtype).to(device) if bias else None,
+    )

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from .spec import VQSpec
+from .spec import ScalarSpec, ScalarWeights, VQSpec, VQWeights
 
 
 @triton.jit
@@ -192,21 +192,10 @@ def vq_dequantize_stored(spec: VQSpec, indices: torch.Tensor, centroids: torch.T
     return out
 
 
-def vq_linear(
-    x: torch.Tensor,
-    spec: VQSpec,
-    indices: torch.Tensor,
-    centroids: torch.Tensor,
-    res_centroids: torch.Tensor | None = None,
-    outlier_indices: torch.Tensor | None = None,
-    outlier_centroids: torch.Tensor | None = None,
-    perm: torch.Tensor | None = None,
-    weight_scale: torch.Tensor | None = None,
-    weight_bias: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    fused: bool = True,
-) -> torch.Tensor:
+def vq_linear(x: torch.Tensor, spec: VQSpec, weights: VQWeights, fused: bool = True) -> torch.Tensor:
     """x [..., in] -> y [..., out] (x.dtype). ``fused``: lookup GEMV (decode), else dequantize + matmul (prefill)."""
+    indices, centroids, res_centroids, outlier_indices, outlier_centroids, perm, weight_scale, weight_bias, bias = (
+        weights)
     x2 = x.reshape(-1, spec.in_features)
     n = x2.shape[0]
     xp = _x_stored_order(x2, perm, weight_scale)  # [N, in] fp32
@@ -237,18 +226,10 @@ def vq_linear(
     return y.to(x.dtype).reshape(*x.shape[:-1], spec.out_features)
 
 
-def vq_dequantize(
-    spec: VQSpec,
-    indices: torch.Tensor,
-    centroids: torch.Tensor,
-    res_centroids: torch.Tensor | None = None,
-    outlier_indices: torch.Tensor | None = None,
-    outlier_centroids: torch.Tensor | None = None,
-    perm: torch.Tensor | None = None,
-    weight_scale: torch.Tensor | None = None,
-    weight_bias: torch.Tensor | None = None,
-) -> torch.Tensor:
+def vq_dequantize(spec: VQSpec, weights: VQWeights) -> torch.Tensor:
     """Dense W [out, in] (dtype of centroids), same result as ``kernels.reference.vq_dequantize``."""
+    indices, centroids, res_centroids, outlier_indices, outlier_centroids, perm, weight_scale, weight_bias, _ = (
+        weights)
     weight = vq_dequantize_stored(spec, indices, centroids, res_centroids, centroids.dtype)
     if spec.has_outliers:
         outl = _outlier_weight(spec, outlier_indices, outlier_centroids).to(centroids.dtype)
@@ -262,18 +243,10 @@ def vq_dequantize(
     return weight
 
 
-def scalar_linear(
-    x: torch.Tensor,
-    codes_packed: torch.Tensor,
-    scales: torch.Tensor,
-    zeros: torch.Tensor,
-    bias: torch.Tensor | None,
-    bits: int,
-    group_size: int,
-    in_features: int,
-    fused: bool = True,
-) -> torch.Tensor:
+def scalar_linear(x: torch.Tensor, spec: ScalarSpec, weights: ScalarWeights, fused: bool = True) -> torch.Tensor:
     """x [..., in] -> y [..., out] (x.dtype) for packed scalar codes (fused GEMV, or dequantize + matmul)."""
+    codes_packed, scales, zeros, bias = weights
+    bits, group_size, in_features = spec.bits, spec.group_size, spec.in_features
     out_features, W = codes_packed.shape
     G = scales.shape[1]
     x2 = x.reshape(-1, in_features)
@@ -290,7 +263,7 @@ def scalar_linear(
         if bias is not None:
             y = y + bias.float()
         return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
-    weight = scalar_dequantize(codes_packed, scales, zeros, bits, group_size, in_features)
+    weight = scalar_dequantize(spec, weights)
     compute = x.dtype if x.device.type == "cuda" else torch.float32
     y = x2.to(compute) @ weight.to(compute).T
     if bias is not None:
@@ -298,9 +271,10 @@ def scalar_linear(
     return y.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 
-def scalar_dequantize(codes_packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-                      group_size: int, in_features: int) -> torch.Tensor:
+def scalar_dequantize(spec: ScalarSpec, weights: ScalarWeights) -> torch.Tensor:
     """W [out, in] (dtype of scales) = scales * (codes - zeros), decoded by a Triton kernel."""
+    codes_packed, scales, zeros, _ = weights
+    bits, group_size, in_features = spec.bits, spec.group_size, spec.in_features
     out_features, W = codes_packed.shape
     weight = torch.empty(out_features, in_features, dtype=scales.dtype, device=codes_packed.device)
     grid = (triton.cdiv(out_features, 32), triton.cdiv(in_features, 64))

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import VQ_LAYOUTS
+from factories import random_scalar_state, random_vq_state
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -16,7 +17,7 @@ from torch import nn
 from vptq_core.models import tiny_random_llama
 from vptq_core.storage import hf_integration
 from vptq_core.storage.checkpoint import checkpoint_size, load_quantized, save_quantized
-from vptq_core.storage.modules import ScalarQLinear, VQLinear, random_scalar_state, random_vq_state, replace_linears
+from vptq_core.storage.modules import ScalarQLinear, VQLinear, replace_linears
 
 PROMPT = torch.tensor([[5, 17, 42, 99, 3, 250, 77, 8, 1, 64]])
 

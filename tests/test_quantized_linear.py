@@ -1,4 +1,4 @@
-"""VQLinear / ScalarQLinear against an independent dequantization of the layer states (formats.py contract)."""
+"""VQLinear / ScalarQLinear against an independent dequantization of the layer states (quant/states.py contract)."""
 
 from __future__ import annotations
 
@@ -7,20 +7,15 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from factories import random_scalar_state, random_vq_state
 from torch import nn
 
 from vptq_core.quant.act_quant import quantize_activations
-from vptq_core.storage.modules import (
-    ScalarQLinear,
-    VQLinear,
-    random_scalar_state,
-    random_vq_state,
-    replace_linears,
-)
+from vptq_core.storage.modules import ScalarQLinear, VQLinear, replace_linears
 
 
 def dense_from_state(state) -> torch.Tensor:
-    """W [out, in] float64 written straight from the formats.py formulas, one vector at a time."""
+    """W [out, in] float64 written straight from the quant/states.py formulas, one vector at a time."""
     out, v, gs = state.out_features, state.vector_len, state.group_size
     rows = math.ceil(out / v)
     main = torch.zeros(rows * v, state.group_num * gs, dtype=torch.float64)

@@ -23,7 +23,7 @@ if DEVICE == "cpu" and "triton" not in sys.modules:
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
-from kernels import VQSpec, scalar_linear, vq_linear  # noqa: E402
+from kernels import VQSpec, VQWeights, scalar_linear, vq_linear  # noqa: E402
 from kernels.reference import scalar_dequantize as ref_scalar_dequantize  # noqa: E402
 from kernels.reference import vq_dequantize as ref_vq_dequantize  # noqa: E402
 from kernels.synthetic import random_scalar_layer, random_vq_layer  # noqa: E402
@@ -40,7 +40,7 @@ def _interpreter_works() -> bool:
     spec = VQSpec(8, 4, 2, 2)
     layer = random_vq_layer(spec)
     try:
-        triton_kernels.vq_linear(torch.zeros(1, 8), spec, **layer)
+        triton_kernels.vq_linear(torch.zeros(1, 8), spec, layer)
     except Exception:  # the interpreter raises various errors when triton was imported without it
         return False
     return True
@@ -52,8 +52,6 @@ needs_kernels = pytest.mark.skipif(
     reason="triton was imported before TRITON_INTERPRET=1 was set (or no CUDA device); "
     "covered by test_interpreter_suite_in_subprocess",
 )
-LAYER_KEYS = ("indices", "centroids", "res_centroids", "outlier_indices", "outlier_centroids", "perm",
-              "weight_scale", "weight_bias")
 
 SPECS = [
     VQSpec(24, 13, 6, 64),
@@ -68,7 +66,7 @@ SPECS = [
 ]
 
 
-def _layer(spec: VQSpec, seed: int, extras: bool) -> dict:
+def _layer(spec: VQSpec, seed: int, extras: bool) -> VQWeights:
     return random_vq_layer(spec, seed=seed, perm=extras, norm=extras, bias=extras, device=DEVICE)
 
 
@@ -81,8 +79,8 @@ def test_triton_vq_linear_matches_reference(spec: VQSpec, extras: bool, fused: b
 
     layer = _layer(spec, seed=spec.vector_len, extras=extras)
     x = torch.randn(3, spec.in_features, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    expected = vq_linear(x, spec, **layer, backend="reference")
-    got = triton_kernels.vq_linear(x, spec, **layer, fused=fused)
+    expected = vq_linear(x, spec, layer, backend="reference")
+    got = triton_kernels.vq_linear(x, spec, layer, fused=fused)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -92,8 +90,8 @@ def test_triton_every_vector_length(v: int) -> None:
     spec = VQSpec(20, 2 * v + 1, v, 16, num_res_centroids=4 if v % 2 else -1)
     layer = _layer(spec, seed=v, extras=True)
     x = torch.randn(1, 20, generator=torch.Generator().manual_seed(v)).to(DEVICE)
-    torch.testing.assert_close(vq_linear(x, spec, **layer, backend="triton"),
-                               vq_linear(x, spec, **layer, backend="reference"), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(vq_linear(x, spec, layer, backend="triton"),
+                               vq_linear(x, spec, layer, backend="reference"), rtol=1e-4, atol=1e-4)
 
 
 @needs_kernels
@@ -104,8 +102,7 @@ def test_triton_dequantize_is_exact(index_bits: int) -> None:
     spec = VQSpec(37, 10, 4, 2**index_bits, num_res_centroids=8 if index_bits < 16 else -1, outlier_size=2,
                   outlier_vector_len=2, num_outlier_centroids=4)
     layer = _layer(spec, seed=index_bits, extras=True)
-    weights = {k: layer[k] for k in LAYER_KEYS}
-    torch.testing.assert_close(triton_kernels.vq_dequantize(spec, **weights), ref_vq_dequantize(spec, **weights),
+    torch.testing.assert_close(triton_kernels.vq_dequantize(spec, layer), ref_vq_dequantize(spec, layer),
                                rtol=0, atol=0)
 
 
@@ -115,12 +112,11 @@ def test_triton_dequantize_is_exact(index_bits: int) -> None:
 def test_triton_scalar_matches_reference(bits: int, fused: bool) -> None:
     from kernels import triton_kernels
 
-    s = random_scalar_layer(21, 70, bits, 16, seed=bits, bias=True, device=DEVICE)
+    s = random_scalar_layer(21, 70, bits, 16, seed=bits, bias=True, device=DEVICE)  # (spec, weights)
     x = torch.randn(2, 70, generator=torch.Generator().manual_seed(bits)).to(DEVICE)
-    expected = scalar_linear(x, **s, backend="reference")
-    torch.testing.assert_close(triton_kernels.scalar_linear(x, **s, fused=fused), expected, rtol=1e-4, atol=1e-4)
-    weight = triton_kernels.scalar_dequantize(s["codes_packed"], s["scales"], s["zeros"], bits, 16, 70)
-    torch.testing.assert_close(weight, ref_scalar_dequantize(s["codes_packed"], s["scales"], s["zeros"], bits, 16, 70))
+    expected = scalar_linear(x, *s, backend="reference")
+    torch.testing.assert_close(triton_kernels.scalar_linear(x, *s, fused=fused), expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(triton_kernels.scalar_dequantize(*s), ref_scalar_dequantize(*s))
 
 
 @needs_kernels
@@ -128,10 +124,10 @@ def test_triton_backend_through_public_api_bf16() -> None:
     spec = SPECS[2]
     layer = random_vq_layer(spec, seed=3, dtype=torch.bfloat16, perm=True, norm=True, device=DEVICE)
     x = torch.randn(2, 4, spec.in_features, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(DEVICE)
-    got = vq_linear(x, spec, **layer, backend="triton")
+    got = vq_linear(x, spec, layer, backend="triton")
     assert got.dtype == torch.bfloat16 and got.shape == (2, 4, spec.out_features)
-    layer32 = {k: (t.float() if t is not None and t.is_floating_point() else t) for k, t in layer.items()}
-    torch.testing.assert_close(got.float(), vq_linear(x.float(), spec, **layer32, backend="reference"),
+    layer32 = VQWeights(*[t.float() if t is not None and t.is_floating_point() else t for t in layer])
+    torch.testing.assert_close(got.float(), vq_linear(x.float(), spec, layer32, backend="reference"),
                                rtol=1e-2, atol=1e-2)
 
 

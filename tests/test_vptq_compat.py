@@ -12,12 +12,13 @@ import json
 import pytest
 import torch
 from conftest import VQ_LAYOUTS
+from factories import random_vq_state
 from safetensors.torch import load_file
 from torch import nn
 
 from vptq_core.models import tiny_random_llama
 from vptq_core.storage.checkpoint import load_quantized, save_quantized
-from vptq_core.storage.modules import VQLinear, random_vq_state
+from vptq_core.storage.modules import VQLinear
 
 vqlinear = pytest.importorskip(
     "vptq.layers.vqlinear", reason="the public vptq package (pip install --no-deps vptq==0.0.5.post1) is not installed"

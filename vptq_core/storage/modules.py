@@ -13,8 +13,11 @@ packed indices), under the same state-dict names, so checkpoints written from it
     bias                  [out]                 model dtype
 
 ``ScalarQLinear`` holds bit-packed integer codes with per-(row, group) scales and zero points (RTN, GPTQ, LRQ)
-and optionally fake-quantizes its input activations. Both call ``kernels`` on every forward: no dense weight
-is ever cached.
+and optionally fake-quantizes its input activations. No dense weight is ever cached: each module binds its
+tensors to a ``kernels`` backend once (``kernels.bind_vq`` / ``bind_scalar``: checked, prepared, backend
+chosen) and every forward just runs it. Moving the module (``.to``), loading a state dict or setting
+``backend`` rebinds; after editing the tensors in place by hand, call ``rebind()``. With autograd on for a
+trainable tensor the checked reference path runs instead, and under ``torch.compile`` the registered custom op.
 """
 
 from __future__ import annotations
@@ -24,8 +27,22 @@ import math
 import torch
 from torch import nn
 
-from kernels import VQSpec, pack_codes, pack_indices, scalar_dequantize, scalar_linear, vq_dequantize, vq_linear
+from kernels import (
+    ScalarSpec,
+    ScalarWeights,
+    VQSpec,
+    VQWeights,
+    bind_scalar,
+    bind_vq,
+    pack_codes,
+    pack_indices,
+    scalar_dequantize,
+    scalar_linear,
+    vq_dequantize,
+    vq_linear,
+)
 
+from ..quant.act_quant import quantize_activations
 from ..quant.states import ScalarLayerState, VQLayerState
 
 # Keys of a public ``config_for_layers`` entry; the ignored ones are constructor arguments of the public
@@ -120,13 +137,56 @@ def vq_spec_from_config(layer_config: dict) -> VQSpec:
     return spec
 
 
-class VQLinear(nn.Module):
+class _BoundLinear(nn.Module):
+    """Shared by the quantized modules: a ``kernels.LayerKernel`` bound lazily on first forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._backend: str | None = None
+        self._kernel = None
+
+    @property
+    def backend(self) -> str | None:
+        """Kernel backend (None = automatic); setting it rebinds."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: str | None) -> None:
+        self._backend = value
+        self._kernel = None
+
+    def rebind(self) -> None:
+        """Forget the bound kernel (it binds again on the next forward): after in-place edits of the tensors."""
+        self._kernel = None
+
+    def _apply(self, fn, recurse=True):  # .to(), .cuda(), .half(), ...: the tensors change
+        self._kernel = None
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._kernel = None
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def _needs_autograd(self, weights) -> bool:
+        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in weights.float_tensors())
+
+    def _bound(self, x: torch.Tensor):
+        kernel = self._kernel
+        # A new index tensor (assigned, not edited in place) or another device also needs a new binding.
+        if kernel is None or kernel.device != x.device or kernel.weights[0] is not self._buffers[self._INDEX]:
+            kernel = self._kernel = self._bind(x.device)
+        return kernel
+
+
+class VQLinear(_BoundLinear):
     """A VPTQ-quantized linear layer: ``y = x @ W.T + bias`` with ``W`` looked up from codebooks.
 
     Construct empty from a public layer config (``VQLinear(**layer_config, dtype=...)`` or ``from_config``)
     and fill it with ``load_state_dict``, or build it filled from a ``VQLayerState`` with ``from_state``.
     ``backend`` (None = automatic) is passed to ``kernels.vq_linear``.
     """
+
+    _INDEX = "indices"  # the buffer whose replacement means new tensors
 
     def __init__(
         self,
@@ -156,7 +216,6 @@ class VQLinear(nn.Module):
             "indices_as_float": indices_as_float, "is_indice_packed": is_indice_packed, **ignored,
         }
         self.spec = vq_spec_from_config(config)
-        self.backend: str | None = None
         spec = self.spec
         self.in_features, self.out_features = spec.in_features, spec.out_features
         self.enable_norm, self.enable_perm = enable_norm, enable_perm
@@ -235,22 +294,32 @@ class VQLinear(nn.Module):
         return self.spec.layer_config(bias=self.bias is not None, enable_norm=self.enable_norm,
                                       enable_perm=self.enable_perm)
 
-    def _tensors(self) -> dict:
-        return {
-            "indices": self.indices, "centroids": self.centroids.weight,
-            "res_centroids": None if self.res_centroids is None else self.res_centroids.weight,
-            "outlier_indices": self.outlier_indices,
-            "outlier_centroids": None if self.outlier_centroids is None else self.outlier_centroids.weight,
-            "perm": self.perm, "weight_scale": self.weight_scale, "weight_bias": self.weight_bias,
-        }
+    def weights(self) -> VQWeights:
+        """This module's tensors as the kernels take them."""
+        return VQWeights(
+            indices=self.indices, centroids=self.centroids.weight,
+            res_centroids=None if self.res_centroids is None else self.res_centroids.weight,
+            outlier_indices=self.outlier_indices,
+            outlier_centroids=None if self.outlier_centroids is None else self.outlier_centroids.weight,
+            perm=self.perm, weight_scale=self.weight_scale, weight_bias=self.weight_bias, bias=self.bias,
+        )
+
+    def _bind(self, device: torch.device):
+        return bind_vq(self.spec, self.weights(), device, backend=self._backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> y [..., out]."""
-        return vq_linear(x, self.spec, **self._tensors(), bias=self.bias, backend=self.backend)
+        if torch.compiler.is_compiling():
+            return vq_linear(x, self.spec, self.weights(), backend=self._backend)
+        if torch.is_grad_enabled():
+            weights = self.weights()
+            if self._needs_autograd(weights):
+                return vq_linear(x, self.spec, weights, backend=self._backend)
+        return self._bound(x)(x)
 
     def dequantize(self) -> torch.Tensor:
         """Dense W [out, in] in the module dtype (for tests and evaluation; never used by ``forward``)."""
-        return vq_dequantize(self.spec, **self._tensors())
+        return vq_dequantize(self.spec, self.weights())
 
     def extra_repr(self) -> str:
         s = self.spec
@@ -321,7 +390,7 @@ def scalar_config_from_dict(layer_config: dict) -> dict:
     return config
 
 
-class ScalarQLinear(nn.Module):
+class ScalarQLinear(_BoundLinear):
     """A scalar-quantized linear: ``W[o, j] = scales[o, j // group_size] * (codes[o, j] - zeros[o, ...])``.
 
     Tensors: ``codes`` int32 [out, ceil(in*bits/32)] (bit-packed), ``scales``/``zeros`` [out, n_groups] and
@@ -329,6 +398,8 @@ class ScalarQLinear(nn.Module):
     ``act_bits < 16`` and ``act_granularity == "tensor"``). With ``act_bits < 16`` the input is fake-quantized
     (``vptq_core.quant.act_quant``) before the matmul.
     """
+
+    _INDEX = "codes"  # the buffer whose replacement means new tensors
 
     def __init__(
         self,
@@ -351,7 +422,7 @@ class ScalarQLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.bits, self.group_size, self.method = bits, group_size, config["method"]
         self.act_bits, self.act_granularity = act_bits, act_granularity
-        self.backend: str | None = None
+        self.spec = ScalarSpec(in_features, out_features, bits, group_size)
         groups = math.ceil(in_features / group_size)
         words = math.ceil(in_features * bits / 32)
         self.register_buffer("codes", torch.zeros(out_features, words, dtype=torch.int32, device=device))
@@ -402,18 +473,28 @@ class ScalarQLinear(nn.Module):
             "method": self.method, "out_features": self.out_features,
         }
 
+    def weights(self) -> ScalarWeights:
+        """This module's tensors as the kernels take them."""
+        return ScalarWeights(self.codes, self.scales, self.zeros, self.bias)
+
+    def _bind(self, device: torch.device):
+        return bind_scalar(self.spec, self.weights(), device, backend=self._backend)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> y [..., out]."""
         if self.act_bits < 16:
-            from ..quant.act_quant import quantize_activations
-
             x = quantize_activations(x, self.act_bits, self.act_granularity, self.act_scale)
-        return scalar_linear(x, self.codes, self.scales, self.zeros, self.bias, self.bits, self.group_size,
-                             self.in_features, backend=self.backend)
+        if torch.compiler.is_compiling():
+            return scalar_linear(x, self.spec, self.weights(), backend=self._backend)
+        if torch.is_grad_enabled():
+            weights = self.weights()
+            if self._needs_autograd(weights):
+                return scalar_linear(x, self.spec, weights, backend=self._backend)
+        return self._bound(x)(x)
 
     def dequantize(self) -> torch.Tensor:
         """Dense W [out, in] in the module dtype (tests and evaluation only)."""
-        return scalar_dequantize(self.codes, self.scales, self.zeros, self.bits, self.group_size, self.in_features)
+        return scalar_dequantize(self.spec, self.weights())
 
     def extra_repr(self) -> str:
         act = f", act_bits={self.act_bits}({self.act_granularity})" if self.act_bits < 16 else ""
@@ -481,78 +562,3 @@ def replace_linears(
     for name, module in modules.items():
         set_submodule(model, name, module)
     return model
-
-
-# ----------------------------------------------------------------------------------------- random states
-def random_vq_state(
-    in_features: int,
-    out_features: int,
-    vector_len: int = 4,
-    num_centroids: int = 16,
-    num_res_centroids: int = -1,
-    group_num: int = 1,
-    outlier_size: int = 0,
-    outlier_vector_len: int = 2,
-    num_outlier_centroids: int = 8,
-    norm: bool = False,
-    perm: bool = False,
-    bias: bool = False,
-    seed: int = 0,
-) -> VQLayerState:
-    """A valid random ``VQLayerState`` (float32 tensors) for tests and benchmarks of readers and kernels."""
-    gen = torch.Generator().manual_seed(seed)
-    main_cols = in_features - outlier_size
-    if main_cols % group_num:
-        raise ValueError(f"in_features - outlier_size ({main_cols}) must be divisible by group_num ({group_num})")
-    gs = main_cols // group_num
-    rows = math.ceil(out_features / vector_len)
-
-    def table(n: int) -> torch.Tensor:
-        return torch.randn(n, generator=gen) * 0.05
-
-    res = num_res_centroids > 0
-    kwargs: dict = {}
-    if outlier_size:
-        outlier_rows = math.ceil(out_features / outlier_vector_len)
-        kwargs.update(
-            outlier_vector_len=outlier_vector_len, num_outlier_centroids=num_outlier_centroids,
-            outlier_size=outlier_size, outlier_centroids=table(num_outlier_centroids * outlier_vector_len).view(1, -1),
-            outlier_indices=torch.randint(num_outlier_centroids, (1, outlier_rows, outlier_size), generator=gen),
-        )
-    if perm:
-        kwargs["perm"] = torch.randperm(in_features, generator=gen)
-    if norm:
-        kwargs["weight_scale"] = torch.rand(in_features, generator=gen) + 0.5
-        kwargs["weight_bias"] = torch.randn(in_features, generator=gen) * 0.01
-    if bias:
-        kwargs["bias"] = torch.randn(out_features, generator=gen) * 0.1
-    return VQLayerState(
-        in_features=in_features, out_features=out_features, vector_len=vector_len, num_centroids=num_centroids,
-        group_num=group_num, group_size=gs,
-        centroids=table(group_num * num_centroids * vector_len).view(group_num, -1),
-        indices=torch.randint(num_centroids, (group_num, rows, gs), generator=gen),
-        num_res_centroids=num_res_centroids if res else -1,
-        res_centroids=table(group_num * num_res_centroids * vector_len).view(group_num, -1) if res else None,
-        res_indices=torch.randint(num_res_centroids, (group_num, rows, gs), generator=gen) if res else None,
-        **kwargs,
-    )
-
-
-def random_scalar_state(
-    in_features: int, out_features: int, bits: int = 4, group_size: int = 32, bias: bool = False,
-    act_bits: int = 16, act_granularity: str = "token", method: str = "rtn", seed: int = 0,
-) -> ScalarLayerState:
-    """A valid random ``ScalarLayerState`` (float32 scales, integer zero points) for tests and benchmarks."""
-    gen = torch.Generator().manual_seed(seed)
-    groups = math.ceil(in_features / group_size)
-    maxq = 2**bits - 1
-    static = act_bits < 16 and act_granularity == "tensor"
-    return ScalarLayerState(
-        in_features=in_features, out_features=out_features, bits=bits, group_size=group_size,
-        codes=torch.randint(maxq + 1, (out_features, in_features), generator=gen).to(torch.uint8),
-        scales=torch.rand(out_features, groups, generator=gen) * 0.01 + 0.001,
-        zeros=torch.randint(maxq + 1, (out_features, groups), generator=gen).float(),
-        bias=torch.randn(out_features, generator=gen) * 0.1 if bias else None, method=method,
-        act_bits=act_bits, act_granularity=act_granularity,
-        act_scale=torch.tensor(0.02) if static else None,
-    )
