@@ -305,7 +305,7 @@ def test_backend_argument_and_env_override(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @needs_cpu
-def test_auto_without_native_uses_fused_numba_for_decode_and_matmul_for_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_without_native_uses_numba_gemv_for_decode_and_matmul_for_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
     import kernels.cpu as cpu
     import kernels.ops as ops
 

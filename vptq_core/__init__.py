@@ -12,24 +12,11 @@ from .eval import EvalResult, evaluate  # noqa: E402
 from .models import load_model  # noqa: E402
 from .quant.config import CalibConfig, LRQConfig, ScalarConfig, VPTQConfig  # noqa: E402
 from .quant.pipeline import LayerReport, QuantizeResult, quantize_model  # noqa: E402
+from .storage.checkpoint import load_quantized, save_quantized  # noqa: E402
 from .storage.hf_integration import install as _install_hf_integration  # noqa: E402
 
 # `import vptq_core` makes transformers' from_pretrained load our packed checkpoints (see README).
 _install_hf_integration()
-
-
-def load_quantized(path, device="cpu", dtype=None):
-    """Load a packed checkpoint directory -> (model, tokenizer); see ``vptq_core.storage.checkpoint``."""
-    from .storage.checkpoint import load_quantized as _load
-
-    return _load(path, device=device, dtype=dtype)
-
-
-def save_quantized(model, tokenizer, states, out_dir, report=None, dtype=None):
-    """Write a packed checkpoint directory; see ``vptq_core.storage.checkpoint``."""
-    from .storage.checkpoint import save_quantized as _save
-
-    return _save(model, tokenizer, states, out_dir, report=report, dtype=dtype)
 
 
 __all__ = [

@@ -9,21 +9,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import transformers
 
+from . import __version__
 from .data import calibration_windows
 from .eval import EvalResult, evaluate
 from .models import BUNDLED, load_model
 from .quant.config import CalibConfig
 from .quant.pipeline import quantize_model, total_linear_shapes
+from .storage.checkpoint import save_quantized
 
 REPORT_NAME = "quant_report.json"
 
 
 def versions() -> dict:
-    import transformers
-
-    from . import __version__
-
     return {"vptq_core": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version()}
 
@@ -60,8 +59,6 @@ def quantize_to_dir(
     """Load ``model_name``, quantize it with ``method``/``config`` on ``calib`` data, write the packed
     checkpoint to ``out_dir``. Returns (directory, summary). A cancelled run writes nothing and returns
     ``summary["cancelled"] = True``."""
-    from .storage.checkpoint import save_quantized
-
     model, tok = load_model(model_name, dtype=torch.float32)
     calib_ids = calibration_windows(tok, calib.text, calib.samples, calib.seqlen, calib.seed)
     if on_start:

@@ -109,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--method", required=True, choices=list(methods.names()),
                    help="; ".join(f"{m.name}: {m.description}" for m in methods.all_methods()))
     q.add_argument("--out", required=True, help="output directory for the checkpoint")
-    q.add_argument("--preset", choices=["2", "3", "4"], help="the method's preset for this many bits (sized for "
-                   "small models); explicit flags override it")
+    q.add_argument("--preset", help="a preset of the method, by name or bits: 2, 3 or 4 for the built-in ones "
+                   "(sized for small models); explicit flags override it")
     for group_name, flags in METHOD_FLAGS.items():
         group = q.add_argument_group(group_name)
         for flag, (setting, kind, text) in flags.items():
@@ -155,7 +155,10 @@ def method_config_from_args(args):
     """The validated config object for ``args.method`` (ValueError on bad values or flags that do not apply)."""
     method = methods.get(args.method)
     names = set(method.setting_names)
-    settings = method.preset(f"{args.preset} bits") if args.preset else {}
+    settings = {}
+    if args.preset:
+        candidates = (args.preset, f"{args.preset} bits", f"{args.preset} bit")
+        settings = method.preset(next((c for c in candidates if c in method.presets), args.preset))
     for flags in METHOD_FLAGS.values():
         for flag, (setting, _kind, _text) in flags.items():
             value = getattr(args, setting, None)

@@ -16,6 +16,8 @@ import xml.etree.ElementTree as ET
 
 import torch
 
+from .models import cache_dir
+
 WIKI = "wiki"
 _WIKI_FILE = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 SPLITS = ("calib", "eval")
@@ -24,8 +26,6 @@ SPLITS = ("calib", "eval")
 @functools.lru_cache(maxsize=1)
 def wiki_articles() -> tuple[str, ...]:
     """Cleaned plain-text articles (markup removed), in file order; cached as JSON after the first parse."""
-    from .models import cache_dir
-
     cached = cache_dir() / "wiki_articles_v1.json"
     if cached.is_file():
         with open(cached, encoding="utf-8") as f:
@@ -44,6 +44,7 @@ def _parse_wiki() -> tuple[str, ...]:
         path = str(importlib.metadata.distribution("gensim").locate_file(_WIKI_FILE))
     except importlib.metadata.PackageNotFoundError:
         raise ValueError("the bundled 'wiki' text needs the gensim package: pip install gensim") from None
+    # gensim (which ships the text) takes seconds to import: only when the wiki text is first parsed.
     from gensim.corpora.wikicorpus import filter_wiki
 
     articles = []

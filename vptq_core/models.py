@@ -7,10 +7,16 @@ The structural helpers (where the decoder blocks are, which linears a block hold
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from .storage.checkpoint import load_quantized
 
 BUNDLED = "smollm2-135m-instruct"
 TINY = "tiny-random-llama"
@@ -68,8 +74,6 @@ def load_model(name_or_dir: str, dtype: torch.dtype | str | None = None, device:
         if not os.path.isfile(config_path):
             raise ValueError(f"directory {name!r} has no config.json; expected a Hugging Face model directory")
         if _is_quantized_dir(config_path):
-            from .storage.checkpoint import load_quantized
-
             return load_quantized(name, device=device, dtype=dtype)
         model, tok = _load_hf_dir(name, dtype)
     else:
@@ -80,8 +84,6 @@ def load_model(name_or_dir: str, dtype: torch.dtype | str | None = None, device:
 
 
 def _is_quantized_dir(config_path: str) -> bool:
-    import json
-
     try:
         with open(config_path, encoding="utf-8") as f:
             config = json.load(f)
@@ -91,8 +93,6 @@ def _is_quantized_dir(config_path: str) -> bool:
 
 
 def _load_hf_dir(path: str | Path, dtype: torch.dtype | None):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=dtype or torch.float32, attn_implementation="sdpa"
     )
@@ -101,8 +101,6 @@ def _load_hf_dir(path: str | Path, dtype: torch.dtype | None):
 
 
 def _load_hub(name: str, dtype: torch.dtype | None):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     try:
         # The local hub cache first; the network only when the hub is not switched off.
@@ -134,8 +132,6 @@ def _bundled_dense_dir() -> Path:
         raise
     if not gguf_path.is_file():
         raise ValueError(f"bundled model file missing: {gguf_path}")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     if not getattr(tok, "chat_template", None):
@@ -153,8 +149,6 @@ def _bundled_dense_dir() -> Path:
     model.save_pretrained(str(tmp), safe_serialization=True)
     tok.save_pretrained(str(tmp))
     if target.exists():
-        import shutil
-
         shutil.rmtree(target)
     tmp.rename(target)
     return target
@@ -162,9 +156,6 @@ def _bundled_dense_dir() -> Path:
 
 def byte_tokenizer():
     """An offline byte-level tokenizer (256 byte tokens + ChatML specials) for the tiny test model."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     # The byte-level pre-tokenizer maps bytes to printable characters; the vocab is that alphabet.
     vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -184,8 +175,6 @@ def byte_tokenizer():
 
 def tiny_random_llama(seed: int = 0, num_layers: int = 2, hidden: int = 64, intermediate: int = 128):
     """A seeded random llama small enough for unit tests; its tokenizer is byte-level (vocab 259)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     tok = byte_tokenizer()
     config = LlamaConfig(
         vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=num_layers,

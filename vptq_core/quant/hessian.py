@@ -21,7 +21,7 @@ def single_thread_torch():
 
 
 class HessianAccumulator:
-    """Accumulates ``H = 2/n · Σ xᵀx`` over batches of inputs ``x`` [..., in_features] (float64 sums)."""
+    """Accumulates ``H = 2/n · Σ xᵀx`` over batches of inputs ``x`` [..., in_features] (float32 sums)."""
 
     def __init__(self, in_features: int, device: torch.device | str = "cpu") -> None:
         self.in_features = in_features

@@ -23,8 +23,15 @@ import json
 import os
 from pathlib import Path
 
+import accelerate
+import safetensors
 import torch
+import transformers
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import initialization as hf_init
 
 from ..quant.states import ScalarLayerState, VQLayerState
 from .modules import (
@@ -188,8 +195,6 @@ def save_quantized(
     is the storage dtype of every float tensor. ``report`` must be JSON-serialisable; it is written to
     ``quant_report.json`` with a ``sizes`` entry added.
     """
-    from safetensors.torch import save_file
-
     if not isinstance(states, dict) or not states:
         raise ValueError("states must be a non-empty dict of module name -> VQLayerState/ScalarLayerState")
     kinds = {type(s) for s in states.values()}
@@ -308,9 +313,6 @@ def _has_submodule(model: nn.Module, name: str) -> bool:
 
 
 def _versions() -> dict:
-    import safetensors
-    import transformers
-
     return {"torch": torch.__version__, "transformers": transformers.__version__,
             "safetensors": safetensors.__version__}
 
@@ -357,8 +359,6 @@ def read_quantization_config(path: str | os.PathLike) -> tuple[dict, dict]:
 
 
 def _open_safetensors(path: Path):
-    from safetensors import SafetensorError, safe_open
-
     if not path.is_file():
         raise ValueError(f"{path}: file not found")
     try:
@@ -395,10 +395,6 @@ def load_quantized(
     (default: the stored dtype); ``tokenizer`` is None when the directory holds none. Raises ValueError
     naming the file/tensor for anything missing, damaged or inconsistent.
     """
-    import accelerate
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-    from transformers import initialization as hf_init
-
     root = Path(path)
     config_dict, quantization_config = read_quantization_config(root)
     config_path = root / CONFIG_NAME
@@ -447,8 +443,6 @@ def _read_checked_tensors(
     stored_dtype: torch.dtype, target_dtype: torch.dtype,
 ) -> dict[str, torch.Tensor]:
     """Every expected tensor from the file, after checking names, shapes, dtypes and index ranges."""
-    from safetensors import SafetensorError
-
     handle = _open_safetensors(weights_path)
     with handle as f:
         present = set(f.keys())
@@ -483,7 +477,6 @@ def _read_checked_tensors(
 def _load_tokenizer(root: Path):
     if not any((root / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return None
-    from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(root))
