@@ -313,13 +313,22 @@ def _resolve(backend: str | None, x: torch.Tensor, weights: VQWeights | ScalarWe
     return _choose(name, x.device)
 
 
-def _checked(weights, check: Callable[[], None]) -> dict:
-    """The layer's per-layer dict, validating its tensors the first time they are seen (or changed)."""
+def _checked_linear(x, spec, weights, backend, check, reference_linear, op, runner) -> torch.Tensor:  # noqa: ANN001
+    """The public call of either layer kind: checks (once per unchanged tensors), backend, run."""
+    if torch.compiler.is_compiling():
+        # Traced by dynamo: plain checks, then the opaque custom op (backend resolved when it runs).
+        check(spec, weights)
+        _check_x(x, spec.in_features)
+        if backend == "reference":
+            return reference_linear(x, spec, weights)
+        return op(x, spec.as_list(), *weights, backend or _DEFAULT)
     prepared = _prepared(weights)
-    if "checked" not in prepared:
-        check()
-        prepared["checked"] = True
-    return prepared
+    if prepared.get("checked") != spec:
+        check(spec, weights)
+        prepared["checked"] = spec
+    _check_x(x, spec.in_features)
+    name, auto = _resolve(backend, x, weights)
+    return runner(spec, weights, name, auto, prepared)(x)
 
 
 def vq_dequantize(spec: VQSpec, weights: VQWeights) -> torch.Tensor:
@@ -335,21 +344,10 @@ def vq_linear(x: torch.Tensor, spec: VQSpec, weights: VQWeights, backend: str | 
     ``backend``: None/"auto" (env ``VPTQ_KERNEL_BACKEND`` overrides None), "reference", "native", "cpu",
     "triton".
     """
-    if torch.compiler.is_compiling():
-        # Traced by dynamo: plain checks, then the opaque custom op (backend resolved when it runs).
-        check_vq_weights(spec, weights)
-        _check_x(x, spec.in_features)
-        if backend == "reference":
-            return reference.vq_linear(x, spec, weights)
-        return _vq_linear_op(x, spec.as_list(), *weights, backend or _DEFAULT)
     if not isinstance(weights, VQWeights):
         raise TypeError(f"weights must be a kernels.VQWeights, got {type(weights).__name__}")
-    prepared = _checked(weights, lambda: check_vq_weights(spec, weights))
-    if not isinstance(spec, VQSpec) or prepared.setdefault("spec", spec) != spec:
-        check_vq_weights(spec, weights)
-    _check_x(x, spec.in_features)
-    name, auto = _resolve(backend, x, weights)
-    return _vq_runner(spec, weights, name, auto, prepared)(x)
+    return _checked_linear(x, spec, weights, backend, check_vq_weights, reference.vq_linear, _vq_linear_op,
+                           _vq_runner)
 
 
 def scalar_dequantize(spec: ScalarSpec, weights: ScalarWeights) -> torch.Tensor:
@@ -361,17 +359,7 @@ def scalar_dequantize(spec: ScalarSpec, weights: ScalarWeights) -> torch.Tensor:
 def scalar_linear(x: torch.Tensor, spec: ScalarSpec, weights: ScalarWeights,
                   backend: str | None = None) -> torch.Tensor:
     """y [..., out] (x.dtype) = x @ scalar_dequantize(spec, weights).T + bias."""
-    if torch.compiler.is_compiling():
-        check_scalar_weights(spec, weights)
-        _check_x(x, spec.in_features)
-        if backend == "reference":
-            return reference.scalar_linear(x, spec, weights)
-        return _scalar_linear_op(x, spec.as_list(), *weights, backend or _DEFAULT)
     if not isinstance(weights, ScalarWeights):
         raise TypeError(f"weights must be a kernels.ScalarWeights, got {type(weights).__name__}")
-    prepared = _checked(weights, lambda: check_scalar_weights(spec, weights))
-    if not isinstance(spec, ScalarSpec) or prepared.setdefault("spec", spec) != spec:
-        check_scalar_weights(spec, weights)
-    _check_x(x, spec.in_features)
-    name, auto = _resolve(backend, x, weights)
-    return _scalar_runner(spec, weights, name, auto, prepared)(x)
+    return _checked_linear(x, spec, weights, backend, check_scalar_weights, reference.scalar_linear,
+                           _scalar_linear_op, _scalar_runner)

@@ -167,15 +167,23 @@ class _BoundLinear(nn.Module):
         self._kernel = None
         super()._load_from_state_dict(*args, **kwargs)
 
-    def _needs_autograd(self, weights) -> bool:
-        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in weights.float_tensors())
-
-    def _bound(self, x: torch.Tensor):
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> y [..., out] through the bound kernel, or the checked path where it cannot serve."""
+        if torch.compiler.is_compiling():  # the registered custom op, which dynamo can trace
+            return self._checked_linear(x, self.spec, self.weights(), backend=self._backend)
+        if torch.is_grad_enabled():
+            weights = self.weights()
+            if any(t is not None and t.requires_grad for t in weights.float_tensors()):
+                return self._checked_linear(x, self.spec, weights, backend=self._backend)  # autograd
         kernel = self._kernel
         # A new index tensor (assigned, not edited in place) or another device also needs a new binding.
         if kernel is None or kernel.device != x.device or kernel.weights[0] is not self._buffers[self._INDEX]:
-            kernel = self._kernel = self._bind(x.device)
-        return kernel
+            kernel = self._kernel = self._bind(self.spec, self.weights(), x.device, backend=self._backend)
+        return kernel(x)
+
+    def dequantize(self) -> torch.Tensor:
+        """Dense W [out, in] in the module dtype (for tests and evaluation; never used by ``forward``)."""
+        return self._dequantize(self.spec, self.weights())
 
 
 class VQLinear(_BoundLinear):
@@ -187,6 +195,7 @@ class VQLinear(_BoundLinear):
     """
 
     _INDEX = "indices"  # the buffer whose replacement means new tensors
+    _bind, _checked_linear, _dequantize = staticmethod(bind_vq), staticmethod(vq_linear), staticmethod(vq_dequantize)
 
     def __init__(
         self,
@@ -304,22 +313,9 @@ class VQLinear(_BoundLinear):
             perm=self.perm, weight_scale=self.weight_scale, weight_bias=self.weight_bias, bias=self.bias,
         )
 
-    def _bind(self, device: torch.device):
-        return bind_vq(self.spec, self.weights(), device, backend=self._backend)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> y [..., out]."""
-        if torch.compiler.is_compiling():
-            return vq_linear(x, self.spec, self.weights(), backend=self._backend)
-        if torch.is_grad_enabled():
-            weights = self.weights()
-            if self._needs_autograd(weights):
-                return vq_linear(x, self.spec, weights, backend=self._backend)
-        return self._bound(x)(x)
-
-    def dequantize(self) -> torch.Tensor:
-        """Dense W [out, in] in the module dtype (for tests and evaluation; never used by ``forward``)."""
-        return vq_dequantize(self.spec, self.weights())
+        return self._linear(x)
 
     def extra_repr(self) -> str:
         s = self.spec
@@ -400,6 +396,8 @@ class ScalarQLinear(_BoundLinear):
     """
 
     _INDEX = "codes"  # the buffer whose replacement means new tensors
+    _bind, _checked_linear = staticmethod(bind_scalar), staticmethod(scalar_linear)
+    _dequantize = staticmethod(scalar_dequantize)
 
     def __init__(
         self,
@@ -477,24 +475,11 @@ class ScalarQLinear(_BoundLinear):
         """This module's tensors as the kernels take them."""
         return ScalarWeights(self.codes, self.scales, self.zeros, self.bias)
 
-    def _bind(self, device: torch.device):
-        return bind_scalar(self.spec, self.weights(), device, backend=self._backend)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> y [..., out]."""
         if self.act_bits < 16:
             x = quantize_activations(x, self.act_bits, self.act_granularity, self.act_scale)
-        if torch.compiler.is_compiling():
-            return scalar_linear(x, self.spec, self.weights(), backend=self._backend)
-        if torch.is_grad_enabled():
-            weights = self.weights()
-            if self._needs_autograd(weights):
-                return scalar_linear(x, self.spec, weights, backend=self._backend)
-        return self._bound(x)(x)
-
-    def dequantize(self) -> torch.Tensor:
-        """Dense W [out, in] in the module dtype (tests and evaluation only)."""
-        return scalar_dequantize(self.spec, self.weights())
+        return self._linear(x)
 
     def extra_repr(self) -> str:
         act = f", act_bits={self.act_bits}({self.act_granularity})" if self.act_bits < 16 else ""
