@@ -1,12 +1,25 @@
-"""Greedy decode speed of a packed quantized checkpoint vs its bf16 original, in one process on CPU.
+"""Greedy decode speed of a quantized model vs its bf16 original, in one process on CPU, and where a token's
+time goes.
 
-Protocol: both models load into the same process; a fixed chat prompt; one warm-up generation per model;
-then ``--pairs`` pairs of timed runs, alternating which model goes first; each run = one prefill plus
-``--tokens`` greedy single-token steps with a KV cache (end-of-sequence ignored, so every run decodes the
-same number of tokens). Decode tokens/s = steps / time of the steps (prefill excluded, reported apart).
-The table shows medians over pairs and the median of the per-pair speed ratios.
+Two sources:
+  --checkpoint DIR      a packed checkpoint (save_quantized) against its original (--original, default the
+                        bundled SmolLM2-135M-Instruct) in bf16;
+  --shape 0.5b|smollm2  random weights of a model shape (speed does not depend on the values): a bf16 model
+                        and the same model with every block linear replaced by a random packed layer of
+                        --layout (vptq2 = VPTQ v6 k4096 + 0.5% outliers v4 k256 + perm, the 2-bit default;
+                        vptq3 = v4 k4096; scalar4 = 4-bit codes, groups of 128).
 
-    python bench/decode.py --checkpoint DIR [--original smollm2-135m-instruct|DIR] [--tokens 64] [--threads 1]
+Protocol: both models in the same process; a fixed chat prompt; one warm-up run per model; then --pairs pairs of
+timed runs, alternating which model goes first; each run = one prefill plus --tokens greedy single-token steps
+with a KV cache (end-of-sequence ignored, so every run decodes the same number of tokens). --loop picks the
+decode loop, the same for both models: "cache" (a plain forward loop with transformers' dynamic KV cache),
+"static" (a preallocated static KV cache), "generate" (transformers' generate(), what a chat UI calls).
+Decode tokens/s = steps / time of the steps (prefill excluded, reported apart); medians over pairs and the
+median of the per-pair ratios. --anatomy adds a table of one decode step's time split into the block linears,
+the LM head and the rest (attention, norms, rotary, embedding, Python), measured with timing hooks.
+
+    python bench/decode.py --checkpoint DIR [--original NAME|DIR] [--tokens 64] [--threads 1] [--anatomy]
+    python bench/decode.py --shape 0.5b --layout vptq2 [--threads 2]
 """
 
 from __future__ import annotations
@@ -18,17 +31,32 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels import available_backends
-from vptq_core.storage.checkpoint import load_quantized
-from vptq_core.storage.modules import ScalarQLinear, VQLinear
+from kernels import VQSpec, available_backends  # noqa: E402
+from kernels.synthetic import random_scalar_layer, random_vq_layer  # noqa: E402
+from vptq_core.models import byte_tokenizer, load_model  # noqa: E402
+from vptq_core.quant.blocks import block_linears, decoder_blocks  # noqa: E402
+from vptq_core.quant.vptq import outlier_columns  # noqa: E402
+from vptq_core.storage.checkpoint import load_quantized  # noqa: E402
+from vptq_core.storage.modules import ScalarQLinear, VQLinear, set_submodule  # noqa: E402
 
 PROMPT = "Explain in a few sentences why the sky looks blue during the day and red at sunset."
+QUANTIZED = (VQLinear, ScalarQLinear)
+
+# name -> (model family config kwargs); vocab sizes as in the real models (the LM head is a large part of a token)
+SHAPES = {
+    "0.5b": dict(family="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "smollm2": dict(family="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
+}
 
 
 def rss_bytes() -> int:
@@ -41,7 +69,7 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def tensor_bytes(model: torch.nn.Module) -> int:
+def tensor_bytes(model: nn.Module) -> int:
     """Bytes of parameters + buffers, each storage counted once (tied weights)."""
     seen, total = set(), 0
     for t in [*model.parameters(), *model.buffers()]:
@@ -52,97 +80,208 @@ def tensor_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-@torch.inference_mode()
-def greedy(model: torch.nn.Module, prompt_ids: torch.Tensor, steps: int) -> tuple[list[int], float, float]:
-    """(generated ids, prefill seconds, decode seconds for ``steps`` single-token steps)."""
+# ------------------------------------------------------------------------------------------- decode loops
+def _cache_loop(model: nn.Module, prompt_ids: torch.Tensor, steps: int, static: bool) -> tuple[list[int], float, float]:
+    from transformers import DynamicCache, StaticCache
+
+    cache = (StaticCache(config=model.config, max_cache_len=prompt_ids.shape[1] + steps + 1) if static
+             else DynamicCache(config=model.config))
     start = time.perf_counter()
-    out = model(input_ids=prompt_ids, use_cache=True)
+    positions = torch.arange(prompt_ids.shape[1])
+    out = model(input_ids=prompt_ids, past_key_values=cache, use_cache=True, cache_position=positions)
     token = out.logits[:, -1].argmax(-1, keepdim=True)
     prefill = time.perf_counter() - start
-    past, ids = out.past_key_values, [int(token)]
+    ids = [int(token)]
+    position = torch.tensor([prompt_ids.shape[1]])
     start = time.perf_counter()
     for _ in range(steps):
-        out = model(input_ids=token, past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(input_ids=token, past_key_values=cache, use_cache=True, cache_position=position)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
+        position += 1
         ids.append(int(token))
     return ids, prefill, time.perf_counter() - start
 
 
-def load_original(name: str, dtype: torch.dtype):
-    from vptq_core.models import load_model
+def _generate_loop(model: nn.Module, prompt_ids: torch.Tensor, steps: int) -> tuple[list[int], float, float]:
+    start = time.perf_counter()
+    model.generate(input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=1,
+                   do_sample=False, pad_token_id=0)
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    out = model.generate(input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=steps + 1,
+                         min_new_tokens=steps + 1, do_sample=False, pad_token_id=0)
+    total = time.perf_counter() - start
+    return out[0, prompt_ids.shape[1]:].tolist(), prefill, max(total - prefill, 1e-9)
 
-    return load_model(name, dtype=dtype)
+
+LOOPS: dict[str, Callable] = {
+    "cache": lambda m, p, s: _cache_loop(m, p, s, static=False),
+    "static": lambda m, p, s: _cache_loop(m, p, s, static=True),
+    "generate": _generate_loop,
+}
 
 
+# ---------------------------------------------------------------------------------------------- anatomy
+def _time_modules(model: nn.Module, run: Callable[[], object]) -> tuple[dict[str, float], float]:
+    """({"linears": s, "head": s} spent inside the block linears and the LM head during ``run()``, wall s)."""
+    spent = {"linears": 0.0, "head": 0.0}
+    starts: dict[int, float] = {}
+    targets = [(m, "linears") for block in decoder_blocks(model) for m in block_linears_any(block)]
+    targets.append((model.get_output_embeddings(), "head"))
+    handles = []
+    for module, kind in targets:
+        def pre(m, _a):
+            starts[id(m)] = time.perf_counter()
+
+        def post(m, _a, _o, kind=kind):
+            spent[kind] += time.perf_counter() - starts[id(m)]
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    try:
+        start = time.perf_counter()
+        run()
+        wall = time.perf_counter() - start
+    finally:
+        for h in handles:
+            h.remove()
+    return spent, wall
+
+
+@torch.inference_mode()
+def anatomy(model: nn.Module, prompt_ids: torch.Tensor, steps: int) -> dict[str, float]:
+    """ms per decode step: total (no hooks), block linears, LM head, rest = total - linears - head. The hooked
+    times of a prefill-only run are subtracted, so only the ``steps`` decode steps count."""
+    _cache_loop(model, prompt_ids, 4, static=False)
+    _, _, plain = _cache_loop(model, prompt_ids, steps, static=False)
+    with_steps, hooked = _time_modules(model, lambda: _cache_loop(model, prompt_ids, steps, static=False))
+    prefill_only, _ = _time_modules(model, lambda: _cache_loop(model, prompt_ids, 0, static=False))
+    linears = (with_steps["linears"] - prefill_only["linears"]) / steps
+    head = (with_steps["head"] - prefill_only["head"]) / steps
+    total = plain / steps
+    return {"total": total * 1e3, "linears": linears * 1e3, "head": head * 1e3,
+            "rest": (total - linears - head) * 1e3, "hook_overhead": (hooked - plain) / steps * 1e3}
+
+
+def block_linears_any(block: nn.Module) -> list[nn.Module]:
+    """The block's linear layers, dense or quantized."""
+    return [m for m in block.modules() if isinstance(m, (nn.Linear, *QUANTIZED))]
+
+
+# ----------------------------------------------------------------------------------------- random models
+def random_dense(shape: str) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    kwargs = dict(SHAPES[shape])
+    family = kwargs.pop("family")
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[family]
+    config = config_cls(**kwargs, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = model_cls(config).to(torch.bfloat16)
+    return model.eval()
+
+
+def random_quantized(dense: nn.Module, layout: str) -> nn.Module:
+    """A copy of ``dense`` whose block linears are random packed layers of ``layout`` (bf16 tensors)."""
+    import copy
+
+    model = copy.deepcopy(dense)
+    for b, block in enumerate(decoder_blocks(model)):
+        for i, (name, linear) in enumerate(block_linears(block).items()):
+            seed = b * 16 + i
+            out_f, in_f = linear.out_features, linear.in_features
+            if layout == "scalar4":
+                spec, w = random_scalar_layer(out_f, in_f, 4, 128, seed=seed, dtype=torch.bfloat16,
+                                              bias=linear.bias is not None)
+                module = ScalarQLinear(in_f, out_f, 4, 128, bias=linear.bias is not None, dtype=torch.bfloat16)
+                tensors = {"codes": w.codes, "scales": w.scales, "zeros": w.zeros, "bias": w.bias}
+            else:
+                v, k = (6, 4096) if layout == "vptq2" else (4, 4096)
+                outliers = outlier_columns(in_f, 0.5, 1)
+                spec = VQSpec(in_f, out_f, v, k, outlier_vector_len=4, num_outlier_centroids=256,
+                              outlier_size=outliers)
+                w = random_vq_layer(spec, seed=seed, dtype=torch.bfloat16, perm=True, bias=linear.bias is not None)
+                module = VQLinear.from_config(spec.layer_config(bias=linear.bias is not None, enable_perm=True),
+                                              dtype=torch.bfloat16)
+                tensors = {"indices": w.indices, "centroids.weight": w.centroids, "perm": w.perm,
+                           "outlier_indices": w.outlier_indices, "outlier_centroids.weight": w.outlier_centroids,
+                           "bias": w.bias}
+            module.load_state_dict({k: t for k, t in tensors.items() if t is not None}, strict=True)
+            set_submodule(block, name, module)
+    return model
+
+
+# ------------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True, help="packed checkpoint directory (save_quantized)")
-    parser.add_argument("--original", default="smollm2-135m-instruct", help="model name or dense directory")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="packed checkpoint directory (save_quantized)")
+    source.add_argument("--shape", choices=sorted(SHAPES), help="random weights of this model shape")
+    parser.add_argument("--layout", choices=["vptq2", "vptq3", "scalar4"], default="vptq2",
+                        help="with --shape: the quantized layers")
+    parser.add_argument("--original", default="smollm2-135m-instruct", help="with --checkpoint: model or dense dir")
     parser.add_argument("--tokens", type=int, default=64, help="greedy decode steps per run")
-    parser.add_argument("--threads", type=int, default=1, help="torch (and numba) CPU threads")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the kernels use torch's pool)")
     parser.add_argument("--pairs", type=int, default=3, help="timed (original, quantized) pairs")
-    parser.add_argument("--backend", default=None, help="force a kernel backend: reference | cpu | triton")
+    parser.add_argument("--loop", choices=sorted(LOOPS), default="cache", help="decode loop for both models")
+    parser.add_argument("--backend", default=None, help="force a kernel backend: reference | native | cpu | triton")
+    parser.add_argument("--anatomy", action="store_true", help="also split one decode step's time")
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.threads < 1 or args.pairs < 1:
         parser.error("--tokens, --threads and --pairs must be >= 1")
-
     torch.set_num_threads(args.threads)
-    try:
-        import numba
-
-        numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
-    except ImportError:
-        pass
 
     rss0 = rss_bytes()
-    original, tok = load_original(args.original, torch.bfloat16)
-    rss1 = rss_bytes()
-    quantized, qtok = load_quantized(args.checkpoint)
+    if args.checkpoint:
+        original, tok = load_model(args.original, dtype=torch.bfloat16)
+        rss1 = rss_bytes()
+        quantized, qtok = load_quantized(args.checkpoint)
+        tok = tok or qtok
+        label = f"checkpoint {args.checkpoint} vs {args.original} (bf16)"
+    else:
+        original, tok = random_dense(args.shape), byte_tokenizer()
+        rss1 = rss_bytes()
+        quantized = random_quantized(original, args.layout)
+        label = f"random weights, shape {args.shape} ({SHAPES[args.shape]}), quantized layout {args.layout}"
     rss2 = rss_bytes()
-    qmodules = [m for m in quantized.modules() if isinstance(m, (VQLinear, ScalarQLinear))]
+    qmodules = [m for m in quantized.modules() if isinstance(m, QUANTIZED)]
     for module in qmodules:
         module.backend = args.backend
-    tok = tok or qtok
-    messages = [{"role": "user", "content": PROMPT}]
-    prompt_ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
-    if not isinstance(prompt_ids, torch.Tensor):  # transformers 5 returns a BatchEncoding
-        prompt_ids = prompt_ids["input_ids"]
+    prompt_ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)["input_ids"]
     models = {"bf16 original": original, "quantized": quantized}
+    loop = LOOPS[args.loop]
 
-    for model in models.values():  # warm-up: kernel compilation, allocator, caches
-        greedy(model, prompt_ids, min(8, args.tokens))
-    timings: dict[str, list[tuple[float, float]]] = {name: [] for name in models}
-    outputs: dict[str, list[int]] = {}
-    for pair in range(args.pairs):
-        order = list(models) if pair % 2 == 0 else list(reversed(models))
-        for name in order:
-            gc.collect()
-            ids, prefill, decode = greedy(models[name], prompt_ids, args.tokens)
-            timings[name].append((prefill, decode))
-            outputs[name] = ids
+    with torch.inference_mode():
+        for model in models.values():  # warm-up: kernel builds, allocator, caches
+            loop(model, prompt_ids, min(8, args.tokens))
+        timings: dict[str, list[tuple[float, float]]] = {name: [] for name in models}
+        outputs: dict[str, list[int]] = {}
+        for pair in range(args.pairs):
+            order = list(models) if pair % 2 == 0 else list(reversed(models))
+            for name in order:
+                gc.collect()
+                ids, prefill, decode = loop(models[name], prompt_ids, args.tokens)
+                timings[name].append((prefill, decode))
+                outputs[name] = ids
 
     def tps(name: str) -> list[float]:
         return [args.tokens / decode for _, decode in timings[name]]
 
     ratios = [q / o for q, o in zip(tps("quantized"), tps("bf16 original"))]
     agree = sum(a == b for a, b in zip(outputs["quantized"], outputs["bf16 original"]))
-    first_diff = next((i for i, (a, b) in enumerate(zip(outputs["quantized"], outputs["bf16 original"]))
-                       if a != b), None)
     usable = [name for name, (ok, _) in available_backends().items() if ok]
-    qlayers = len(qmodules)
+    chosen = sorted({getattr(m._kernel, "backend", "?") for m in qmodules if m._kernel is not None})
     print("decode benchmark")
-    print(f"  checkpoint: {args.checkpoint} ({qlayers} quantized linears, "
-          f"{type(qmodules[0]).__name__ if qmodules else '-'}); original: {args.original} (bf16)")
-    print(f"  prompt: {prompt_ids.shape[1]} tokens (chat template); greedy steps per run: {args.tokens}; "
-          f"batch 1; KV cache")
-    print(f"  threads: {args.threads}; kernel backend: {args.backend or 'auto'} (usable: {', '.join(usable)}); "
-          f"torch {torch.__version__}")
+    print(f"  {label}; {len(qmodules)} quantized linears ({type(qmodules[0]).__name__ if qmodules else '-'})")
+    print(f"  prompt: {prompt_ids.shape[1]} tokens (chat template); greedy steps per run: {args.tokens}; batch 1; "
+          f"loop: {args.loop}")
+    print(f"  threads: {args.threads}; kernel backend: {args.backend or 'auto'} -> {', '.join(chosen) or '-'} "
+          f"(usable: {', '.join(usable)}); torch {torch.__version__}")
     print(f"  protocol: 1 warm-up run per model, {args.pairs} alternating pairs, medians; ratio = median of "
           "per-pair ratios")
     print()
-    header = "| model | decode tok/s (median) | runs | prefill ms | param+buffer MB | RSS after load MB |"
-    print(header)
+    print("| model | decode tok/s (median) | runs | prefill ms | param+buffer MB | RSS after load MB |")
     print("|---|---|---|---|---|---|")
     load_delta = {"bf16 original": rss1 - rss0, "quantized": rss2 - rss1}
     for name, model in models.items():
@@ -154,9 +293,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"speed ratio quantized / bf16: {statistics.median(ratios):.2f}x (per pair: "
           f"{', '.join(f'{r:.2f}' for r in ratios)})")
     print(f"memory ratio quantized / bf16 (param+buffer): {tensor_bytes(quantized) / tensor_bytes(original):.2f}")
-    print(f"greedy tokens equal to the original: {agree}/{args.tokens + 1}"
-          f"{'' if first_diff is None else f' (first difference at step {first_diff})'}")
+    if args.checkpoint:
+        print(f"greedy tokens equal to the original: {agree}/{args.tokens + 1}")
     print(f"process peak RSS (both models loaded): {peak_rss_bytes() / 2**20:.0f} MB")
+    if args.anatomy:
+        print()
+        print(f"anatomy of one decode step (ms; {args.tokens} steps after the prompt, dynamic KV cache; linears and "
+              "head timed with hooks, rest = total without hooks - linears - head):")
+        print("| model | total | block linears | LM head | rest | hook overhead |")
+        print("|---|---|---|---|---|---|")
+        for name, model in models.items():
+            a = anatomy(model, prompt_ids, args.tokens)
+            print(f"| {name} | {a['total']:.2f} | {a['linears']:.2f} | {a['head']:.2f} | {a['rest']:.2f} | "
+                  f"{a['hook_overhead']:.2f} |")
     return 0
 
 
