@@ -69,3 +69,39 @@ def test_error_shrinks_with_more_bits(correlated_layer):
 def test_bad_hessian_shape():
     with pytest.raises(ValueError, match=r"H must be \[8, 8\]"):
         vptq_quantize(torch.randn(4, 8), torch.eye(4), VPTQConfig(vector_len=2, num_centroids=4))
+
+
+@pytest.mark.parametrize("layout", [
+    {"vector_len": 4, "num_centroids": 16},
+    {"vector_len": 4, "num_centroids": 16, "num_res_centroids": 4, "outlier_percent": 5, "outlier_vector_len": 2,
+     "outlier_centroids": 8, "group_num": 2, "enable_norm": True},
+], ids=["plain", "residual+outliers+groups+norm"])
+def test_codebook_refit_lowers_the_proxy_loss_and_keeps_indices(correlated_layer, layout):
+    W, H = correlated_layer
+    base = vptq_quantize(W, H, VPTQConfig(kmeans_iters=3, **layout))
+    refit = vptq_quantize(W, H, VPTQConfig(kmeans_iters=3, refit_iters=20, **layout))
+    assert torch.equal(refit.state.indices, base.state.indices)  # the sweep and its assignments are unchanged
+    assert refit.rel_proxy_loss < 0.97 * base.rel_proxy_loss  # measured: 0.219 vs 0.229 and 0.134 vs 0.141
+    assert "refit" in refit.timings
+
+
+def test_refit_never_raises_the_objective():
+    from vptq_core.quant.refit import CodebookUse, proxy, refit_codebooks
+
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(5):
+        W = torch.randn(12, 10, generator=gen)
+        X = torch.randn(200, 10, generator=gen)
+        H = X.T @ X / 200 + 1e-3 * torch.eye(10)
+        C = torch.randn(8, 3, generator=gen)
+        use = CodebookUse(C, torch.randint(0, 8, (4, 10), generator=gen), 0)
+        before = proxy(W, _dense(use), H)
+        got_before, after = refit_codebooks(W, H, [use], iters=trial * 3)
+        assert got_before == pytest.approx(before, rel=1e-5)
+        assert after <= before + 1e-9
+        assert proxy(W, _dense(use), H) == pytest.approx(after, rel=1e-4)
+
+
+def _dense(use) -> torch.Tensor:
+    rows, cols = use.indices.shape
+    return use.centroids[use.indices].permute(0, 2, 1).reshape(rows * use.centroids.shape[1], cols)

@@ -92,6 +92,9 @@ class VPTQConfig(ConfigBase):
     # lr 1e-3 cut the block's output error on held-out windows by 10% (1e-4: by 4%); 96 steps by 11%.
     finetune_iters: int = 0
     finetune_lr: float = 1e-3
+    # Conjugate-gradient steps refitting every codebook of a layer after the sweep (indices fixed) on
+    # tr(ΔW H ΔWᵀ); 0 = off. See quant/refit.py.
+    refit_iters: int = 0
     second_order: bool = True
     seed: int = 0
 
@@ -116,6 +119,7 @@ class VPTQConfig(ConfigBase):
         check_float("damp_percent", self.damp_percent, 0.0, 1.0, lo_open=True)
         check_int("block_size", self.block_size, 1, 4096)
         check_int("finetune_iters", self.finetune_iters, 0, 100000)
+        check_int("refit_iters", self.refit_iters, 0, 1000)
         check_float("finetune_lr", self.finetune_lr, 0.0, 1.0, lo_open=True)
         check_int("seed", self.seed, 0)
         check_bools(self, ("enable_norm", "enable_perm", "second_order"))

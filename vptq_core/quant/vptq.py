@@ -21,6 +21,7 @@ from .finetune import finetune_block_centroids
 from .hessian import inverse_hessian_cholesky, prepare_hessian, proxy_loss
 from .kmeans import CodebookSearch, weighted_kmeans
 from .methods import BlockHook, Method, QuantResult, register
+from .refit import CodebookUse, refit_codebooks
 from .states import VQLayerState
 from .sweep import error_feedback_sweep
 from .timing import Timings
@@ -249,6 +250,12 @@ def vptq_quantize(
         with timings.timed("sweep"):
             Q, _ = _sweep(Wd, U, layout.segments, config.block_size, config.second_order)
 
+    if config.refit_iters > 0:
+        uses = [CodebookUse(seg.centroids, seg.indices, seg.start) for seg in layout.segments]
+        uses += [CodebookUse(seg.res_centroids, seg.res_indices, seg.start) for seg in layout.segments
+                 if seg.res_centroids is not None]
+        with timings.timed("refit"):
+            refit_codebooks(Wd, Hd, uses, config.refit_iters)
     state = build_state(layout, config, out_features, in_features, weight_scale, weight_bias, bias)
     W_hat = state.dequantize()
     loss, rel = proxy_loss(W_orig, W_hat, H.float())
