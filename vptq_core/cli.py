@@ -69,6 +69,8 @@ METHOD_FLAGS: dict[str, dict[str, tuple[str, str, str]]] = {
         "--act-bits": ("act_bits", "int", "activation bits: 16 = weight-only, 8 = W?A8"),
         "--act-granularity": ("act_granularity", "choice:token,tensor",
                               "activation quantizer: token = dynamic per token, tensor = static per tensor"),
+        "--act-clip": ("act_clip", "choice:absmax,mse",
+                       "static activation scales: absmax, or the clip with the least output error"),
     },
 }
 

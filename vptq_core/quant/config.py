@@ -137,11 +137,13 @@ class VPTQConfig(ConfigBase):
         return (self.index_bits + self.res_bits) / self.vector_len
 
 
-def check_act(act_bits, act_granularity) -> None:
+def check_act(act_bits, act_granularity, act_clip: str = "absmax") -> None:
     if isinstance(act_bits, bool) or act_bits not in (4, 8, 16):
         raise ValueError(f"act_bits must be 4, 8 or 16 (16 = no activation quantization), got {act_bits!r}")
     if act_granularity not in ("token", "tensor"):
         raise ValueError(f"act_granularity must be 'token' or 'tensor', got {act_granularity!r}")
+    if act_clip not in ("absmax", "mse"):
+        raise ValueError(f"act_clip must be 'absmax' or 'mse' (static scales: clip by output error), got {act_clip!r}")
 
 
 @dataclass(frozen=True)
@@ -160,13 +162,16 @@ class ScalarConfig(ConfigBase):
     clip_search: bool = False
     act_bits: int = 16
     act_granularity: str = "token"
+    # static per-tensor scales: "absmax" (nothing clipped) or "mse" (the clip that minimises each linear's
+    # output error on the calibration inputs; act_quant.calibrate_static_scales)
+    act_clip: str = "absmax"
 
     def __post_init__(self) -> None:
         check_int("bits", self.bits, 1, 8)
         check_int("group_size", self.group_size, 0)
         check_float("damp_percent", self.damp_percent, 0.0, 1.0, lo_open=True)
         check_int("block_size", self.block_size, 1, 4096)
-        check_act(self.act_bits, self.act_granularity)
+        check_act(self.act_bits, self.act_granularity, self.act_clip)
         check_bools(self, ("sym", "act_order", "clip_search"))
 
 
@@ -194,6 +199,9 @@ class LRQConfig(ConfigBase):
     full_scale: bool = False
     act_bits: int = 16
     act_granularity: str = "token"
+    # static per-tensor scales: "absmax" (nothing clipped) or "mse" (the clip that minimises each linear's
+    # output error on the calibration inputs; act_quant.calibrate_static_scales)
+    act_clip: str = "absmax"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -204,7 +212,7 @@ class LRQConfig(ConfigBase):
         check_float("lr", self.lr, 0.0, 1.0, lo_open=True)
         check_int("batch_size", self.batch_size, 1, 1024)
         check_int("seed", self.seed, 0)
-        check_act(self.act_bits, self.act_granularity)
+        check_act(self.act_bits, self.act_granularity, self.act_clip)
         check_bools(self, ("clip_search", "full_scale"))
 
 

@@ -344,7 +344,8 @@ def lrq_quantize_block(
         static = None
         if config.act_bits < 16 and config.act_granularity == "tensor":
             if act_scales is None:
-                act_scales = calibrate_static_scales(forward, work, linear_names, inputs, config.act_bits, eval_batch)
+                act_scales = calibrate_static_scales(forward, work, linear_names, inputs, config.act_bits, eval_batch,
+                                                     clip=config.act_clip)
             static = {name: act_scales[name].detach().float().reshape(()).cpu() for name in linear_names}
         wrappers = _wrap_linears(work, linear_names, config, static, device, generator)
 
