@@ -1,7 +1,8 @@
 """Quality vs bits on SmolLM2-135M-Instruct: bf16, RTN, GPTQ, VPTQ (and LRQ) with the same data and code.
 
 Each row quantizes the model with the block pipeline (calibration: bundled wiki, even articles), then
-evaluates the quantized model in bf16 against the bf16 original on held-out text (odd articles):
+evaluates the quantized model in bf16 against the bf16 original on held-out text of the same domain (wiki,
+odd articles) and of another domain (Python's documentation, odd topics: technical prose and code):
 perplexity, mean KL(P_bf16 || P_quant) and top-1 agreement. Results are appended to a JSON-lines file
 so an interrupted run resumes; the table is printed from that file.
 
@@ -42,6 +43,8 @@ ROWS: dict[str, tuple[str, object, str]] = {
                             "VPTQ v6 k4096 + centroid fine-tuning (32 steps/block)"),
     "vptq-2-v6k4096-ft64": ("vptq", VPTQConfig(vector_len=6, num_centroids=4096, finetune_iters=64),
                             "VPTQ v6 k4096 + centroid fine-tuning (64 steps/block)"),
+    "vptq-2-v6k4096-refit5": ("vptq", VPTQConfig(vector_len=6, num_centroids=4096, refit_iters=5),
+                              "VPTQ v6 k4096 + codebook refit (5 CG steps)"),
     "vptq-1-v8k256": ("vptq", VPTQConfig(vector_len=8, num_centroids=256), "VPTQ v8 k256 (no residual)"),
     "rtn-3": ("rtn", ScalarConfig(bits=3, group_size=64), "RTN 3-bit g64"),
     "gptq-3": ("gptq", ScalarConfig(bits=3, group_size=64), "GPTQ 3-bit g64"),
@@ -91,7 +94,11 @@ def run_row(key: str, model, tok, calib: torch.Tensor, args) -> dict:
     # The calibration windows themselves (seen while quantizing), against the original on the same windows:
     # the gap to the held-out numbers shows how much a method fitted its calibration text.
     seen = evaluate(qmodel, tok, windows=calib, reference=args.reference)
+    other = evaluate(qmodel, tok, text="pydocs", seqlen=args.seqlen, max_windows=args.windows,
+                     reference=args.reference)
     return {
+        "ood_text": "pydocs", "ood_perplexity": other.perplexity, "ood_bf16_perplexity": other.reference_perplexity,
+        "ood_kl": other.kl_divergence, "ood_top1": other.top1_agreement, "timings": result.summary()["timings"],
         "calib_perplexity": seen.perplexity, "calib_kl": seen.kl_divergence,
         "calib_bf16_perplexity": seen.reference_perplexity,
         "row": key, "label": label, "method": method, "config": config.to_dict(),
@@ -112,14 +119,23 @@ def print_table(results: list[dict], bf16_ppl: float | None) -> None:
     if results:
         print(f"evaluation: {results[0]['protocol']}; calibration: {results[0]['calib']}; "
               f"threads: {results[0]['threads']}")
-    header = f"| {'row':<50} | idx bits | total bits | ppl | ppl × bf16 | KL | top-1 | quant s | calib windows |"
+    header = (f"| {'row':<50} | idx bits | total bits | wiki ppl | × bf16 | KL | top-1 | pydocs ppl | × bf16 | KL "
+              "| top-1 | quant s | calib windows |")
     print(header)
-    print("|" + "---|" * 9)
+    print("|" + "---|" * 13)
     if bf16_ppl:
-        print(f"| {'bf16 original':<50} | 16 | 16 | {bf16_ppl:.2f} | 1.00 | 0 | 100% | - | - |")
+        ood = next((r["ood_bf16_perplexity"] for r in results if "ood_bf16_perplexity" in r), None)
+        ood_text = f"{ood:.2f}" if ood else "-"
+        print(f"| {'bf16 original':<50} | 16 | 16 | {bf16_ppl:.2f} | 1.00 | 0 | 100% | {ood_text} | 1.00 | 0 | 100% "
+              "| - | - |")
     for r in results:
+        if "ood_perplexity" in r:
+            ood = (f"{r['ood_perplexity']:.2f} | {r['ood_perplexity'] / r['ood_bf16_perplexity']:.2f} | "
+                   f"{r['ood_kl']:.3f} | {r['ood_top1']:.1%}")
+        else:
+            ood = "- | - | - | -"
         print(f"| {r['label']:<50} | {r['index_bits']:.2f} | {r['total_bits']:.2f} | {r['perplexity']:.2f} | "
-              f"{r['perplexity'] / r['bf16_perplexity']:.2f} | {r['kl']:.3f} | {r['top1']:.1%} | "
+              f"{r['perplexity'] / r['bf16_perplexity']:.2f} | {r['kl']:.3f} | {r['top1']:.1%} | {ood} | "
               f"{r['quant_seconds']:.0f} | {r['calib']['samples']} |")
 
 

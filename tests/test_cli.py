@@ -50,7 +50,7 @@ def test_quantize_save_eval_round_trip(tmp_path, text_file, capsys):
         (["quantize", "--model", "tiny-random-llama", "--method", "gptq", "--bits", "12", "--out", "x"],
          "bits must be in 1..8, got 12"),
         (["quantize", "--model", "tiny-random-llama", "--method", "rtn", "--calib-text", "/no/file", "--out", "x"],
-         "--calib-text must be 'wiki' or an existing file"),
+         "--calib-text must be one of wiki, pydocs or an existing file"),
         (["eval", "--model", "tiny-random-llama", "--seqlen", "0"], "expected a positive integer, got 0"),
     ],
 )

@@ -27,7 +27,7 @@ def test_windows_shapes_and_seeding(tmp_path):
 
 
 def test_bad_text_sources(tmp_path):
-    with pytest.raises(ValueError, match="must be 'wiki' or an existing UTF-8 text file"):
+    with pytest.raises(ValueError, match="must be one of wiki, pydocs or an existing UTF-8 text file"):
         load_text("nope.txt", "calib")
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"\xff\xfe\x00bad")
@@ -39,3 +39,13 @@ def test_bad_text_sources(tmp_path):
         calibration_windows(byte_tokenizer(), str(short), 2, 32)
     with pytest.raises(ValueError, match="split must be one of"):
         load_text("wiki", "train")
+
+
+def test_pydocs_splits_by_topic_and_is_another_domain():
+    from vptq_core.data import load_text, pydoc_topics
+
+    topics = pydoc_topics()
+    calib, held_out = load_text("pydocs", "calib"), load_text("pydocs", "eval")
+    assert calib == "\n\n".join(topics[0::2]) and held_out == "\n\n".join(topics[1::2])
+    assert not set(topics[0::2]) & set(topics[1::2])
+    assert "def " in held_out or "class " in held_out  # code and technical prose, unlike the wiki text

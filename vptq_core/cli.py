@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from .data import TEXTS
 from .quant import methods
 from .quant.config import CalibConfig
 
@@ -120,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", dest="extra_settings",
                    help="any other setting of the method's config, VALUE as JSON (e.g. --set damp_percent=0.05)")
     c = q.add_argument_group("calibration")
-    c.add_argument("--calib-text", default="wiki", help="'wiki' (bundled) or a UTF-8 text file")
+    c.add_argument("--calib-text", default="wiki", help="'wiki' (bundled Wikipedia), 'pydocs' (Python's docs) or a "
+                   "UTF-8 text file")
     c.add_argument("--calib-samples", type=_positive, default=32, help="random calibration windows")
     c.add_argument("--seqlen", type=_positive, default=512, help="tokens per calibration window")
     q.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -134,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", required=True, help="model name or directory (dense or quantized checkpoint)")
     e.add_argument("--reference", default="auto",
                    help="original model to compare with: 'auto' = the checkpoint's source model, 'none', or a name/DIR")
-    e.add_argument("--text", default="wiki", help="'wiki' (bundled, evaluation split) or a UTF-8 text file")
+    e.add_argument("--text", default="wiki", help="'wiki' or 'pydocs' (bundled, evaluation split) or a UTF-8 "
+                   "text file")
     e.add_argument("--seqlen", type=_positive, default=512)
     e.add_argument("--max-windows", type=_positive, default=None)
     e.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="dense model dtype")
@@ -190,8 +193,8 @@ def _cmd_quantize(args) -> int:
 
     config = method_config_from_args(args)
     calib = CalibConfig(text=args.calib_text, samples=args.calib_samples, seqlen=args.seqlen, seed=args.seed)
-    if args.calib_text != "wiki" and not os.path.isfile(args.calib_text):
-        raise ValueError(f"--calib-text must be 'wiki' or an existing file, got {args.calib_text!r}")
+    if args.calib_text not in TEXTS and not os.path.isfile(args.calib_text):
+        raise ValueError(f"--calib-text must be one of {', '.join(TEXTS)} or an existing file, got {args.calib_text!r}")
     device = None if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available; use --device cpu or auto")

@@ -19,6 +19,8 @@ import torch
 from .models import cache_dir
 
 WIKI = "wiki"
+PYDOCS = "pydocs"  # Python's own documentation topics (standard library): technical prose and code
+TEXTS = (WIKI, PYDOCS)
 _WIKI_FILE = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 SPLITS = ("calib", "eval")
 
@@ -73,16 +75,26 @@ def _clean(text: str) -> str:
     return "\n".join(lines)
 
 
+def pydoc_topics() -> tuple[str, ...]:
+    """The documentation topics of this Python (``pydoc_data.topics``), sorted by name, each text once (some
+    topics are aliases of others)."""
+    import pydoc_data.topics as topics  # ~1 MB of text: imported only when this text is asked for
+
+    return tuple(dict.fromkeys(topics.topics[name] for name in sorted(topics.topics)))
+
+
 def load_text(source: str, split: str) -> str:
-    """Text of ``source`` ("wiki" or a UTF-8 file path) for ``split`` ("calib" or "eval")."""
+    """Text of ``source`` ("wiki", "pydocs" or a UTF-8 file path) for ``split`` ("calib" or "eval"): the
+    built-in texts split by document (even ones calibrate, odd ones evaluate); a file is used whole."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    if source == WIKI:
-        articles = wiki_articles()
-        chosen = articles[0::2] if split == "calib" else articles[1::2]
+    if source in TEXTS:
+        documents = wiki_articles() if source == WIKI else pydoc_topics()
+        chosen = documents[0::2] if split == "calib" else documents[1::2]
         return "\n\n".join(chosen)
     if not isinstance(source, str) or not os.path.isfile(source):
-        raise ValueError(f"text source must be 'wiki' or an existing UTF-8 text file, got {source!r}")
+        raise ValueError(f"text source must be one of {', '.join(TEXTS)} or an existing UTF-8 text file, got "
+                         f"{source!r}")
     try:
         with open(source, encoding="utf-8") as f:
             text = f.read()

@@ -218,7 +218,8 @@ class LRQConfig(ConfigBase):
 
 @dataclass(frozen=True)
 class CalibConfig(ConfigBase):
-    """Calibration data: ``text`` is "wiki" (bundled Wikipedia, even articles) or a path to a UTF-8 file."""
+    """Calibration data: ``text`` is "wiki" (bundled Wikipedia, even articles), "pydocs" (Python's
+    documentation, even topics) or a path to a UTF-8 file."""
 
     text: str = "wiki"
     samples: int = 64
@@ -227,7 +228,7 @@ class CalibConfig(ConfigBase):
 
     def __post_init__(self) -> None:
         if not isinstance(self.text, str) or not self.text:
-            raise ValueError(f"calibration text must be 'wiki' or a file path, got {self.text!r}")
+            raise ValueError(f"calibration text must be 'wiki', 'pydocs' or a file path, got {self.text!r}")
         check_int("samples", self.samples, 1, 100000)
         check_int("seqlen", self.seqlen, 8, 131072)
         check_int("seed", self.seed, 0)
