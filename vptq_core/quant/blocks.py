@@ -1,15 +1,26 @@
-"""Where a causal LM keeps its decoder blocks, and which ``nn.Linear`` projections each block holds."""
+"""Where a causal LM keeps its decoder blocks, and which ``nn.Linear`` projections each block holds.
+
+Families checked end to end (tests/test_families.py): llama, qwen2 (q/k/v biases, untied head), mistral
+(sliding window), gemma3 (QK-norm, four norms per block, sliding-window and full-attention layers with
+their own masks and rotary embeddings), phi3 (fused ``qkv_proj`` / ``gate_up_proj``). Any model whose blocks
+are an ``nn.ModuleList`` at one of ``BLOCK_PATHS`` and whose projections are ``nn.Linear`` goes through the
+same code.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import nn
+
+# Where causal LMs keep their decoder blocks (llama, qwen2, mistral, gemma, phi3, ...: model.layers).
+BLOCK_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers",
+               "model.language_model.layers")
 
 
 def decoder_blocks(model: nn.Module) -> nn.ModuleList:
     """The list of transformer blocks of a causal LM (llama, qwen2, mistral, phi3, gemma, ... families)."""
-    candidates = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers",
-                  "model.language_model.layers")
-    for path in candidates:
+    for path in BLOCK_PATHS:
         obj = model
         for part in path.split("."):
             obj = getattr(obj, part, None)
@@ -17,9 +28,11 @@ def decoder_blocks(model: nn.Module) -> nn.ModuleList:
                 break
         if isinstance(obj, nn.ModuleList) and len(obj) > 0:
             return obj
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    kind = f" (model_type {model_type!r})" if model_type else ""
     raise ValueError(
-        f"cannot find the decoder blocks of {type(model).__name__}; supported: models whose blocks live at "
-        "model.layers (llama, qwen2, mistral, ...)"
+        f"cannot find the decoder blocks of {type(model).__name__}{kind}: the pipeline quantizes models whose "
+        f"blocks are an nn.ModuleList at {', '.join(BLOCK_PATHS)} (llama, qwen2, mistral, gemma3, phi3, ...)"
     )
 
 
@@ -37,3 +50,34 @@ def block_linears(block: nn.Module) -> dict[str, nn.Linear]:
     if not linears:
         raise ValueError(f"block {type(block).__name__} holds no nn.Linear projections; cannot quantize it")
     return linears
+
+
+def check_linear_shapes(
+    model: nn.Module, layer_check: Callable[[int, int], object], what: str,
+    skip: Callable[[str], bool] | None = None,
+) -> None:
+    """Refuse, before any work, a linear whose shape ``layer_check(out_features, in_features)`` rejects.
+
+    ``layer_check`` raises ``ValueError`` for a shape the method cannot quantize (the pipeline passes the
+    method's ``bits``, which lays out the layer exactly as the quantizer will); the error names the layer,
+    its size, ``what`` (the method and settings) and the reason. Sizes a method handles (VPTQ: out_features
+    not a multiple of the vector length is zero-padded, in_features not a multiple of the group count moves
+    the remainder to the outlier columns; scalar: a last, shorter group) pass.
+    """
+    prefix = blocks_prefix(model)
+    seen: dict[tuple[int, int], str | None] = {}
+    for b, block in enumerate(decoder_blocks(model)):
+        for name, linear in block_linears(block).items():
+            full = f"{prefix}.{b}.{name}"
+            if skip and skip(full):
+                continue
+            shape = (linear.out_features, linear.in_features)
+            if shape not in seen:
+                try:
+                    layer_check(*shape)
+                    seen[shape] = None
+                except ValueError as exc:
+                    seen[shape] = str(exc)
+            if seen[shape] is not None:
+                raise ValueError(f"cannot quantize {full} (out_features={shape[0]}, in_features={shape[1]}) with "
+                                 f"{what}: {seen[shape]}")

@@ -18,7 +18,7 @@ from torch import nn
 
 from . import methods
 from .bits import BitsInfo
-from .blocks import block_linears, blocks_prefix, decoder_blocks
+from .blocks import block_linears, blocks_prefix, check_linear_shapes, decoder_blocks
 from .hessian import HessianAccumulator
 from .methods import BlockContext, Cancelled, Method, QuantResult
 from .timing import Timings
@@ -90,26 +90,93 @@ class _StopForward(Exception):
     pass
 
 
+_DROPPED_KWARGS = ("hidden_states", "past_key_values", "past_key_value", "use_cache", "cache_position")
+
+
+class BlockKwargs(dict):
+    """The extra arguments (attention mask, rotary embeddings, position ids, ...) each decoder block is
+    called with, captured per block: models with several layer types (gemma3: sliding-window and full
+    attention layers, each with its own mask and rotary embeddings) pass different ones to different blocks.
+
+    ``of(block)`` / ``at(index)`` give one block's arguments (a plain dict). Blocks of the same type share
+    the very same tensors, so nothing is held twice. As a dict it is block 0's arguments, for callers that
+    predate per-block capture; ``run_block`` resolves the block's own.
+    """
+
+    def __init__(self, per_block: list[dict], blocks) -> None:
+        super().__init__(per_block[0])
+        self.per_block = per_block
+        self._index = {id(block): i for i, block in enumerate(blocks)}
+
+    @property
+    def uniform(self) -> bool:
+        """Every block takes the same arguments (the same objects)."""
+        first = self.per_block[0]
+        return all(kw.keys() == first.keys() and all(kw[k] is first[k] for k in kw) for kw in self.per_block)
+
+    def at(self, index: int) -> dict:
+        return self.per_block[index]
+
+    def of(self, block: nn.Module) -> dict:
+        """The arguments of ``block`` (one of the captured model's blocks; any block when all take the same)."""
+        index = self._index.get(id(block))
+        if index is not None:
+            return self.per_block[index]
+        if self.uniform:
+            return self.per_block[0]
+        raise ValueError(
+            f"{type(block).__name__} is not one of the blocks these arguments were captured for, and the "
+            "model's blocks take different arguments (e.g. sliding-window and full-attention layers); "
+            "use kwargs.at(block_index)"
+        )
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> BlockKwargs:
+        """Moved to ``device`` (floating tensors cast to ``dtype``); a tensor shared by blocks is moved once."""
+        memo: dict[int, object] = {}
+
+        def move(v):
+            if id(v) in memo:
+                return memo[id(v)]
+            if isinstance(v, torch.Tensor):
+                moved = v.to(device, dtype) if v.is_floating_point() else v.to(device)
+            elif isinstance(v, tuple):
+                moved = tuple(move(x) for x in v)
+            else:
+                return v
+            memo[id(v)] = moved
+            return moved
+
+        moved = BlockKwargs([{k: move(v) for k, v in kw.items()} for kw in self.per_block], [])
+        moved._index = dict(self._index)
+        return moved
+
+
 @torch.no_grad()
-def capture_block_inputs(model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def capture_block_inputs(model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, BlockKwargs]:
     """Hidden states entering block 0 for every row of ``input_ids`` [n, seq] -> ([n, seq, hidden], kwargs).
 
-    ``kwargs`` are the extra arguments the model passes to its blocks (rotary embeddings, mask, ...),
-    captured from the first row; blocks are then called with ``use_cache=False`` and no cache object
-    (a cache would silently stack keys across calibration batches).
+    ``kwargs`` (a ``BlockKwargs``) are the extra arguments the model passes to each of its blocks (rotary
+    embeddings, mask, ...), captured per block during one forward of the first row, stopped before the LM
+    head; the other rows stop at block 0. Blocks are then called with ``use_cache=False`` and no cache
+    object (a cache would silently stack keys across calibration batches).
     """
     blocks = decoder_blocks(model)
     captured: list[torch.Tensor] = []
-    block_kwargs: dict = {}
+    per_block: list[dict | None] = [None] * len(blocks)
 
-    def hook(_module, args, kwargs):
-        hidden = args[0] if args else kwargs["hidden_states"]
-        captured.append(hidden.detach())
-        if not block_kwargs:
-            block_kwargs.update({k: v for k, v in kwargs.items() if k != "hidden_states"})
-        raise _StopForward
+    def make_hook(index: int):
+        def hook(_module, args, kwargs):
+            if index == 0:
+                hidden = args[0] if args else kwargs["hidden_states"]
+                captured.append(hidden.detach())
+            if per_block[index] is None:
+                per_block[index] = {k: v for k, v in kwargs.items() if k not in _DROPPED_KWARGS}
+            if index == len(blocks) - 1 or per_block[-1] is not None:
+                raise _StopForward
 
-    handle = blocks[0].register_forward_pre_hook(hook, with_kwargs=True)
+        return hook
+
+    handles = [block.register_forward_pre_hook(make_hook(i), with_kwargs=True) for i, block in enumerate(blocks)]
     device = next(model.parameters()).device
     try:
         for row in input_ids:
@@ -117,15 +184,25 @@ def capture_block_inputs(model: nn.Module, input_ids: torch.Tensor) -> tuple[tor
                 model(row.unsqueeze(0).to(device), use_cache=False)
             except _StopForward:
                 pass
+            if len(handles) > 1 and per_block[-1] is not None:  # every block's arguments are known
+                for handle in handles[1:]:
+                    handle.remove()
+                handles = handles[:1]
     finally:
-        handle.remove()
-    for key in ("past_key_values", "past_key_value", "use_cache", "cache_position"):
-        block_kwargs.pop(key, None)
-    return torch.cat(captured, dim=0), block_kwargs
+        for handle in handles:
+            handle.remove()
+    missing = [i for i, kw in enumerate(per_block) if kw is None]
+    if missing:
+        raise ValueError(f"{type(model).__name__}'s forward never called decoder blocks {missing[:8]}; "
+                         "cannot capture their inputs")
+    return torch.cat(captured, dim=0), BlockKwargs(per_block, blocks)
 
 
 def run_block(block: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """One block on [b, seq, hidden] -> [b, seq, hidden], no cache."""
+    """One block on [b, seq, hidden] -> [b, seq, hidden], no cache. ``kwargs``: the block's own arguments,
+    or the ``BlockKwargs`` of its model (the block's are looked up)."""
+    if isinstance(kwargs, BlockKwargs):
+        kwargs = kwargs.of(block)
     out = block(hidden, use_cache=False, **kwargs)
     return out[0] if isinstance(out, tuple) else out
 
@@ -142,6 +219,9 @@ def _run_batched(block: nn.Module, inps: torch.Tensor, kwargs: dict) -> torch.Te
 
 
 def _kwargs_to(kwargs: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    if isinstance(kwargs, BlockKwargs):
+        return kwargs.to(device, dtype)
+
     def move(v):
         if isinstance(v, torch.Tensor):
             return v.to(device, dtype) if v.is_floating_point() else v.to(device)
@@ -202,6 +282,8 @@ def quantize_model(
     method.check_config(config)
     if calib_ids.dim() != 2 or calib_ids.shape[0] < 1:
         raise ValueError(f"calib_ids must be [samples, seqlen], got shape {tuple(calib_ids.shape)}")
+    check_linear_shapes(model, lambda out_f, in_f: method.bits(config, out_f, in_f),
+                        f"method {method.name!r} ({method.describe(config.to_dict())})", skip)
     on_layer = on_layer or (lambda _r: None)
     should_stop = should_stop or (lambda: False)
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -225,12 +307,13 @@ def quantize_model(
             orig_device = next(block.parameters()).device
             block.to(dev, torch.float32)
             linears = {n: m for n, m in block_linears(block).items() if not (skip and skip(f"{prefix}.{b}.{n}"))}
+            block_kwargs = kwargs.at(b)  # this block's own mask / rotary embeddings (they differ per layer type)
             with result.timed("hessians_targets"):
-                hessians, targets = _pass_a(block, linears, inps, kwargs)
+                hessians, targets = _pass_a(block, linears, inps, block_kwargs)
             ctx = BlockContext(
                 index=b, prefix=prefix, block=block, linears=linears, hessians=hessians, inputs=inps,
-                targets=targets, forward=lambda blk, x: run_block(blk, x, kwargs), config=config, method=method,
-                result=result, should_stop=should_stop, publish=None,
+                targets=targets, forward=lambda blk, x, kw=block_kwargs: run_block(blk, x, kw), config=config,
+                method=method, result=result, should_stop=should_stop, publish=None,
             )
             ctx.publish = _publisher(ctx, on_layer)
             if method.quantize_block is not None:
@@ -246,7 +329,7 @@ def quantize_model(
                 for rep in ctx.reports:
                     rep.extra.update(metrics or {})
             with result.timed("block_outputs"):
-                outs = _run_batched(block, inps, kwargs)
+                outs = _run_batched(block, inps, block_kwargs)
             err = float(((outs - targets) ** 2).sum() / (targets**2).sum().clamp(min=1e-20))
             for rep in ctx.reports:
                 rep.rel_output_error = err
