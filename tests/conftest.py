@@ -8,6 +8,8 @@ import torch
 
 @pytest.fixture(scope="session")
 def tiny_model():
+    # Imported here, not at the top: vptq_core imports triton, and tests/test_triton_kernels.py must be able to
+    # set TRITON_INTERPRET=1 before triton's first import (conftest is imported before every test module).
     from vptq_core.models import tiny_random_llama
 
     return tiny_random_llama()
@@ -26,10 +28,6 @@ def correlated_layer():
     X = torch.randn(4096, 64, generator=gen) @ torch.randn(64, 64, generator=gen) * 0.3
     X = X * torch.linspace(0.2, 3.0, 64)
     return W, 2 * X.T @ X / X.shape[0]
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "browser: drives the app in headless Chromium through Playwright (slow)")
 
 
 # Per projection kind: a different VPTQ layout, so one checkpoint covers residual, outliers, groups, norm, perm.

@@ -24,6 +24,7 @@ ARTIFACTS = ROOT / "test-artifacts"
 
 pytestmark = [
     pytest.mark.browser,
+    pytest.mark.slow,
     pytest.mark.skipif(not Path(CHROMIUM).is_file(), reason=f"{CHROMIUM} missing (apt-get install -y chromium)"),
 ]
 playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright missing (pip install playwright)")

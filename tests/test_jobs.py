@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from vptq_core.models import TINY
+from vptq_core.models import TINY, tiny_random_llama
 from vptq_core.quant.config import CalibConfig, ScalarConfig, VPTQConfig
 from vptq_core.storage.archive import inspect_archive
 from vptq_core.studio.estimate import estimate, model_info
@@ -82,6 +82,7 @@ def test_cancel_a_queued_job_moves_the_queue_up(tmp_path: Path):
     assert ("start", "b") not in log and manager.get(a.id, "alice").status == "done"
 
 
+@pytest.mark.slow
 def test_cancel_stops_a_real_quantization_between_layers(tmp_path: Path):
     """Cancel requested after the 2nd layer: the pipeline stops before the 3rd, nothing is kept on disk, and
     the next job runs normally."""
@@ -111,6 +112,7 @@ def test_cancel_stops_a_real_quantization_between_layers(tmp_path: Path):
     assert manager.wait(after.id, "alice", timeout=120).status == "done"
 
 
+@pytest.mark.slow
 def test_finished_quantization_job_has_reports_checkpoint_and_archive(tmp_path: Path):
     manager = JobManager(tmp_path)
     config = ScalarConfig(bits=3, group_size=32)
@@ -118,12 +120,19 @@ def test_finished_quantization_job_has_reports_checkpoint_and_archive(tmp_path: 
     snap = manager.wait(job.id, "alice", timeout=120)
     assert snap.status == "done", snap.error
     assert snap.total_layers == snap.layers_done == 14
-    assert all(r["rel_output_error"] is not None and r["rel_output_error"] >= 0 for r in snap.reports)
     assert snap.reports_version == (14, 14) and snap.phase == "done"
     result = snap.result
     ckpt = Path(result["checkpoint_dir"])
+    # The job published exactly the reports the checkpoint keeps, each block's output error on all its layers.
     report = json.loads((ckpt / "quant_report.json").read_text())
-    assert [r["name"] for r in report["layers"]] == [r["name"] for r in snap.reports]
+    assert list(snap.reports) == report["layers"]
+    for block in (0, 1):
+        errors = {r["rel_output_error"] for r in snap.reports if r["block"] == block}
+        assert len(errors) == 1 and None not in errors
+    # A 3-bit grid on groups of 32 leaves RTN a relative proxy error of 0.025-0.037 per layer on this model
+    # (the grid step / sqrt(12) is ~0.17 of the weights' spread); GPTQ's error feedback must beat it on every
+    # layer (it measures 0.001-0.006).
+    assert max(r["rel_proxy_loss"] for r in snap.reports) < 0.02
     names = sorted(e.name for e in inspect_archive(result["archive"]))
     assert names == sorted(p.name for p in ckpt.iterdir())
     assert result["archive_bytes"] == Path(result["archive"]).stat().st_size
@@ -242,8 +251,6 @@ def test_import_run_registers_or_cleans_up(tmp_path: Path):
 
 
 def test_model_info_and_its_errors(tmp_path: Path, monkeypatch):
-    from vptq_core.models import tiny_random_llama
-
     info = model_info(TINY)
     assert info.num_blocks == 2
     assert info.modules == ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

@@ -131,6 +131,7 @@ def test_triton_backend_through_public_api_bf16() -> None:
                                rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(IN_PROCESS or DEVICE != "cpu", reason="kernel tests already run in this process")
 def test_interpreter_suite_in_subprocess() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", VPTQ_TRITON_DEVICE="cpu")

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
 
 @dataclass
@@ -72,8 +73,6 @@ class ChatSession:
     def stream(self, prompt: str, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
                seed: int = 0) -> Iterator[str]:
         """Add ``prompt`` as a user turn, yield the reply piece by piece, then append it to the history."""
-        from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
-
         check_sampling(max_new_tokens, temperature, top_p)
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError("prompt must be a non-empty string")

@@ -39,7 +39,7 @@ class JobCancelled(Exception):
 def default_device() -> str:
     """"cuda" when a CUDA device is usable by background threads, else "cpu". On ZeroGPU Spaces
     (``SPACES_ZERO_GPU``) the GPU only exists inside ``spaces.GPU`` calls, so background jobs use the CPU."""
-    import torch
+    import torch  # only here: the queue itself is torch-free (and imports in a few milliseconds)
 
     if torch.cuda.is_available() and not os.environ.get("SPACES_ZERO_GPU"):
         return "cuda"
@@ -302,12 +302,14 @@ class JobManager:
             _log.warning("job %s failed: %s", job.id, error, exc_info=True)
         if status != "done":
             shutil.rmtree(job.out_dir, ignore_errors=True)
-        with job.lock:
-            job.status, job.error, job.error_detail = status, error, detail
-            job.result = dict(result) if status == "done" and result is not None else None
-            job.finished = time.time()
-            job.phase = {"done": "done", "failed": "failed", "cancelled": "cancelled"}[status]
+        # One critical section: whoever sees the job finished (``get``/``wait`` take the manager's lock) also sees
+        # the queue moved on and the owner's old runs pruned.
         with self._lock:
+            with job.lock:
+                job.status, job.error, job.error_detail = status, error, detail
+                job.result = dict(result) if status == "done" and result is not None else None
+                job.finished = time.time()
+                job.phase = {"done": "done", "failed": "failed", "cancelled": "cancelled"}[status]
             self._running[job.device] -= 1
             self._threads.pop(job.id, None)
             if job.forgotten:

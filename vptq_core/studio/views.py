@@ -1,0 +1,225 @@
+"""What the app shows, as text: the progress bar's HTML, the Markdown of estimates, summaries, evaluations,
+model descriptions and chat statistics, the runs table's rows, and chat messages as plain text.
+
+Pure functions of snapshots and numbers (no Gradio), so they are tested without a server.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Iterable, Mapping
+
+from ..models import BUNDLED, TINY
+from ..quant import methods
+from .estimate import Estimate, ModelInfo
+from .queue import JobSnapshot
+
+SMOLLM2_NOTE = ("The bundled SmolLM2-135M-Instruct was shipped as 4-bit **Q4_1** weights (groups of 32), so 4-bit "
+                "results on it are flattered: a 4-bit group-32 grid nearly reproduces them. Judge methods at 2–3 bits.")
+TINY_NOTE = "A tiny random llama (2 blocks, hidden 64): seconds to quantize, its chat output is noise."
+NO_RUN = "Pick a finished run or upload a packed checkpoint."
+
+
+# ------------------------------------------------------------------------------------------- numbers
+def mb(n: float | None) -> str:
+    return "?" if n is None else f"{n / 1e6:.1f} MB"
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
+
+
+def _round(value, digits: int):
+    return None if value is None else round(float(value), digits)
+
+
+def method_label(method: str) -> str:
+    """The registered method's label ("VPTQ"); an unknown one (e.g. an uploaded checkpoint's quant_method)
+    upper-cased."""
+    return methods.get(method).label if method in methods.names() else method.upper()
+
+
+def describe_settings(method: str, settings: Mapping) -> str:
+    """The method's one-line label of a run's settings ("" for an unknown method or no settings)."""
+    if not settings or method not in methods.names():
+        return ""
+    return methods.get(method).describe(settings)
+
+
+# ------------------------------------------------------------------------------------- quantize tab
+def model_note(name: str, info: ModelInfo | None = None, error: str | None = None) -> str:
+    """The line under the model picker."""
+    if name == BUNDLED:
+        return SMOLLM2_NOTE
+    if name == TINY:
+        return TINY_NOTE
+    if error is not None:
+        return f"⚠️ {error}"
+    return f"`{name}`: {info.num_blocks} blocks, {len(info.linear_shapes)} linears to quantize."
+
+
+def estimate_md(info: ModelInfo, est: Estimate) -> str:
+    """Bits per weight and checkpoint size expected for the current settings."""
+    warning = ""
+    if est.total_bits_per_weight > 1.5 * est.index_bits_per_weight:
+        warning = ("  \n⚠️ Codebooks and scales outweigh the indices on this model's small layers: use fewer "
+                   "centroids or longer vectors.")
+    return (f"**{est.index_bits_per_weight:.3f} index bits** per weight · **{est.total_bits_per_weight:.3f} "
+            f"total bits** (with codebooks, scales, permutations)  \n"
+            f"Checkpoint ≈ **{mb(est.checkpoint_bytes)}** + tokenizer files: quantized linears "
+            f"{mb(est.quantized_bytes)} + "
+            f"embeddings, norms and the rest {mb(est.other_bytes)} at 16 bits · the 16-bit model is "
+            f"{mb(est.dense_bytes)}  \n{len(info.linear_shapes)} linears in {info.num_blocks} blocks, "
+            f"{info.linear_weights / 1e6:.1f} M weights quantized{warning}")
+
+
+def job_title(name: str, method: str, est: Estimate) -> str:
+    return f"{name} · {method_label(method)} · {est.total_bits_per_weight:.2f} bits"
+
+
+def progress_html(snap: JobSnapshot | None, message: str = "") -> str:
+    """The progress bar and its line of text for one job snapshot."""
+    if snap is None:
+        text = html.escape(message or "No job yet: pick the settings and press Start.")
+        return (f'<div class="vq-progress-wrap"><div class="vq-progress"><div class="vq-progress-bar" '
+                f'style="width:0%"></div></div><div class="vq-progress-text">{text}</div></div>')
+    total, done = snap.total_layers, snap.layers_done
+    fraction = (done / total) if total else 0.0
+    if snap.status == "done":
+        fraction = 1.0
+    parts = []
+    if snap.status == "queued":
+        parts.append(f"position {snap.position} in the {snap.device} queue ({snap.running_ahead} job(s) running "
+                     f"ahead)")
+    elif snap.status == "running":
+        parts.append(snap.phase)
+        if total:
+            parts.append(f"{done}/{total} layers")
+        if snap.current:
+            parts.append(f"last: {snap.current}")
+        if snap.eta_seconds is not None:
+            parts.append(f"ETA {duration(snap.eta_seconds)}")
+        parts.append(f"elapsed {duration(snap.elapsed)}")
+    elif snap.status == "done":
+        parts.append(f"{done} layers in {duration(snap.elapsed)} on {snap.device}")
+    elif snap.status == "cancelled":
+        parts.append(f"stopped after {done} layer(s); nothing was saved")
+    text = " · ".join(html.escape(p) for p in parts)
+    error = f'<div class="vq-error">{html.escape(snap.error)}</div>' if snap.error else ""
+    return (f'<div class="vq-progress-wrap" data-status="{snap.status}"><div class="vq-progress">'
+            f'<div class="vq-progress-bar {snap.status}" style="width:{100 * fraction:.1f}%"></div></div>'
+            f'<div class="vq-progress-text"><span class="vq-status">{snap.status}</span> '
+            f'<code>{html.escape(snap.id)}</code> {html.escape(snap.title)}<br>{text}</div>{error}</div>')
+
+
+def summary_md(snap: JobSnapshot) -> str:
+    """The summary of a finished quantization ("" until it is done)."""
+    if snap.status != "done" or not snap.result:
+        return ""
+    s = snap.result.get("summary", {})
+    bits = (f"**{s['index_bits_per_weight']:.3f}** index / **{s['total_bits_per_weight']:.3f}** total bits per "
+            f"weight" if s.get("total_bits_per_weight") else "bits unknown")
+    size = mb(snap.result.get("checkpoint_bytes"))
+    return (f"### Done: {html.escape(snap.title)}\n{bits} · checkpoint **{size}**"
+            f" · quantized in **{duration(s.get('seconds'))}** ({duration(snap.elapsed)} with loading and "
+            f"saving) on {snap.device} · {s.get('layers', '?')} layers")
+
+
+def download_label(archive_bytes: int | None) -> str:
+    return f"Download the packed checkpoint ({mb(archive_bytes)} zip)"
+
+
+def eval_md(ev: Mapping | None) -> str:
+    """An evaluation (``EvalResult.to_dict()``) in one paragraph ("" for none)."""
+    if not ev:
+        return ""
+    text = f"**Perplexity {ev['perplexity']:.3f}**"
+    if ev.get("reference_perplexity") is not None:
+        text += (f" (original {ev['reference_perplexity']:.3f}) · KL to the original **{ev['kl_divergence']:.4f}**"
+                 f" nats/token · top-1 agreement **{100 * ev['top1_agreement']:.1f}%**")
+    return (f"{text}  \n<span class='vq-note'>{ev['windows']} windows × {ev['seqlen']} tokens of the "
+            f"{'bundled Wikipedia' if ev['text'] == 'wiki' else 'uploaded'} evaluation text "
+            f"({ev['tokens']} predicted tokens, {ev['seconds']:.0f} s)</span>")
+
+
+def runs_view(snaps: Iterable[JobSnapshot]) -> tuple[list[list], list[dict], list[tuple[str, str]]]:
+    """(rows of the runs table (``plots.RUN_COLUMNS``), points of the bits-vs-perplexity figure, choices of the
+    chat run picker) for finished runs."""
+    rows, points, choices = [], [], []
+    for snap in snaps:
+        result = snap.result or {}
+        s = result.get("summary") or {}
+        ev = snap.extras.get("eval") or {}
+        method = (result.get("method") or s.get("method") or "?").lower()
+        name = method_label(method)
+        label = f"{name} {s['total_bits_per_weight']:.2f}b" if s.get("total_bits_per_weight") else method
+        rows.append([
+            snap.id, result.get("source_model") or "?", name,
+            describe_settings(method, result.get("config") or s.get("config") or {}),
+            _round(s.get("index_bits_per_weight"), 3), _round(s.get("total_bits_per_weight"), 3),
+            _round((result.get("checkpoint_bytes") or 0) / 1e6, 1),
+            _round(s["seconds"] / 60, 2) if s.get("seconds") is not None else None,
+            _round(ev.get("perplexity"), 3), _round(ev.get("reference_perplexity"), 3),
+            _round(ev.get("kl_divergence"), 4),
+            _round(100 * ev["top1_agreement"], 1) if ev.get("top1_agreement") is not None else None,
+        ])
+        points.append({"label": f"{label} ({snap.id[:4]})", "method": method,
+                       "total_bits": s.get("total_bits_per_weight"), "perplexity": ev.get("perplexity"),
+                       "reference_perplexity": ev.get("reference_perplexity")})
+        kind = "uploaded" if snap.kind == "import" else (result.get("source_model") or "")
+        choices.append((f"{snap.id} · {label} · {kind}", snap.id))
+    return rows, points, choices
+
+
+# ----------------------------------------------------------------------------------------- chat tab
+def models_md(source: str | None, original_bytes: int | None, why: str, quantized_bytes: int, dtype: str,
+              device: str) -> str:
+    """Both sides of a run: the original model (``original_bytes`` None: not available, ``why``) and the
+    quantized one."""
+    left = (f"**Original** `{source}` ({dtype}, {device}): weights {mb(original_bytes)}"
+            if original_bytes is not None else f"**Original** not available: {why}")
+    right = f"**Quantized** ({dtype} activations, lookup kernels, {device}): weights {mb(quantized_bytes)}"
+    return f"{left}  \n{right}"
+
+
+def uploaded_md(file_name: str, run_id: str, source: str | None) -> str:
+    return f"Loaded `{file_name}` as run `{run_id}` (made from `{source or 'unknown'}`)."
+
+
+def chat_stats_md(tokens: int, tokens_per_second: float, weight_bytes: int, stopped: bool) -> str:
+    return (f"{tokens} tokens · **{tokens_per_second:.1f} tokens/s** · weights {mb(weight_bytes)}"
+            + (" · stopped" if stopped else ""))
+
+
+def message_text(content) -> str:
+    """Text of one chat message's content: a string, a list of blocks ({"type": "text", "text": ...}), one
+    block, or a (path, alt) tuple. Non-text blocks contribute nothing."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, dict):
+        if content.get("type", "text") == "text" and isinstance(content.get("text"), str):
+            return content["text"]
+        return ""
+    if isinstance(content, list):
+        return "".join(message_text(c) for c in content)
+    return ""  # a (file path, alt text) tuple or a component: no text
+
+
+def normalize_history(history) -> list[dict]:
+    """Chatbot value -> [{"role", "content": str}] with text-only contents (Gradio 6 may send blocks)."""
+    messages = []
+    for m in history or []:
+        role = m.get("role") if isinstance(m, dict) else getattr(m, "role", None)
+        content = m.get("content") if isinstance(m, dict) else getattr(m, "content", None)
+        if role in ("user", "assistant"):
+            messages.append({"role": role, "content": message_text(content)})
+    return messages
