@@ -26,7 +26,7 @@ def test_reports_stream_per_linear_and_model_matches_states(tiny_model, calib_id
     assert [r.name for r in seen] == list(result.states) and len(seen) == 14
     assert seen[0].name == "model.layers.0.self_attn.q_proj" and seen[0].block == 0
     for r in seen:
-        assert r.rel_output_error is not None and 0 < r.rel_output_error < 1
+        assert 0.02 < r.rel_output_error < 0.1  # one index bit per weight: measured 0.049-0.056 per block
         assert r.index_bits == 1.0 and r.total_bits > 1.0
     # the returned model holds exactly the dequantized states; the input model is untouched
 
