@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import platform
 import time
@@ -14,10 +15,14 @@ import transformers
 from . import __version__
 from .data import calibration_windows
 from .eval import EvalResult, evaluate
-from .models import BUNDLED, load_model
+from .models import BUNDLED, NotStreamable, load_model, model_directory, open_streaming
+from .quant import methods
+from .quant.blocks import decoder_blocks
 from .quant.config import CalibConfig
-from .quant.pipeline import quantize_model, total_linear_shapes
-from .storage.checkpoint import save_quantized
+from .quant.pipeline import BlockDone, quantize_model, total_linear_shapes
+from .quant.source import SafetensorsWeights
+from .resume import PartialRun, tensor_digest
+from .storage.checkpoint import pack_layer, quant_method_of, save_packed
 
 REPORT_NAME = "quant_report.json"
 
@@ -55,28 +60,125 @@ def quantize_to_dir(
     on_start: Callable[[int], None] | None = None,
     evaluate_after: bool = False,
     save_dtype: torch.dtype = torch.bfloat16,
+    resume: bool = False,
+    stream: bool | str = "auto",
 ) -> tuple[Path, dict]:
     """Load ``model_name``, quantize it with ``method``/``config`` on ``calib`` data, write the packed
-    checkpoint to ``out_dir``. Returns (directory, summary). A cancelled run writes nothing and returns
-    ``summary["cancelled"] = True``."""
-    model, tok = load_model(model_name, dtype=torch.float32)
+    checkpoint to ``out_dir``. Returns (directory, summary).
+
+    Memory: with ``stream`` "auto" (default) a model stored as safetensors is built on the meta device and
+    each block is read from disk when it is quantized and freed afterwards (``models.open_streaming``), so
+    the run holds about one block plus the calibration activations and the non-block tensors, whatever the
+    model's size; other sources (tiny models built in code, .bin checkpoints) are loaded whole in their own
+    dtype. ``stream=True`` refuses those, ``False`` always loads the whole model.
+
+    Every finished block is written to ``<out_dir>/.partial`` (``vptq_core.resume``). A run that is
+    interrupted (killed, or cancelled through ``should_stop``: ``summary["cancelled"] = True``, nothing else
+    is written) continues from its last finished block with ``resume=True`` and writes the same checkpoint as
+    an uninterrupted run; a resume with a different model, method, settings, calibration, save dtype or
+    device is refused (ValueError saying what differs). ``resume=False`` starts over, discarding an
+    unfinished run. The partial directory is removed once the checkpoint is written.
+    """
+    method_obj = methods.get(method)
+    method_obj.check_config(config)
+    if stream not in ("auto", True, False):
+        raise ValueError(f"stream must be 'auto', True or False, got {stream!r}")
+    source, stream_note = None, "off"
+    if stream is not False:
+        try:
+            source = open_streaming(model_name)
+            stream_note = "on"
+        except NotStreamable as exc:
+            if stream is True:
+                raise ValueError(f"cannot stream {model_name!r} block by block: {exc}") from None
+            stream_note = f"off: {exc}"
+    if source is not None:
+        model, tok = source.model, source.tokenizer
+    else:
+        model, tok = load_model(model_name, dtype="auto")
     calib_ids = calibration_windows(tok, calib.text, calib.samples, calib.seqlen, calib.seed)
     if on_start:
         on_start(len(total_linear_shapes(model)))
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    _, result = quantize_model(model, calib_ids, method, config, on_layer=on_layer, should_stop=should_stop,
-                               device=dev, inplace=False)
+    blocks_total = len(decoder_blocks(model))
+    fingerprint = run_fingerprint(model_name, model, method_obj, config, calib, calib_ids, save_dtype, dev)
+    partial = PartialRun(out_dir)
+    point = None
+    if resume and partial.exists():
+        point = partial.resume_point(fingerprint, blocks_total)
+    if point is None:
+        partial.start(fingerprint, blocks_total)
+
+    def persist(done: BlockDone) -> None:
+        packed = {name: pack_layer(state, save_dtype) for name, state in done.states.items()}
+        kinds = {quant_method_of(state) for state in done.states.values()}
+        if len(kinds) != 1:
+            raise ValueError(f"block {done.index} mixes quantized layer kinds {sorted(kinds)}")
+        partial.write_block(done, packed, kinds.pop())
+
+    _, result = quantize_model(
+        model, calib_ids, method_obj, config, on_layer=on_layer, should_stop=should_stop, device=dev, inplace=True,
+        weights=source.weights if source is not None else None, capture_dtype=torch.float32, on_block=persist,
+        resume=point, keep_states=False,
+    )
     summary = result.summary()
+    summary["resumed_from_block"] = point.blocks_done if point is not None else 0
+    summary["streaming"] = stream_note
     if result.cancelled:
+        summary["partial"] = str(partial.dir)
         return Path(out_dir), summary
     report = build_report(model_name, result, calib, dev)
-    out = save_quantized(model, tok, result.states, out_dir, report=report, dtype=save_dtype)
+    report["streaming"] = stream_note
+    report["resumed_from_block"] = summary["resumed_from_block"]
+    dims = partial.layer_dims()
+    if source is not None:
+        source.fill_remaining(skip=tuple(dims))  # block norms (small) for the writer; quantized linears stay on meta
+    out = save_packed(model, tok, partial.quant_method(), dims, partial.packed_layers(), out_dir, report=report,
+                      dtype=save_dtype)
+    partial.remove()
+    del model, source
     if evaluate_after:
         ev = evaluate_model(str(out), reference=model_name, seqlen=calib.seqlen, max_windows=16)
         report["eval"] = ev.to_dict()
         summary["eval"] = ev.to_dict()
         _merge_report(out, {"eval": report["eval"]})
     return out, summary
+
+
+_VOLATILE_CONFIG_KEYS = ("transformers_version", "dtype", "torch_dtype", "name_or_path")
+
+
+def run_fingerprint(model_name: str, model, method, config, calib: CalibConfig, calib_ids: torch.Tensor,
+                    save_dtype: torch.dtype, device: str) -> dict:
+    """What must match for a run to resume another: the model (name, its files, its config), the method
+    and settings, the calibration (settings and the token ids themselves), the save dtype and the device."""
+    directory = None
+    try:
+        directory = model_directory(model_name)
+    except ValueError:
+        pass
+    files = None
+    if directory is not None:
+        try:
+            files = SafetensorsWeights(directory).fingerprint()
+        except ValueError:
+            files = None
+    model_config = {k: v for k, v in model.config.to_dict().items()
+                    if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS}
+    config_digest = hashlib.sha1(json.dumps(model_config, sort_keys=True, default=str).encode()).hexdigest()
+    return {
+        "model": {"source": model_name, "files": files, "config_sha1": config_digest},
+        "method": method.name, "settings": config.to_dict(), "calibration": calib.to_dict(),
+        "calibration_ids": tensor_digest(calib_ids), "save_dtype": str(save_dtype).removeprefix("torch."),
+        "device": torch.device(device).type,
+    }
+
+
+def partial_status(out_dir: str | Path) -> dict | None:
+    """{"blocks_done", "blocks_total", "dir"} of an unfinished run in ``out_dir``, or None."""
+    partial = PartialRun(out_dir)
+    status = partial.status()
+    return None if status is None else {**status, "dir": str(partial.dir)}
 
 
 def _merge_report(out: Path, extra: dict) -> None:

@@ -129,6 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--threads", type=_positive, help="torch CPU threads (default: all cores)")
     q.add_argument("--eval", action="store_true", help="evaluate against the original after quantizing")
+    q.add_argument("--resume", action="store_true", help="continue the interrupted run in OUT/.partial from its last "
+                   "finished block (same model, method, settings and calibration, or it is refused)")
+    q.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="read each block from the model's safetensors files when it is quantized (bounded memory); "
+                   "default: whenever the model is a safetensors directory, --no-stream loads it whole")
     q.add_argument("--quiet", action="store_true", help="no progress bar")
 
     e = sub.add_parser("eval", help="perplexity (and KL / top-1 agreement vs the original)",
@@ -189,7 +194,7 @@ def method_config_from_args(args):
 def _cmd_quantize(args) -> int:
     import torch
 
-    from .api import quantize_to_dir
+    from .api import partial_status, quantize_to_dir
 
     config = method_config_from_args(args)
     calib = CalibConfig(text=args.calib_text, samples=args.calib_samples, seqlen=args.seqlen, seed=args.seed)
@@ -198,6 +203,11 @@ def _cmd_quantize(args) -> int:
     device = None if args.device == "auto" else args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available; use --device cpu or auto")
+    unfinished = partial_status(args.out)
+    if unfinished and not args.resume:
+        raise ValueError(f"--out {args.out} holds an unfinished run ({unfinished['blocks_done']} of "
+                         f"{unfinished['blocks_total']} blocks done, in {unfinished['dir']}); pass --resume to "
+                         "continue it, or remove that directory to start over")
     bar = None
     if not args.quiet:
         from tqdm import tqdm
@@ -214,8 +224,10 @@ def _cmd_quantize(args) -> int:
             bar.total = total
             bar.refresh()
 
+    stream = "auto" if args.stream is None else args.stream
     out, summary = quantize_to_dir(args.model, args.method, config, calib, args.out, device=device,
-                                   on_layer=on_layer, on_start=on_start, evaluate_after=args.eval)
+                                   on_layer=on_layer, on_start=on_start, evaluate_after=args.eval,
+                                   resume=args.resume, stream=stream)
     if bar is not None:
         bar.close()
     print(json.dumps({"out": str(out), **summary}, indent=2, default=str))
@@ -278,7 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"{parser.prog} {args.command}: interrupted", file=sys.stderr)
+        hint = ""
+        if args.command == "quantize" and (Path(args.out) / ".partial" / "run.json").is_file():
+            hint = f"; the finished blocks are kept in {Path(args.out) / '.partial'}: rerun with --resume to continue"
+        print(f"{parser.prog} {args.command}: interrupted{hint}", file=sys.stderr)
         return 130
 
 

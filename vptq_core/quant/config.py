@@ -92,6 +92,27 @@ class VPTQConfig(ConfigBase):
     # lr 1e-3 cut the block's output error on held-out windows by 10% (1e-4: by 4%); 96 steps by 11%.
     finetune_iters: int = 0
     finetune_lr: float = 1e-3
+    # Layer-wise fine-tuning (quant/finetune.py) also trains the block's norm weights and biases at this lr
+    # (0 = codebooks only), over shuffled minibatches of finetune_batch windows with a cosine schedule; the
+    # last finetune_holdout of the calibration windows are never trained on and pick the best check (every
+    # finetune_eval_every steps and at the end; 0 = only at the end), the untuned block included.
+    finetune_norm_lr: float = 1e-3
+    finetune_batch: int = 2
+    finetune_holdout: float = 0.125
+    finetune_eval_every: int = 0
+    # Autocast dtype of the training steps of fine-tuning and distillation (held-out checks run in float32).
+    train_dtype: str = "bfloat16"
+    # End-to-end distillation (quant/distill.py) after all blocks: every codebook and 1-D tensor (norms,
+    # biases) against the original model's next-token distributions, KL(P_orig || P_quant) on the teacher's
+    # top distill_topk tokens + one bucket for the rest; 0 steps = off.
+    distill_iters: int = 0
+    distill_lr: float = 1e-4
+    distill_norm_lr: float = 1e-4
+    distill_batch: int = 1
+    distill_topk: int = 64
+    distill_holdout: float = 0.125
+    distill_eval_every: int = 0
+    distill_checkpointing: bool = True
     # Conjugate-gradient steps refitting every codebook of a layer after the sweep (indices fixed) on
     # tr(ΔW H ΔWᵀ); 0 = off. See quant/refit.py.
     refit_iters: int = 0
@@ -121,8 +142,21 @@ class VPTQConfig(ConfigBase):
         check_int("finetune_iters", self.finetune_iters, 0, 100000)
         check_int("refit_iters", self.refit_iters, 0, 1000)
         check_float("finetune_lr", self.finetune_lr, 0.0, 1.0, lo_open=True)
+        check_float("finetune_norm_lr", self.finetune_norm_lr, 0.0, 1.0)
+        check_int("finetune_batch", self.finetune_batch, 1, 4096)
+        check_float("finetune_holdout", self.finetune_holdout, 0.0, 0.5)
+        check_int("finetune_eval_every", self.finetune_eval_every, 0, 100000)
+        if self.train_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"train_dtype must be 'bfloat16' or 'float32', got {self.train_dtype!r}")
+        check_int("distill_iters", self.distill_iters, 0, 1000000)
+        check_float("distill_lr", self.distill_lr, 0.0, 1.0)
+        check_float("distill_norm_lr", self.distill_norm_lr, 0.0, 1.0)
+        check_int("distill_batch", self.distill_batch, 1, 4096)
+        check_int("distill_topk", self.distill_topk, 1, 1 << 20)
+        check_float("distill_holdout", self.distill_holdout, 0.0, 0.5)
+        check_int("distill_eval_every", self.distill_eval_every, 0, 1000000)
         check_int("seed", self.seed, 0)
-        check_bools(self, ("enable_norm", "enable_perm", "second_order"))
+        check_bools(self, ("enable_norm", "enable_perm", "second_order", "distill_checkpointing"))
 
     @property
     def index_bits(self) -> int:

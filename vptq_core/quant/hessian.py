@@ -1,11 +1,18 @@
-"""Layer Hessians ``H = 2 XᵀX / n`` of the reconstruction loss, damping and the inverse Cholesky factor."""
+"""Layer Hessians ``H = 2 XᵀX / n`` of the reconstruction loss, damping and the inverse Cholesky factor.
+
+Everything stays on the device of its inputs, in full float32 (``device.exact_float32``); the only host
+syncs are one per factorisation (did the Cholesky succeed) and the two numbers of ``proxy_loss``.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 
 import torch
+
+from .device import exact_float32
+
+_FACTORS = "inverse_hessian_cholesky"  # the key of ``inverse_hessian_cholesky``'s entries in a caller's cache
 
 
 @contextlib.contextmanager
@@ -32,7 +39,8 @@ class HessianAccumulator:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features, Hessian expects {self.in_features}")
         x = x.reshape(-1, self.in_features).to(self.sum.device, torch.float32)
-        self.sum.addmm_(x.T, x)
+        with exact_float32():
+            self.sum.addmm_(x.T, x)
         self.tokens += x.shape[0]
 
     @property
@@ -45,15 +53,16 @@ class HessianAccumulator:
 def prepare_hessian(W: torch.Tensor, H: torch.Tensor, damp_percent: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Dead input columns (H_jj == 0) get H_jj = 1 and zero weight; add ``damp_percent · mean(diag H)``.
 
-    Returns (W', H') as new float32 tensors.
+    Returns (W', H') as new float32 tensors (masks, not boolean indexing: no host sync on CUDA).
     """
     W = W.float().clone()
     H = H.float().clone()
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1.0
-    W[:, dead] = 0.0
-    damp = damp_percent * torch.mean(torch.diag(H))
-    H.diagonal().add_(damp)
+    diag = H.diagonal()
+    dead = diag == 0
+    diag.masked_fill_(dead, 1.0)
+    W.masked_fill_(dead.unsqueeze(0), 0.0)
+    damp = damp_percent * torch.mean(torch.diag(H))  # a contiguous copy: the same sum order as always
+    diag.add_(damp)
     return W, H
 
 
@@ -61,36 +70,39 @@ def inverse_hessian_cholesky(H: torch.Tensor, cache: dict | None = None) -> torc
     """Upper Cholesky factor ``U`` of ``H⁻¹`` (``H⁻¹ = UᵀU``), retrying with more damping if needed.
 
     ``cache`` (a dict owned by the caller, e.g. one per block) reuses the factor for identical matrices:
-    q/k/v and gate/up share their Hessian and, without normalisation, their column order.
+    q/k/v and gate/up share their Hessian and, without normalisation, their column order. Matrices are
+    compared exactly on their own device (``torch.equal``: one sync per cached entry, no host copy).
     """
-    key = None
+    entries = None
     if cache is not None:
-        key = (tuple(H.shape), hashlib.sha1(H.detach().cpu().contiguous().numpy().tobytes()).hexdigest())
-        if key in cache:
-            return cache[key]
+        entries = cache.setdefault(_FACTORS, [])
+        for seen, U in entries:
+            if seen.shape == H.shape and seen.dtype == H.dtype and seen.device == H.device and torch.equal(seen, H):
+                return U
     U = _inverse_cholesky(H)
-    if cache is not None:
-        cache[key] = U
+    if entries is not None:
+        entries.append((H.detach().clone(), U))
     return U
 
 
 def _inverse_cholesky(H: torch.Tensor) -> torch.Tensor:
     eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
     extra = 0.0
-    for _ in range(6):
-        L, info = torch.linalg.cholesky_ex(H + extra * eye)
-        if info == 0:
-            H_inv = torch.cholesky_inverse(L)
-            U, info = torch.linalg.cholesky_ex(H_inv, upper=True)
+    with exact_float32():
+        for _ in range(6):
+            L, info = torch.linalg.cholesky_ex(H + extra * eye)
             if info == 0:
-                return U
-        extra = max(extra * 10, 1e-4 * float(torch.mean(torch.diag(H))))
+                H_inv = torch.cholesky_inverse(L)
+                U, info = torch.linalg.cholesky_ex(H_inv, upper=True)
+                if info == 0:
+                    return U
+            extra = max(extra * 10, 1e-4 * float(torch.mean(torch.diag(H))))
     raise ValueError("Hessian is not positive definite even after extra damping; increase damp_percent")
 
 
 def proxy_loss(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> tuple[float, float]:
     """``tr(ΔW H ΔWᵀ)`` and its value relative to ``tr(W H Wᵀ)``."""
     dW = (W_hat.float() - W.float())
-    num = float(torch.sum((dW @ H) * dW))
-    den = float(torch.sum((W.float() @ H) * W.float()))
+    with exact_float32():
+        num, den = torch.stack([torch.sum((dW @ H) * dW), torch.sum((W.float() @ H) * W.float())]).tolist()
     return num, num / den if den > 0 else float("inf")

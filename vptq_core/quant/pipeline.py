@@ -21,6 +21,7 @@ from .bits import BitsInfo
 from .blocks import block_linears, blocks_prefix, check_linear_shapes, decoder_blocks
 from .hessian import HessianAccumulator
 from .methods import BlockContext, Cancelled, Method, QuantResult
+from .source import BlockWeights
 from .timing import Timings
 
 OnLayer = Callable[["LayerReport"], None]
@@ -74,7 +75,7 @@ class QuantizeResult:
 
     def summary(self) -> dict:
         return {
-            "method": self.method, "config": self.config, "layers": len(self.states),
+            "method": self.method, "config": self.config, "layers": len(self.reports),
             "blocks_done": self.blocks_done, "cancelled": self.cancelled, "seconds": round(self.seconds, 2),
             "timings": {k: round(v, 2) for k, v in self.timings.items()},
             "index_bits_per_weight": self.bits.index_bits_per_weight if self.bits.weights else None,
@@ -151,14 +152,26 @@ class BlockKwargs(dict):
         return moved
 
 
+def _passthrough(*args, **kwargs):
+    return args[0] if args else kwargs["hidden_states"]
+
+
 @torch.no_grad()
-def capture_block_inputs(model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, BlockKwargs]:
+def capture_block_inputs(
+    model: nn.Module, input_ids: torch.Tensor, stub_blocks: bool = False, embeds_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, BlockKwargs]:
     """Hidden states entering block 0 for every row of ``input_ids`` [n, seq] -> ([n, seq, hidden], kwargs).
 
     ``kwargs`` (a ``BlockKwargs``) are the extra arguments the model passes to each of its blocks (rotary
     embeddings, mask, ...), captured per block during one forward of the first row, stopped before the LM
     head; the other rows stop at block 0. Blocks are then called with ``use_cache=False`` and no cache
     object (a cache would silently stack keys across calibration batches).
+
+    ``stub_blocks``: the blocks pass their input through during the capture instead of running (their
+    weights may be on the meta device: a streamed model); the arguments do not depend on block outputs.
+    ``embeds_dtype``: feed the model ``inputs_embeds`` (its own embedding of the ids) cast to this dtype, so
+    masks and rotary embeddings come in that dtype whatever the weights' (bf16 weights, fp32 work); needs
+    ``stub_blocks`` unless the blocks run in that dtype.
     """
     blocks = decoder_blocks(model)
     captured: list[torch.Tensor] = []
@@ -177,11 +190,19 @@ def capture_block_inputs(model: nn.Module, input_ids: torch.Tensor) -> tuple[tor
         return hook
 
     handles = [block.register_forward_pre_hook(make_hook(i), with_kwargs=True) for i, block in enumerate(blocks)]
-    device = next(model.parameters()).device
+    embed = model.get_input_embeddings() if embeds_dtype is not None else None
+    device = (embed.weight if embed is not None else next(model.parameters())).device
+    if stub_blocks:
+        for block in blocks:
+            block.forward = _passthrough  # an instance attribute: removed again below
     try:
         for row in input_ids:
+            ids = row.unsqueeze(0).to(device)
             try:
-                model(row.unsqueeze(0).to(device), use_cache=False)
+                if embed is not None:
+                    model(inputs_embeds=embed(ids).to(embeds_dtype), use_cache=False)
+                else:
+                    model(ids, use_cache=False)
             except _StopForward:
                 pass
             if len(handles) > 1 and per_block[-1] is not None:  # every block's arguments are known
@@ -191,6 +212,9 @@ def capture_block_inputs(model: nn.Module, input_ids: torch.Tensor) -> tuple[tor
     finally:
         for handle in handles:
             handle.remove()
+        if stub_blocks:
+            for block in blocks:
+                block.__dict__.pop("forward", None)
     missing = [i for i, kw in enumerate(per_block) if kw is None]
     if missing:
         raise ValueError(f"{type(model).__name__}'s forward never called decoder blocks {missing[:8]}; "
@@ -237,15 +261,88 @@ def _kwargs_to(kwargs: dict, device: torch.device, dtype: torch.dtype) -> dict:
 
 
 def quantize_linears(ctx: BlockContext) -> None:
-    """The default block step: each linear on its own with the method's ``quantize_linear``."""
+    """The default block step: each linear on its own with the method's ``quantize_linear``.
+
+    With ``quant.distributed`` active (several ranks, e.g. under torchrun) the block's linears are split
+    across the ranks, balanced by weight count; each rank quantizes its share, then every rank receives every
+    result and publishes all of them in block order, so all ranks hold the same states and quantized block.
+    Stopping or failing on any rank stops every rank at the same point (no rank is left waiting). Timings
+    then hold this rank's own work plus ``exchange`` (waiting for the others and the transfer).
+    """
+    from . import distributed  # here, not at the top: this function is the pipeline's only use of it
+
     cache: dict = {}  # shared by the block's linears (inverse-Hessian factors of shared inputs)
-    for name, linear in ctx.linears.items():
-        if ctx.should_stop():
-            raise Cancelled
-        t0 = time.perf_counter()
-        res = ctx.method.quantize_linear(linear.weight.data, ctx.hessians[name], ctx.config, linear.bias, cache)
-        ctx.result.timings.merge(res.timings or {"quantize": time.perf_counter() - t0})
-        ctx.publish(name, res, time.perf_counter() - t0)
+    if not distributed.active():
+        for name, linear in ctx.linears.items():
+            if ctx.should_stop():
+                raise Cancelled
+            t0 = time.perf_counter()
+            res = ctx.method.quantize_linear(linear.weight.data, ctx.hessians[name], ctx.config, linear.bias, cache)
+            ctx.result.timings.merge(res.timings or {"quantize": time.perf_counter() - t0})
+            ctx.publish(name, res, time.perf_counter() - t0)
+        return
+
+    owner = distributed.assign({n: m.weight.numel() for n, m in ctx.linears.items()}, distributed.world_size())
+    me = distributed.rank()
+    done: dict[str, tuple[QuantResult, float]] = {}
+    status, error = distributed.OK, None
+    try:
+        for name, linear in ctx.linears.items():
+            if owner[name] != me:
+                continue
+            if ctx.should_stop():
+                status = distributed.STOPPED
+                break
+            t0 = time.perf_counter()
+            res = ctx.method.quantize_linear(linear.weight.data, ctx.hessians[name], ctx.config, linear.bias, cache)
+            seconds = time.perf_counter() - t0
+            ctx.result.timings.merge(res.timings or {"quantize": seconds})
+            done[name] = (res, seconds)
+    except Exception as exc:  # noqa: BLE001 - re-raised below, once the other ranks know
+        status, error = distributed.FAILED, exc
+    status = distributed.agree(status)
+    if error is not None:
+        raise error
+    if status == distributed.FAILED:
+        raise RuntimeError(f"another rank failed while quantizing block {ctx.index}; its output says why")
+    if status == distributed.STOPPED:
+        raise Cancelled
+    with ctx.result.timed("exchange"):
+        results = distributed.exchange(done, next(iter(ctx.linears.values())).weight.device)
+    for name in ctx.linears:
+        res, seconds = results[name]
+        ctx.publish(name, res, seconds)
+
+
+@dataclass
+class BlockDone:
+    """What ``on_block`` receives when block ``index`` is finished: its layer states and reports (full module
+    names), the calibration activations entering the next block (``outputs``, float32), the run so far
+    (``result``: timings, bits, seconds until now in ``seconds``) and the CPU random state after the block."""
+
+    index: int
+    states: dict
+    reports: list[LayerReport]
+    outputs: torch.Tensor
+    result: QuantizeResult
+    seconds: float
+    rng_state: torch.Tensor
+
+
+@dataclass
+class ResumePoint:
+    """Where an interrupted run stopped: ``blocks_done`` finished blocks, the activations entering block
+    ``blocks_done`` (float32 [n, seq, hidden]), the finished blocks' reports, and the run's timings, bits and
+    seconds so far. ``quantize_model(..., resume=point)`` continues from there; the states of the finished
+    blocks are not needed (they were handed to ``on_block`` by the interrupted run)."""
+
+    blocks_done: int
+    inputs: torch.Tensor
+    reports: list[LayerReport] = field(default_factory=list)
+    timings: dict = field(default_factory=dict)
+    seconds: float = 0.0
+    bits: BitsInfo = field(default_factory=lambda: BitsInfo(0, 0, 0))
+    rng_state: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -259,6 +356,12 @@ def quantize_model(
     device: str | torch.device | None = None,
     inplace: bool = False,
     skip: Callable[[str], bool] | None = None,
+    *,
+    weights: BlockWeights | None = None,
+    capture_dtype: torch.dtype | None = None,
+    on_block: Callable[[BlockDone], None] | None = None,
+    resume: ResumePoint | None = None,
+    keep_states: bool = True,
 ) -> tuple[nn.Module, QuantizeResult]:
     """Quantize every linear of every decoder block of ``model``.
 
@@ -274,6 +377,20 @@ def quantize_model(
         inplace: quantize ``model`` itself instead of a copy.
         skip: optional predicate on full module names to leave some linears unquantized.
 
+    Keyword-only, for long runs and models larger than memory (``api.quantize_to_dir`` uses them):
+        weights: the model's blocks live on the meta device (``models.open_streaming``) and ``weights``
+            materialises each block (fp32, on ``device``) when it is reached and releases it afterwards, so
+            one block is resident at a time. Implies ``inplace``; the returned model's blocks stay on meta
+            (the quantized layers are in ``result.states``).
+        capture_dtype: the dtype of the hidden states, masks and rotary embeddings captured for block 0
+            (fed as ``inputs_embeds``; the blocks are stubbed during the capture). Default: the model's own,
+            through its forward on the ids, as before.
+        on_block: called with a ``BlockDone`` after each block (e.g. to persist it for a resume).
+        resume: a ``ResumePoint``: skip the finished blocks and start from its activations; its reports are
+            replayed through ``on_layer`` first. The returned model's finished blocks are left untouched.
+        keep_states: False drops each block's states from ``result.states`` once ``on_block`` has them
+            (bounded memory when the caller persists them).
+
     Returns (fake-quantized model whose linears hold the dequantized weights, ``QuantizeResult`` with the
     per-layer states to pack and save). Only the blocks' linears are quantized; embeddings, norms and the
     LM head stay as they are.
@@ -287,7 +404,7 @@ def quantize_model(
     on_layer = on_layer or (lambda _r: None)
     should_stop = should_stop or (lambda: False)
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not inplace:
+    if not inplace and weights is None:
         model = copy.deepcopy(model)
     model.eval()
     start_time = time.perf_counter()
@@ -297,13 +414,23 @@ def quantize_model(
     prefix = blocks_prefix(model)
     model_dtype = next(model.parameters()).dtype
     with result.timed("capture_inputs"):
-        inps, kwargs = capture_block_inputs(model, calib_ids)
+        stub = weights is not None or capture_dtype is not None
+        inps, kwargs = capture_block_inputs(model, calib_ids, stub_blocks=stub, embeds_dtype=capture_dtype)
         inps = inps.to(dev, torch.float32)
         kwargs = _kwargs_to(kwargs, dev, torch.float32)
+    first = 0
+    earlier_seconds = 0.0
+    if resume is not None:
+        first, inps, earlier_seconds = _apply_resume(resume, result, inps, len(blocks), on_layer)
     try:
         for b, block in enumerate(blocks):
+            if b < first:
+                continue
             if should_stop():
                 raise Cancelled
+            if weights is not None:
+                with result.timed("load_weights"):
+                    weights.load_block(block, f"{prefix}.{b}", dev, torch.float32)
             orig_device = next(block.parameters()).device
             block.to(dev, torch.float32)
             linears = {n: m for n, m in block_linears(block).items() if not (skip and skip(f"{prefix}.{b}.{n}"))}
@@ -328,19 +455,51 @@ def quantize_model(
                     metrics = hook.run(ctx)
                 for rep in ctx.reports:
                     rep.extra.update(metrics or {})
+            hessians.clear()  # ctx.hessians is this dict: free the Hessians before the pass-B activations
             with result.timed("block_outputs"):
                 outs = _run_batched(block, inps, block_kwargs)
             err = float(((outs - targets) ** 2).sum() / (targets**2).sum().clamp(min=1e-20))
+            ctx.targets = targets = None
             for rep in ctx.reports:
                 rep.rel_output_error = err
                 result.bits = result.bits + result.states[rep.name].storage_bits()
-            block.to(orig_device, model_dtype)
+            if weights is not None:
+                weights.release_block(block)
+            else:
+                block.to(orig_device, model_dtype)
             inps = outs
             result.blocks_done = b + 1
+            if on_block is not None:
+                block_states = {rep.name: result.states[rep.name] for rep in ctx.reports}
+                on_block(BlockDone(b, block_states, list(ctx.reports), outs, result,
+                                   earlier_seconds + time.perf_counter() - start_time, torch.get_rng_state()))
+            if not keep_states:
+                for rep in ctx.reports:
+                    result.states.pop(rep.name, None)
+            del ctx
     except Cancelled:
         result.cancelled = True
-    result.seconds = time.perf_counter() - start_time
+    result.seconds = earlier_seconds + time.perf_counter() - start_time
     return model, result
+
+
+def _apply_resume(resume: ResumePoint, result: QuantizeResult, inps: torch.Tensor, num_blocks: int,
+                  on_layer: OnLayer) -> tuple[int, torch.Tensor, float]:
+    """Start ``result`` where ``resume`` left off -> (first block to run, its inputs, earlier seconds)."""
+    if not 0 <= resume.blocks_done <= num_blocks:
+        raise ValueError(f"resume point has {resume.blocks_done} finished blocks; the model has {num_blocks}")
+    if tuple(resume.inputs.shape) != tuple(inps.shape):
+        raise ValueError(f"resume point's activations have shape {tuple(resume.inputs.shape)}, this run's "
+                         f"calibration gives {tuple(inps.shape)}")
+    result.reports.extend(resume.reports)
+    result.timings.merge(resume.timings)
+    result.bits = resume.bits
+    result.blocks_done = resume.blocks_done
+    if resume.rng_state is not None:
+        torch.set_rng_state(resume.rng_state)
+    for report in resume.reports:
+        on_layer(report)
+    return resume.blocks_done, resume.inputs.to(inps.device, torch.float32), resume.seconds
 
 
 def _publisher(ctx: BlockContext, on_layer: OnLayer) -> Callable[..., LayerReport]:

@@ -2,10 +2,17 @@
 
 An archive holds one checkpoint directory, either at the top of the zip or inside a single top-level folder.
 Only the files a checkpoint needs are accepted (``config.json``, ``*.safetensors``, tokenizer files,
-``quant_report.json``, ``generation_config.json``, ``chat_template.jinja``), each checked for what it claims
-to be: JSON files parse as JSON objects, safetensors files have a consistent header, text files are UTF-8.
-Nothing is unpickled. Entries with absolute paths, ``..``, backslashes, symlinks, encryption, duplicates, or
-sizes beyond the limits are rejected with an ``ArchiveError`` (a ``ValueError``) that names the entry.
+``quant_report.json``, ``generation_config.json``, ``chat_template.jinja``, the model card ``README.md``), each
+checked for what it claims to be: JSON files parse as JSON objects, safetensors files have a consistent header,
+text files are UTF-8. Nothing is unpickled. Entries with absolute paths, ``..``, backslashes, symlinks,
+encryption, duplicates, or sizes beyond the limits are rejected with an ``ArchiveError`` (a ``ValueError``)
+that names the entry, the limit and the value.
+
+Size limits (``inspect_archive`` on the declared sizes, ``extract_checkpoint`` again on the bytes actually
+written, since a zip's headers may lie): ``max_bytes`` unpacked in total, ``max_entry_bytes`` per file, at most
+``max_ratio`` unpacked bytes per compressed byte per entry and for the whole archive against its real size on
+disk (entries and archives unpacking to less than ``RATIO_FLOOR`` bytes are exempt: small JSON compresses
+well), and ``max_files`` entries.
 """
 
 from __future__ import annotations
@@ -24,12 +31,15 @@ JSON_FILES = frozenset({
     "config.json", "generation_config.json", "quant_report.json", "tokenizer.json", "tokenizer_config.json",
     "special_tokens_map.json", "added_tokens.json", "vocab.json", "model.safetensors.index.json",
 })
-TEXT_FILES = frozenset({"chat_template.jinja", "merges.txt"})
+TEXT_FILES = frozenset({"chat_template.jinja", "merges.txt", "README.md"})
 REQUIRED_FILES = ("config.json",)
 SAFETENSORS_SUFFIX = ".safetensors"
 
-DEFAULT_MAX_BYTES = 2 * 1024**3  # uncompressed total of all entries
+DEFAULT_MAX_BYTES = 2_000_000_000  # uncompressed total of all entries
+DEFAULT_MAX_ENTRY_BYTES = 2_000_000_000  # uncompressed size of one entry
 DEFAULT_MAX_FILES = 64
+DEFAULT_MAX_RATIO = 100.0  # uncompressed / compressed bytes (stored safetensors: 1; tokenizer JSON: 3-5)
+RATIO_FLOOR = 1_000_000  # below this many unpacked bytes the ratio is not checked
 _MAX_JSON_BYTES = 64 * 1024**2
 _MAX_SAFETENSORS_HEADER = 100 * 1024**2
 _COPY_CHUNK = 1 << 20
@@ -90,15 +100,37 @@ def _check_part(part: str, what: str) -> None:
         raise ArchiveError(f"{what} {part!r} is not a plain file or folder name")
 
 
+def _size(n: int) -> str:
+    return f"{n} bytes ({n / 1e6:.1f} MB)"
+
+
+def _ratio_budget(compressed: int, max_ratio: float) -> float:
+    """Unpacked bytes allowed for ``compressed`` bytes at ``max_ratio`` (at least ``RATIO_FLOOR``)."""
+    return max(max_ratio * compressed, RATIO_FLOOR)
+
+
+def _check_limits(max_bytes: int, max_files: int, max_entry_bytes: int, max_ratio: float) -> None:
+    for name, value in (("max_bytes", max_bytes), ("max_files", max_files), ("max_entry_bytes", max_entry_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    if not isinstance(max_ratio, (int, float)) or isinstance(max_ratio, bool) or not max_ratio >= 1:
+        raise ValueError(f"max_ratio must be a number >= 1, got {max_ratio!r}")
+
+
 def inspect_archive(
-    zip_path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES, max_files: int = DEFAULT_MAX_FILES
+    zip_path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES, max_files: int = DEFAULT_MAX_FILES,
+    max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES, max_ratio: float = DEFAULT_MAX_RATIO,
+    total_label: str = "the limit",
 ) -> list[ArchiveEntry]:
     """Check an archive's listing (no data read yet) and return the checkpoint files it holds.
 
     Raises ``ArchiveError`` for: not a zip, too many entries, an unsafe or unexpected entry name, symlinks,
-    encrypted entries, duplicates, a missing ``config.json`` or safetensors file, or more than ``max_bytes``
-    uncompressed in total.
+    encrypted entries, duplicates, a missing ``config.json`` or safetensors file, an entry declaring more than
+    ``max_entry_bytes`` or a compression ratio above ``max_ratio``, or more than ``max_bytes`` uncompressed in
+    total (``total_label`` says what that limit is, e.g. "your disk quota") or more than ``max_ratio`` times
+    the archive's size.
     """
+    _check_limits(max_bytes, max_files, max_entry_bytes, max_ratio)
     path = Path(zip_path)
     if not path.is_file():
         raise ArchiveError(f"archive {str(path)!r} does not exist")
@@ -146,9 +178,17 @@ def inspect_archive(
             )
         if info.file_size < 0:
             raise ArchiveError(f"entry {member!r} declares a negative size")
+        if info.file_size > max_entry_bytes:
+            raise ArchiveError(f"entry {member!r} unpacks to {_size(info.file_size)}; at most "
+                               f"{_size(max_entry_bytes)} per file are allowed")
+        if info.file_size > _ratio_budget(info.compress_size, max_ratio):
+            raise ArchiveError(f"entry {member!r} unpacks to {_size(info.file_size)} from {info.compress_size} "
+                               f"compressed bytes, a ratio of {info.file_size / max(info.compress_size, 1):.0f}; "
+                               f"at most {max_ratio:g} is allowed")
         total += info.file_size
         if total > max_bytes:
-            raise ArchiveError(f"archive expands to more than {max_bytes} bytes (limit); entry {member!r} crosses it")
+            raise ArchiveError(f"archive expands to more than {_size(max_bytes)} ({total_label}); entry "
+                               f"{member!r} crosses it")
         entries.append(ArchiveEntry(name=name, member=member, size=info.file_size))
     if len(folders) > 1 or (folders and any(len(PurePosixPath(e.member).parts) == 1 for e in entries)):
         raise ArchiveError(f"archive must hold one checkpoint: files at the top or in one folder, got folders "
@@ -162,44 +202,76 @@ def inspect_archive(
         raise ArchiveError(f"archive has no {', '.join(missing)}; it is not a checkpoint")
     if not any(n.endswith(SAFETENSORS_SUFFIX) for n in names):
         raise ArchiveError("archive has no *.safetensors weights file; it is not a checkpoint")
+    archive_bytes = path.stat().st_size
+    if total > _ratio_budget(archive_bytes, max_ratio):
+        raise ArchiveError(f"archive of {_size(archive_bytes)} declares {_size(total)} unpacked, a ratio of "
+                           f"{total / max(archive_bytes, 1):.0f}; at most {max_ratio:g} is allowed")
     return entries
 
 
 def extract_checkpoint(
     zip_path: str | os.PathLike, dest_dir: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES,
-    max_files: int = DEFAULT_MAX_FILES,
+    max_files: int = DEFAULT_MAX_FILES, max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES,
+    max_ratio: float = DEFAULT_MAX_RATIO, total_label: str = "the limit",
 ) -> Path:
     """Validate ``zip_path`` and extract its checkpoint files flat into ``dest_dir`` (created; must be new or
-    empty). Sizes are enforced while writing (a zip may lie about them), then every file's content is checked.
-    On any error nothing is left in ``dest_dir`` and ``ArchiveError`` names the entry and the problem."""
-    entries = inspect_archive(zip_path, max_bytes=max_bytes, max_files=max_files)
+    empty). The limits (see ``inspect_archive``) are enforced again on the bytes written, since a zip may lie
+    about its sizes: an entry may not write more than it declared, than ``max_entry_bytes`` or than
+    ``max_ratio`` times its compressed size, and all entries together no more than ``max_bytes`` or
+    ``max_ratio`` times the archive's size. Then every file's content is checked. On any error nothing is
+    left in ``dest_dir`` and ``ArchiveError`` names the entry, the limit and the value."""
+    entries = inspect_archive(zip_path, max_bytes=max_bytes, max_files=max_files, max_entry_bytes=max_entry_bytes,
+                              max_ratio=max_ratio, total_label=total_label)
     dest = Path(dest_dir)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ValueError(f"dest_dir {str(dest)!r} must not exist or be an empty directory")
+    created = not dest.exists()
     dest.mkdir(parents=True, exist_ok=True)
+    total_budget = min(max_bytes, _ratio_budget(Path(zip_path).stat().st_size, max_ratio))
     try:
         written = 0
         with zipfile.ZipFile(zip_path) as zf:
             for entry in entries:
+                info = zf.getinfo(entry.member)
+                entry_budget = min(entry.size, max_entry_bytes, _ratio_budget(info.compress_size, max_ratio))
                 target = dest / entry.name
                 with zf.open(entry.member) as src, open(target, "xb") as dst:
                     count = 0
                     while chunk := src.read(_COPY_CHUNK):
                         count += len(chunk)
                         written += len(chunk)
-                        if count > entry.size or written > max_bytes:
-                            raise ArchiveError(f"entry {entry.member!r} expands beyond its declared size "
-                                               f"or the {max_bytes}-byte limit")
+                        if count > entry_budget:
+                            raise ArchiveError(
+                                f"entry {entry.member!r} unpacks to more than it may: it declared {entry.size} bytes; "
+                                f"limits {_size(max_entry_bytes)} per file and a compression ratio of "
+                                f"{max_ratio:g} ({info.compress_size} compressed bytes)")
+                        if written > total_budget:
+                            raise ArchiveError(
+                                f"archive unpacks to more than {_size(int(total_budget))} (entry {entry.member!r} "
+                                f"crosses it): limits {_size(max_bytes)} ({total_label}) and a compression ratio "
+                                f"of {max_ratio:g}")
                         dst.write(chunk)
         for entry in entries:
             check_file(dest / entry.name)
     except zipfile.BadZipFile as exc:
-        shutil.rmtree(dest, ignore_errors=True)
+        _remove(dest, created)
         raise ArchiveError(f"damaged archive: {exc}") from None
     except BaseException:
-        shutil.rmtree(dest, ignore_errors=True)
+        _remove(dest, created)
         raise
     return dest
+
+
+def _remove(dest: Path, created: bool) -> None:
+    """Undo an extraction: the directory if this call made it, else only what it wrote into it."""
+    if created:
+        shutil.rmtree(dest, ignore_errors=True)
+        return
+    for child in dest.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
 
 
 def check_file(path: str | os.PathLike) -> None:

@@ -21,6 +21,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import accelerate
@@ -28,7 +32,6 @@ import safetensors
 import torch
 import transformers
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers import initialization as hf_init
@@ -179,23 +182,130 @@ def swap_quantized_modules(
 
 
 # ------------------------------------------------------------------------------------------------- saving
+class SafetensorsWriter:
+    """Writes a safetensors file one tensor at a time, so a checkpoint larger than memory can be written.
+
+    ``add(name, tensor)`` appends the tensor's bytes to a spool file per element size (next to the target);
+    ``close(metadata)`` writes the header and the spools, largest elements first, so every tensor stays
+    aligned to its element size as ``safetensors.torch.save_file`` lays them out, then renames the file into
+    place (an interrupted write leaves no partial file under the target name). Use as a context manager: on
+    an exception the spools and the temporary file are removed.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._entries: dict[int, list[tuple[str, str, list[int], int]]] = {}
+        self._spools: dict[int, object] = {}
+        self._names: set[str] = set()
+
+    def _spool_path(self, size: int) -> Path:
+        return self.path.with_name(f".{self.path.name}.spool{size}")
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._names:
+            raise ValueError(f"tensor {name!r} added twice")
+        tensor = tensor.detach().to("cpu").contiguous()
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {tensor.dtype} cannot be stored in safetensors")
+        size = tensor.element_size()
+        if size not in self._spools:
+            self._spools[size] = self._spool_path(size).open("wb")
+            self._entries[size] = []
+        data = tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
+        self._spools[size].write(memoryview(data))
+        self._entries[size].append((name, _SAFETENSORS_DTYPES[tensor.dtype], list(tensor.shape), len(data)))
+        self._names.add(name)
+
+    def close(self, metadata: dict[str, str] | None = None) -> Path:
+        header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+        offset = 0
+        order = sorted(self._spools, reverse=True)
+        for size in order:
+            self._spools[size].close()
+            for name, dtype, shape, nbytes in self._entries[size]:
+                header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+                offset += nbytes
+        text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        text += b" " * (-len(text) % 8)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with tmp.open("wb") as out:
+            out.write(struct.pack("<Q", len(text)))
+            out.write(text)
+            for size in order:
+                with self._spool_path(size).open("rb") as spool:
+                    shutil.copyfileobj(spool, out, 1 << 24)
+                self._spool_path(size).unlink()
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, self.path)
+        self._spools.clear()
+        return self.path
+
+    def abort(self) -> None:
+        for size, spool in self._spools.items():
+            spool.close()
+            self._spool_path(size).unlink(missing_ok=True)
+        self._spools.clear()
+        self.path.with_name(self.path.name + ".tmp").unlink(missing_ok=True)
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+@dataclass
+class PackedLayer:
+    """One quantized linear as stored: its ``config_for_layers`` entry and its tensors (names relative to the
+    module, e.g. "indices", "centroids.weight"), what ``pack_layer`` makes of a layer state."""
+
+    layer_config: dict
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def in_features(self) -> int:
+        return int(self.layer_config["in_features"])
+
+    @property
+    def out_features(self) -> int:
+        return int(self.layer_config["out_features"])
+
+
+def quant_method_of(state: VQLayerState | ScalarLayerState) -> str:
+    if isinstance(state, VQLayerState):
+        return VQ_METHOD
+    if isinstance(state, ScalarLayerState):
+        return SCALAR_METHOD
+    raise TypeError(f"state must be a VQLayerState or ScalarLayerState, got {type(state).__name__}")
+
+
+def pack_layer(state: VQLayerState | ScalarLayerState, dtype: torch.dtype) -> PackedLayer:
+    """The stored form of one layer state (bit-packed indices / codes, float tensors in ``dtype``)."""
+    module = module_from_state(state, dtype, device="cpu")
+    return PackedLayer(module.layer_config(),
+                       {key: tensor.detach().contiguous() for key, tensor in module.state_dict().items()})
+
+
 def save_quantized(
     model: nn.Module,
     tokenizer,
-    states: dict[str, VQLayerState | ScalarLayerState],
+    states: Mapping[str, VQLayerState | ScalarLayerState],
     out_dir: str | os.PathLike,
     report: dict | None = None,
     dtype: torch.dtype | None = None,
 ) -> Path:
     """Write a packed checkpoint directory and return its path.
 
-    ``model``: the model the states belong to (its quantized linears may still be dense ``nn.Linear`` or
-    already swapped modules: the ``states`` are the source of truth). ``states``: full module name -> layer
-    state, all VPTQ or all scalar. ``tokenizer`` may be None. ``dtype`` (default: the model's float dtype)
-    is the storage dtype of every float tensor. ``report`` must be JSON-serialisable; it is written to
-    ``quant_report.json`` with a ``sizes`` entry added.
+    ``model``: the model the states belong to (its quantized linears may still be dense ``nn.Linear``,
+    already swapped modules, or on the meta device: the ``states`` are the source of truth). ``states``: full
+    module name -> layer state, all VPTQ or all scalar. ``tokenizer`` may be None. ``dtype`` (default: the
+    model's float dtype) is the storage dtype of every float tensor. ``report`` must be JSON-serialisable; it
+    is written to ``quant_report.json`` with a ``sizes`` entry added. Tensors are written one at a time
+    (``SafetensorsWriter``).
     """
-    if not isinstance(states, dict) or not states:
+    if not isinstance(states, Mapping) or not states:
         raise ValueError("states must be a non-empty dict of module name -> VQLayerState/ScalarLayerState")
     kinds = {type(s) for s in states.values()}
     if kinds == {VQLayerState}:
@@ -205,6 +315,30 @@ def save_quantized(
     else:
         names = sorted(k.__name__ for k in kinds)
         raise ValueError(f"states must be all VQLayerState or all ScalarLayerState, got {names}")
+    dtype = dtype_from_name(dtype, "save_quantized") if dtype is not None else _model_dtype(model)
+    dims = {name: (state.in_features, state.out_features) for name, state in states.items()}
+    layers = ((name, pack_layer(state, dtype)) for name, state in states.items())
+    return save_packed(model, tokenizer, quant_method, dims, layers, out_dir, report=report, dtype=dtype)
+
+
+def save_packed(
+    model: nn.Module,
+    tokenizer,
+    quant_method: str,
+    dims: Mapping[str, tuple[int, int]],
+    layers: Iterable[tuple[str, PackedLayer]],
+    out_dir: str | os.PathLike,
+    report: dict | None = None,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """``save_quantized`` for layers already packed: ``dims`` names every quantized linear with its (in, out)
+    features (checked against ``model`` before anything is written), ``layers`` yields ``(name, PackedLayer)``
+    for each of them, e.g. one block at a time from disk. Every other tensor of ``model`` is stored in
+    ``dtype`` and must be materialised (not on the meta device)."""
+    if quant_method not in QUANT_METHODS:
+        raise ValueError(f"quant_method must be one of {QUANT_METHODS}, got {quant_method!r}")
+    if not dims:
+        raise ValueError("no quantized layers to save")
     if report is not None and not isinstance(report, dict):
         raise TypeError(f"report must be a dict or None, got {type(report).__name__}")
     try:
@@ -217,20 +351,39 @@ def save_quantized(
         raise TypeError(f"model must be a transformers PreTrainedModel with a config, got {type(model).__name__}")
 
     tied = _tied_targets(model)
-    modules = _modules_from_states(model, states, dtype, tied)
-    prefixes = tuple(f"{name}." for name in modules)
-    tensors: dict[str, torch.Tensor] = {}
-    for key, tensor in model.state_dict().items():
-        if key in tied or key.startswith(prefixes):
-            continue
-        tensor = tensor.detach().to("cpu")
-        tensors[key] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
-    sizes = _size_summary(modules, tensors)
+    _check_layers(model, dims, tied)
+    prefixes = tuple(f"{name}." for name in dims)
+    plain = [(key, tensor) for key, tensor in model.state_dict().items()
+             if key not in tied and not key.startswith(prefixes)]
+    on_meta = [key for key, tensor in plain if tensor.is_meta]
+    if on_meta:
+        raise ValueError(f"model tensors {on_meta[:4]} are on the meta device (not loaded); load them before saving")
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = _new_sizes()
     layer_configs = {}
-    for name, module in modules.items():
-        layer_configs[name] = module.layer_config()
-        for key, tensor in module.state_dict().items():
-            tensors[f"{name}.{key}"] = tensor.detach().contiguous()
+    with SafetensorsWriter(out / WEIGHTS_NAME) as writer:
+        for key, tensor in plain:
+            tensor = tensor.detach().to("cpu")
+            tensor = tensor.to(dtype) if tensor.is_floating_point() else tensor
+            sizes["other_tensor_bytes"] += tensor.numel() * tensor.element_size()
+            writer.add(key, tensor)
+        for name, layer in layers:
+            if name not in dims or name in layer_configs:
+                raise ValueError(f"packed layer {name!r} is not one of the layers to save, or comes twice")
+            if (layer.in_features, layer.out_features) != tuple(dims[name]):
+                raise ValueError(f"packed layer {name!r} is {(layer.in_features, layer.out_features)} (in, out), "
+                                 f"expected {tuple(dims[name])}")
+            layer_configs[name] = layer.layer_config
+            _count_layer(sizes, layer)
+            for key, tensor in layer.tensors.items():
+                writer.add(f"{name}.{key}", tensor)
+        missing = sorted(set(dims) - set(layer_configs))
+        if missing:
+            raise ValueError(f"no packed tensors for {missing[:4]}")
+        writer.close(metadata={"format": "pt"})
+    _finish_sizes(sizes)
 
     if quant_method == VQ_METHOD:
         quantization_config = {"quant_method": VQ_METHOD, "config_for_layers": layer_configs,
@@ -243,11 +396,6 @@ def save_quantized(
     config_dict["dtype"] = _DTYPE_NAMES[dtype]
     config_dict.pop("torch_dtype", None)
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / (WEIGHTS_NAME + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / WEIGHTS_NAME)
     sizes["safetensors_file_bytes"] = (out / WEIGHTS_NAME).stat().st_size
     (out / CONFIG_NAME).write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     generation_config = getattr(model, "generation_config", None)
@@ -261,47 +409,44 @@ def save_quantized(
     return out
 
 
-def _modules_from_states(
-    model: nn.Module, states: dict, dtype: torch.dtype, tied: set[str]
-) -> dict[str, VQLinear | ScalarQLinear]:
-    """Filled quantized modules (CPU, ``dtype``) for ``states``, checked against the model's layers."""
-    modules = {}
-    for name, state in states.items():
+def _check_layers(model: nn.Module, dims: Mapping[str, tuple[int, int]], tied: set[str]) -> None:
+    """Every layer to save is a linear of ``model`` with the same (in, out) features and its own weight."""
+    for name, (in_features, out_features) in dims.items():
         if not _has_submodule(model, name):
             raise ValueError(f"states names {name!r}: no such module in {type(model).__name__}")
         current = model.get_submodule(name)
         if not isinstance(current, (nn.Linear, *QUANTIZED_TYPES)):
             raise TypeError(f"states names {name!r}: it is a {type(current).__name__}, not a linear layer")
-        dims = (current.in_features, current.out_features)
-        if (state.in_features, state.out_features) != dims:
-            raise ValueError(
-                f"state of {name!r} is {(state.in_features, state.out_features)} (in, out) but the module is {dims}"
-            )
+        have = (current.in_features, current.out_features)
+        if (in_features, out_features) != have:
+            raise ValueError(f"state of {name!r} is {(in_features, out_features)} (in, out) but the module is {have}")
         if f"{name}.weight" in tied:
             raise ValueError(f"{name!r} shares its weight with the input embeddings (tied); cannot quantize it")
-        modules[name] = module_from_state(state, dtype, device="cpu")
-    return modules
 
 
-def _size_summary(modules: dict[str, VQLinear | ScalarQLinear], plain_tensors: dict[str, torch.Tensor]) -> dict:
-    """Bytes of the quantized linears as stored (by kind) vs the same linears in bf16."""
-    sizes = {"quantized_linears": len(modules), "quantized_weights": 0, "quantized_linear_bytes": 0,
-             "index_bytes": 0, "codebook_bytes": 0, "other_quantized_bytes": 0, "bf16_linear_bytes": 0}
-    for module in modules.values():
-        sizes["quantized_weights"] += module.in_features * module.out_features
-        sizes["bf16_linear_bytes"] += 2 * module.in_features * module.out_features
-        if module.bias is not None:
-            sizes["bf16_linear_bytes"] += 2 * module.out_features
-        for key, tensor in module.state_dict().items():
-            nbytes = tensor.numel() * tensor.element_size()
-            kind = ("index_bytes" if key in _INDEX_TENSORS else
-                    "codebook_bytes" if key in _CODEBOOK_TENSORS else "other_quantized_bytes")
-            sizes[kind] += nbytes
-            sizes["quantized_linear_bytes"] += nbytes
+def _new_sizes() -> dict:
+    return {"quantized_linears": 0, "quantized_weights": 0, "quantized_linear_bytes": 0, "index_bytes": 0,
+            "codebook_bytes": 0, "other_quantized_bytes": 0, "bf16_linear_bytes": 0, "other_tensor_bytes": 0}
+
+
+def _count_layer(sizes: dict, layer: PackedLayer) -> None:
+    """Bytes of one quantized linear as stored (by kind) and the same linear in bf16."""
+    sizes["quantized_linears"] += 1
+    sizes["quantized_weights"] += layer.in_features * layer.out_features
+    sizes["bf16_linear_bytes"] += 2 * layer.in_features * layer.out_features
+    if "bias" in layer.tensors:
+        sizes["bf16_linear_bytes"] += 2 * layer.out_features
+    for key, tensor in layer.tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        kind = ("index_bytes" if key in _INDEX_TENSORS else
+                "codebook_bytes" if key in _CODEBOOK_TENSORS else "other_quantized_bytes")
+        sizes[kind] += nbytes
+        sizes["quantized_linear_bytes"] += nbytes
+
+
+def _finish_sizes(sizes: dict) -> None:
     sizes["ratio_to_bf16"] = sizes["quantized_linear_bytes"] / max(sizes["bf16_linear_bytes"], 1)
     sizes["bits_per_weight"] = 8 * sizes["quantized_linear_bytes"] / max(sizes["quantized_weights"], 1)
-    sizes["other_tensor_bytes"] = sum(t.numel() * t.element_size() for t in plain_tensors.values())
-    return sizes
 
 
 def _has_submodule(model: nn.Module, name: str) -> bool:

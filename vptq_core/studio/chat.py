@@ -13,12 +13,38 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStr
 
 @dataclass
 class GenerationStats:
+    """One reply: ``tokens`` generated in ``seconds`` (prompt processing included), the first one after
+    ``first_token_seconds``; ``prompt_tokens`` in the prompt (with the conversation so far)."""
+
     tokens: int = 0
     seconds: float = 0.0
+    first_token_seconds: float | None = None
+    prompt_tokens: int = 0
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first per second after the first (the decode rate, prompt processing excluded);
+        the overall rate for replies of one token."""
+        if self.tokens >= 2 and self.first_token_seconds is not None and self.seconds > self.first_token_seconds:
+            return (self.tokens - 1) / (self.seconds - self.first_token_seconds)
+        return self.tokens_per_second
+
+
+def model_context(model, tokenizer=None) -> int | None:
+    """The longest sequence the model takes (its config's ``max_position_embeddings``; else a sane
+    ``tokenizer.model_max_length``), or None when neither says."""
+    config = getattr(model, "config", None)
+    text_config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    for cfg in (text_config, config):
+        value = getattr(cfg, "max_position_embeddings", None)
+        if isinstance(value, int) and value > 0:
+            return value
+    value = getattr(tokenizer, "model_max_length", None)
+    return value if isinstance(value, int) and 0 < value < 10**7 else None
 
 
 def model_memory_bytes(model: torch.nn.Module) -> int:
@@ -70,23 +96,45 @@ class ChatSession:
             ids = self.tokenizer(text, return_tensors="pt")["input_ids"]
         return ids
 
-    def stream(self, prompt: str, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int = 0) -> Iterator[str]:
-        """Add ``prompt`` as a user turn, yield the reply piece by piece, then append it to the history."""
-        check_sampling(max_new_tokens, temperature, top_p)
+    def check_prompt(self, prompt: str, max_new_tokens: int, max_prompt_tokens: int | None = None) -> torch.Tensor:
+        """The prompt's token ids (the conversation so far + ``prompt``), after checking that they fit: at most
+        ``max_prompt_tokens`` (None: no limit of its own), and with ``max_new_tokens`` within the model's
+        context. ValueError naming the limit and the value otherwise."""
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError("prompt must be a non-empty string")
+        if max_prompt_tokens is not None and len(prompt) > 32 * max_prompt_tokens:
+            raise ValueError(f"the message is {len(prompt)} characters; at most {32 * max_prompt_tokens} are "
+                             f"accepted (prompts are limited to {max_prompt_tokens} tokens)")
+        ids = self.prompt_ids(self.history + [{"role": "user", "content": prompt}])
+        n = int(ids.shape[1])
+        if max_prompt_tokens is not None and n > max_prompt_tokens:
+            raise ValueError(f"the prompt is {n} tokens with the conversation so far; at most {max_prompt_tokens} "
+                             "are allowed: shorten the message or press Clear")
+        context = model_context(self.model, self.tokenizer)
+        if context is not None and n + max_new_tokens > context:
+            raise ValueError(f"the prompt ({n} tokens with the conversation so far) plus max new tokens "
+                             f"({max_new_tokens}) is {n + max_new_tokens} tokens, more than the model's context of "
+                             f"{context}: lower max new tokens, shorten the message or press Clear")
+        return ids
+
+    def stream(self, prompt: str, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+               seed: int = 0, max_prompt_tokens: int | None = None) -> Iterator[str]:
+        """Add ``prompt`` as a user turn, yield the reply piece by piece, then append it to the history.
+        ``last_stats`` describes the reply once it is complete."""
+        check_sampling(max_new_tokens, temperature, top_p)
         messages = self.history + [{"role": "user", "content": prompt}]
-        ids = self.prompt_ids(messages)
+        ids = self.check_prompt(prompt, max_new_tokens, max_prompt_tokens)
         device = next(self.model.parameters()).device
         streamer = TextIteratorStreamer(self.tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=600)
         stop_event = self._stop
         stop_event.clear()
-        counter = {"n": 0}
+        counter: dict = {"n": 0, "first": None}
 
         class _Stop(StoppingCriteria):
             def __call__(self, input_ids, scores, **kwargs):
                 counter["n"] = input_ids.shape[1] - ids.shape[1]
+                if counter["first"] is None and counter["n"] >= 1:
+                    counter["first"] = time.perf_counter()
                 return stop_event.is_set()
 
         kwargs = dict(
@@ -118,7 +166,9 @@ class ChatSession:
                 reply += piece
                 yield piece
             thread.join()
-            self.last_stats = GenerationStats(tokens=max(counter["n"], 0), seconds=time.perf_counter() - t0)
+            first = counter["first"] - t0 if counter["first"] is not None else None
+            self.last_stats = GenerationStats(tokens=max(counter["n"], 0), seconds=time.perf_counter() - t0,
+                                              first_token_seconds=first, prompt_tokens=int(ids.shape[1]))
         if errors:
             raise RuntimeError(f"generation failed: {errors[0]}") from errors[0]
         self.history = messages + [{"role": "assistant", "content": reply}]

@@ -27,6 +27,19 @@ ACTIVATIONS = {  # dropdown label -> (act_bits, act_granularity)
 }
 ACT_FIELD = "activations"
 ACT_SETTINGS = ("act_bits", "act_granularity")
+SEED_FIELD = "seed"
+SEED_MAX = 2**64 - 1  # torch.manual_seed takes at most 64 bits
+
+
+def check_seed(value) -> int:
+    """The seed field's value as an int in 0..2**64-1 (ValueError naming the field otherwise)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"seed must be an integer in 0..{SEED_MAX}, got {value!r}")
+    if not 0 <= value <= SEED_MAX:
+        raise ValueError(f"seed must be in 0..{SEED_MAX} (2**64 - 1), got {value}")
+    return value
 
 
 def field_settings(key: str) -> tuple[str, ...]:
@@ -79,6 +92,8 @@ def config_from(method: str, values: Mapping[str, Any]):
     """The validated config of ``method`` from the form's values (ValueError naming the setting)."""
     if method not in methods.names():
         raise ValueError(f"method must be one of {', '.join(methods.names())}, got {method!r}")
+    if SEED_FIELD in values:
+        values = {**values, SEED_FIELD: check_seed(values[SEED_FIELD])}
     return methods.make_config(method, method_settings(method, values))
 
 

@@ -1,6 +1,7 @@
 """Background jobs: a FIFO queue per device with a concurrency limit, jobs owned by one browser session,
 per-layer reports published while they run, cancellation between layers, failures kept with their reason,
-and old runs pruned from disk.
+a limit on the runs one owner keeps, finished runs deleted from disk once they are older than ``max_age_s``,
+and listeners told about every deleted job (e.g. to drop copies served for download).
 
 A task is ``task(ctx: JobContext) -> dict``: it writes under ``ctx.out_dir``, reports through
 ``ctx.on_start`` / ``ctx.on_layer`` / ``ctx.set_phase``, polls ``ctx.should_stop()`` and raises
@@ -191,21 +192,26 @@ class JobManager:
         limits: concurrent jobs per device, e.g. {"cpu": 1, "cuda": 1}.
         max_active_per_owner: queued + running jobs one owner may have.
         max_queued: jobs waiting in all queues together; beyond it ``submit`` refuses.
-        keep_per_owner: finished jobs kept per owner; older ones (and their files) are deleted.
-        max_age_s: finished jobs older than this are deleted too (None: no age limit).
+        max_runs_per_owner: finished runs plus queued/running jobs one owner may keep; beyond it ``submit`` and
+            ``import_run`` refuse (nothing is deleted behind the owner's back). Failed and cancelled jobs hold
+            no files and do not count; the newest ``keep_failed`` of them are listed.
+        max_age_s: finished jobs older than this (since they finished) are deleted with their files (None: kept
+            until deleted). ``prune()`` applies it; every submit and listing does too.
     """
 
     def __init__(self, workdir: str | os.PathLike, limits: dict[str, int] | None = None,
-                 max_active_per_owner: int = 2, max_queued: int = 16, keep_per_owner: int = 6,
-                 max_age_s: float | None = 6 * 3600) -> None:
+                 max_active_per_owner: int = 2, max_queued: int = 16, max_runs_per_owner: int = 6,
+                 max_age_s: float | None = 12 * 3600, keep_failed: int = 10) -> None:
         limits = dict(DEFAULT_LIMITS if limits is None else limits)
         for device, limit in limits.items():
             if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
                 raise ValueError(f"limits[{device!r}] must be a positive integer, got {limit!r}")
         for name, value in (("max_active_per_owner", max_active_per_owner), ("max_queued", max_queued),
-                            ("keep_per_owner", keep_per_owner)):
+                            ("max_runs_per_owner", max_runs_per_owner), ("keep_failed", keep_failed)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if max_age_s is not None and not max_age_s > 0:
+            raise ValueError(f"max_age_s must be positive or None, got {max_age_s!r}")
         self.workdir = Path(workdir)
         self.jobs_dir = self.workdir / "jobs"
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
@@ -215,13 +221,20 @@ class JobManager:
         self.limits = limits
         self.max_active_per_owner = max_active_per_owner
         self.max_queued = max_queued
-        self.keep_per_owner = keep_per_owner
+        self.max_runs_per_owner = max_runs_per_owner
         self.max_age_s = max_age_s
+        self.keep_failed = keep_failed
         self._lock = threading.RLock()
         self._jobs: dict[str, Job] = {}
         self._queues: dict[str, deque[str]] = {d: deque() for d in limits}
         self._running: dict[str, int] = dict.fromkeys(limits, 0)
         self._threads: dict[str, threading.Thread] = {}
+        self._listeners: list[Callable[[str, str], None]] = []
+
+    def on_delete(self, listener: Callable[[str, str], None]) -> None:
+        """Call ``listener(job_id, owner)`` after a job and its files are deleted (pruned, deleted by its owner,
+        or its owner forgotten). It runs under the manager's lock: keep it short, and do not wait on jobs."""
+        self._listeners.append(listener)
 
     # -------------------------------------------------------------------------------------- submit / run
     def submit(self, owner: str, task: Callable[[JobContext], dict], *, title: str = "", device: str = "cpu",
@@ -231,14 +244,7 @@ class JobManager:
         if device not in self.limits:
             raise ValueError(f"device must be one of {sorted(self.limits)}, got {device!r}")
         with self._lock:
-            self._prune_locked()
-            mine = [j for j in self._jobs.values() if j.owner == owner and j.status in ACTIVE]
-            if len(mine) >= self.max_active_per_owner:
-                raise ValueError(f"you already have {len(mine)} job(s) queued or running (limit "
-                                 f"{self.max_active_per_owner}); wait for one to finish or cancel it")
-            waiting = sum(len(q) for q in self._queues.values())
-            if waiting >= self.max_queued:
-                raise ValueError(f"the queue is full ({waiting} jobs waiting); try again in a few minutes")
+            self.check_submit(owner)
             job_id = self._new_id()
             job = Job(job_id, owner, task, title, kind, device, meta or {}, self.jobs_dir / job_id)
             self._jobs[job_id] = job
@@ -253,21 +259,30 @@ class JobManager:
         _check_owner(owner)
         with self._lock:
             self._prune_locked()
+            self._check_runs_locked(owner)
             job_id = self._new_id()
-        out_dir = self.jobs_dir / job_id
-        out_dir.mkdir(parents=True)
+            out_dir = self.jobs_dir / job_id
+            out_dir.mkdir(parents=True)
         try:
             result = fill(out_dir)
+            with self._lock:
+                self._check_runs_locked(owner)  # another upload of the same owner may have finished meanwhile
+                job = Job(job_id, owner, fill, title, kind, "none", meta or {}, out_dir)
+                now = time.time()
+                job.status, job.phase, job.result = "done", "done", dict(result or {})
+                job.started = job.finished = now
+                self._jobs[job_id] = job
+                return self._snapshot_locked(job)
         except BaseException:
             shutil.rmtree(out_dir, ignore_errors=True)
             raise
-        job = Job(job_id, owner, fill, title, kind, "none", meta or {}, out_dir)
-        now = time.time()
-        job.status, job.phase, job.result, job.started, job.finished = "done", "done", dict(result or {}), now, now
-        with self._lock:
-            self._jobs[job_id] = job
-            self._prune_owner_locked(owner)
-            return self._snapshot_locked(job)
+
+    def _check_runs_locked(self, owner: str) -> None:
+        kept = [j for j in self._jobs.values()
+                if j.owner == owner and not j.forgotten and j.status in ("done", *ACTIVE)]
+        if len(kept) >= self.max_runs_per_owner:
+            raise ValueError(f"you already have {len(kept)} runs kept or in progress (limit {self.max_runs_per_owner} "
+                             f"per browser); delete one under 'Your runs' first")
 
     def _new_id(self) -> str:
         while True:
@@ -321,9 +336,9 @@ class JobManager:
     def _owned(self, job_id: str, owner: str) -> Job:
         _check_owner(owner)
         job = self._jobs.get(job_id) if isinstance(job_id, str) else None
-        if job is None or job.owner != owner:
-            raise ValueError(f"no job {job_id!r} in this session (jobs belong to the browser tab that started "
-                             f"them and are deleted when it closes)")
+        if job is None or job.owner != owner or job.forgotten:
+            kept = f", and are deleted {self.max_age_s / 3600:g} h after they finish" if self.max_age_s else ""
+            raise ValueError(f"no job {job_id!r} in this session (runs belong to the browser that made them{kept})")
         return job
 
     def _snapshot_locked(self, job: Job, reports: bool = True) -> JobSnapshot:
@@ -349,6 +364,49 @@ class JobManager:
             found = [self._snapshot_locked(j, reports) for j in self._jobs.values()
                      if j.owner == owner and not j.forgotten]
         return [s for s in found if statuses is None or s.status in statuses]
+
+    def disk_usage(self, owner: str | None = None) -> int:
+        """Bytes on disk under the job directories of ``owner`` (None: of every job). A queued or running job
+        counts at least its ``meta["reserve_bytes"]`` (what it will write), so quotas hold while it runs."""
+        with self._lock:
+            jobs = [(j.out_dir, j.status in ACTIVE, j.meta.get("reserve_bytes") or 0)
+                    for j in self._jobs.values() if owner is None or j.owner == owner]
+        return sum(max(_tree_bytes(d), int(reserve) if active else 0) for d, active, reserve in jobs)
+
+    def check_submit(self, owner: str) -> None:
+        """Raise the ValueError ``submit`` would raise for ``owner`` now (limits per owner, a full queue)."""
+        _check_owner(owner)
+        with self._lock:
+            self._prune_locked()
+            mine = [j for j in self._jobs.values() if j.owner == owner and j.status in ACTIVE]
+            if len(mine) >= self.max_active_per_owner:
+                raise ValueError(f"you already have {len(mine)} job(s) queued or running (limit "
+                                 f"{self.max_active_per_owner}); wait for one to finish or cancel it")
+            self._check_runs_locked(owner)
+            waiting = sum(len(q) for q in self._queues.values())
+            if waiting >= self.max_queued:
+                raise ValueError(f"the queue is full ({waiting} jobs waiting); try again in a few minutes")
+
+    def update_result(self, job_id: str, owner: str, **fields: Any) -> JobSnapshot:
+        """Change fields of a finished job's result (e.g. the archive's size after it was packed again)."""
+        with self._lock:
+            job = self._owned(job_id, owner)
+            with job.lock:
+                if job.result is None:
+                    raise ValueError(f"job {job_id} has no result (status: {job.status})")
+                job.result.update(fields)
+            return self._snapshot_locked(job)
+
+    def reassign(self, old_owner: str, new_owner: str) -> int:
+        """Give every job of ``old_owner`` to ``new_owner`` (a browser session that learnt its lasting identity
+        after starting a job); returns how many."""
+        _check_owner(old_owner)
+        _check_owner(new_owner)
+        with self._lock:
+            mine = [j for j in self._jobs.values() if j.owner == old_owner and not j.forgotten]
+            for job in mine:
+                job.owner = new_owner
+            return len(mine)
 
     def checkpoint_dir(self, job_id: str, owner: str) -> Path:
         """The checkpoint directory of a finished job of ``owner``."""
@@ -393,6 +451,26 @@ class JobManager:
                     job.phase = "cancelling (stops after the current layer)"
             return self._snapshot_locked(job)
 
+    def delete(self, job_id: str, owner: str) -> None:
+        """Delete a job of ``owner`` with its files; an active one is cancelled and deleted when it stops."""
+        with self._lock:
+            job = self._owned(job_id, owner)
+            with job.lock:
+                status = job.status
+            if status in ACTIVE:
+                self.cancel(job.id, owner)
+            with job.lock:
+                running = job.status == "running"
+            if running:
+                job.forgotten = True
+            else:
+                self._delete_locked(job)
+
+    def prune(self) -> list[str]:
+        """Delete finished jobs older than ``max_age_s``; returns their ids."""
+        with self._lock:
+            return self._prune_locked()
+
     def forget_owner(self, owner: str) -> int:
         """The owner is gone (tab closed): cancel their jobs and delete their files. Returns how many jobs."""
         _check_owner(owner)
@@ -412,21 +490,30 @@ class JobManager:
             return len(mine)
 
     def _delete_locked(self, job: Job) -> None:
-        self._jobs.pop(job.id, None)
+        if self._jobs.pop(job.id, None) is None:
+            return
         shutil.rmtree(job.out_dir, ignore_errors=True)
+        for listener in self._listeners:
+            try:
+                listener(job.id, job.owner)
+            except Exception:  # noqa: BLE001 - a listener's failure must not stop the deletion of others
+                _log.warning("on_delete listener failed for job %s", job.id, exc_info=True)
 
     def _prune_owner_locked(self, owner: str) -> None:
-        finished = [j for j in self._jobs.values() if j.owner == owner and j.status in FINISHED]
-        for job in finished[: max(len(finished) - self.keep_per_owner, 0)]:
+        """Failed and cancelled jobs (no files) beyond the newest ``keep_failed`` of the owner are dropped."""
+        ended = [j for j in self._jobs.values() if j.owner == owner and j.status in ("failed", "cancelled")]
+        for job in ended[: max(len(ended) - self.keep_failed, 0)]:
             self._delete_locked(job)
 
-    def _prune_locked(self) -> None:
+    def _prune_locked(self) -> list[str]:
         if self.max_age_s is None:
-            return
+            return []
         now = time.time()
-        for job in list(self._jobs.values()):
-            if job.status in FINISHED and job.finished is not None and now - job.finished > self.max_age_s:
-                self._delete_locked(job)
+        old = [j for j in self._jobs.values()
+               if j.status in FINISHED and j.finished is not None and now - j.finished > self.max_age_s]
+        for job in old:
+            self._delete_locked(job)
+        return [j.id for j in old]
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Cancel every job and wait up to ``timeout`` seconds for running ones to stop."""
@@ -442,6 +529,23 @@ class JobManager:
         deadline = time.monotonic() + timeout
         for thread in threads:
             thread.join(max(deadline - time.monotonic(), 0))
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return 0
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                total += _tree_bytes(Path(entry.path))
+            elif entry.is_file(follow_symlinks=False):
+                total += entry.stat(follow_symlinks=False).st_size
+        except OSError:
+            continue
+    return total
 
 
 def _check_owner(owner: str) -> None:

@@ -10,13 +10,16 @@ from collections.abc import Callable
 from ..api import quantize_to_dir
 from ..storage.archive import pack_checkpoint
 from ..storage.checkpoint import checkpoint_size
+from . import zerogpu
+from .card import write_model_card
 from .queue import JobCancelled, JobContext
 
 
 def quantization_task(model_name: str, method: str, config, calib, device: str = "cpu",
                       calib_text: str | None = None, archive_name: str | None = None) -> Callable[[JobContext], dict]:
-    """A task that quantizes ``model_name`` into ``<job dir>/checkpoint`` (``api.quantize_to_dir``) and packs
-    it into ``<job dir>/<archive_name>.zip``. ``calib_text``: text to calibrate on instead of ``calib.text``
+    """A task that quantizes ``model_name`` into ``<job dir>/checkpoint`` (``api.quantize_to_dir``), writes its
+    model card (``card.write_model_card``) and packs it into ``<job dir>/<archive_name>.zip`` (default:
+    ``<model>-<method>-<bits>bit-<job id>.zip``: no session id, no server path). ``calib_text``: text to calibrate on instead of ``calib.text``
     (written into the job directory first, so an uploaded file may disappear meanwhile).
 
     Result: ``summary`` (the pipeline's), ``checkpoint_dir``, ``archive``, ``checkpoint_bytes``,
@@ -29,14 +32,21 @@ def quantization_task(model_name: str, method: str, config, calib, device: str =
             path = ctx.out_dir / "calibration.txt"
             path.write_text(calib_text, encoding="utf-8")
             used_calib = dataclasses.replace(calib, text=str(path))
-        out, summary = quantize_to_dir(
-            model_name, method, config, used_calib, ctx.out_dir / "checkpoint", device=device,
-            on_layer=ctx.on_layer, should_stop=ctx.should_stop, on_start=ctx.on_start,
-        )
+        spaces = zerogpu.zero_gpu()
+        if spaces is not None:  # ZeroGPU: the GPU exists only inside a spaces.GPU call; the job runs as one
+            out, summary = zerogpu.quantize_job(spaces, ctx, model_name, method, config, used_calib,
+                                                ctx.out_dir / "checkpoint")
+        else:
+            out, summary = quantize_to_dir(
+                model_name, method, config, used_calib, ctx.out_dir / "checkpoint", device=device,
+                on_layer=ctx.on_layer, should_stop=ctx.should_stop, on_start=ctx.on_start,
+            )
         if summary.get("cancelled"):
             raise JobCancelled
         ctx.set_phase("packing the archive")
-        name = archive_name or f"{_slug(model_name)}-{method}-{ctx.job_id}"
+        write_model_card(out, model_name)
+        bits = summary.get("total_bits_per_weight")
+        name = archive_name or "-".join([_slug(model_name), method, *([f"{bits:.2f}bit"] if bits else []), ctx.job_id])
         archive = pack_checkpoint(out, ctx.out_dir / f"{name}.zip")
         return {
             "summary": summary, "checkpoint_dir": str(out), "archive": str(archive),

@@ -7,6 +7,8 @@ Pure functions of snapshots and numbers (no Gradio), so they are tested without 
 from __future__ import annotations
 
 import html
+import os
+import re
 from collections.abc import Iterable, Mapping
 
 from ..models import BUNDLED, TINY
@@ -18,6 +20,52 @@ SMOLLM2_NOTE = ("The bundled SmolLM2-135M-Instruct was shipped as 4-bit **Q4_1**
                 "results on it are flattered: a 4-bit group-32 grid nearly reproduces them. Judge methods at 2–3 bits.")
 TINY_NOTE = "A tiny random llama (2 blocks, hidden 64): seconds to quantize, its chat output is noise."
 NO_RUN = "Pick a finished run or upload a packed checkpoint."
+CHAT_SPEED_NOTE = ("Both models answer at the same time, in two threads on the same machine, to the same prompt with "
+                   "the same sampling settings; each side's tokens/s is its decode rate (tokens after the first, per "
+                   "second) measured while the other side generates too.")
+
+
+# ------------------------------------------------------------------------------------ what users see
+def scrub_paths(text: str, roots: Iterable[str | os.PathLike]) -> str:
+    """``text`` with every absolute path under one of ``roots`` (the work directory, Gradio's cache) replaced by
+    its last component: messages shown to users name files, never where the server keeps them."""
+    for root in sorted({str(r).rstrip("/") for r in roots if r}, key=len, reverse=True):
+        if not root:
+            continue
+        pattern = re.escape(root) + r"(?![\w.-])(?:/[^\s'\"`,:;()\[\]{}<>]*)?"
+        text = re.sub(pattern, lambda m: os.path.basename(m.group(0).rstrip("/")) or "(file)", text)
+    return text
+
+
+def public_job(snap: JobSnapshot, reports: bool = False, roots: Iterable[str | os.PathLike] = ()) -> dict:
+    """A job as its owner sees it (the raw JSON view and the API): no owner id, no server paths; the archive
+    by file name only."""
+    data = snap.to_dict(reports=reports)
+    data.pop("owner", None)
+    result = data.get("result")
+    if result:
+        result = dict(result)
+        for key in ("checkpoint_dir", "archive"):
+            value = result.pop(key, None)
+            if key == "archive":
+                result["archive_name"] = os.path.basename(value) if value else None
+        data["result"] = result
+    if data.get("error"):
+        data["error"] = scrub_paths(data["error"], roots)
+    return data
+
+
+def guard_html(busy: bool, unexported: bool) -> str:
+    """The hidden element the page's beforeunload handler reads (a job queued or running; a finished run that
+    was neither downloaded nor pushed)."""
+    return (f'<div data-guard="1" data-busy="{int(bool(busy))}" data-unexported="{int(bool(unexported))}"></div>')
+
+
+def retention_md(ttl_hours: float, max_runs: int, user_quota_bytes: int) -> str:
+    return (f"Runs stay with this browser, also after a reload, for **{ttl_hours:g} h after they finish**, then "
+            f"they are deleted with their files (at most {max_runs} runs and {mb(user_quota_bytes)} per browser). "
+            "Download the zip, or push it to your hub repo, to keep one longer; the page asks before you leave while "
+            "a job runs or a result was not taken home yet.")
 
 
 # ------------------------------------------------------------------------------------------- numbers
@@ -84,7 +132,7 @@ def job_title(name: str, method: str, est: Estimate) -> str:
     return f"{name} · {method_label(method)} · {est.total_bits_per_weight:.2f} bits"
 
 
-def progress_html(snap: JobSnapshot | None, message: str = "") -> str:
+def progress_html(snap: JobSnapshot | None, message: str = "", roots: Iterable[str | os.PathLike] = ()) -> str:
     """The progress bar and its line of text for one job snapshot."""
     if snap is None:
         text = html.escape(message or "No job yet: pick the settings and press Start.")
@@ -112,7 +160,7 @@ def progress_html(snap: JobSnapshot | None, message: str = "") -> str:
     elif snap.status == "cancelled":
         parts.append(f"stopped after {done} layer(s); nothing was saved")
     text = " · ".join(html.escape(p) for p in parts)
-    error = f'<div class="vq-error">{html.escape(snap.error)}</div>' if snap.error else ""
+    error = f'<div class="vq-error">{html.escape(scrub_paths(snap.error, roots))}</div>' if snap.error else ""
     return (f'<div class="vq-progress-wrap" data-status="{snap.status}"><div class="vq-progress">'
             f'<div class="vq-progress-bar {snap.status}" style="width:{100 * fraction:.1f}%"></div></div>'
             f'<div class="vq-progress-text"><span class="vq-status">{snap.status}</span> '
@@ -193,9 +241,13 @@ def uploaded_md(file_name: str, run_id: str, source: str | None) -> str:
     return f"Loaded `{file_name}` as run `{run_id}` (made from `{source or 'unknown'}`)."
 
 
-def chat_stats_md(tokens: int, tokens_per_second: float, weight_bytes: int, stopped: bool) -> str:
-    return (f"{tokens} tokens · **{tokens_per_second:.1f} tokens/s** · weights {mb(weight_bytes)}"
-            + (" · stopped" if stopped else ""))
+def chat_stats_md(stats, weight_bytes: int, stopped: bool) -> str:
+    """One side's reply: tokens, decode tokens/s, time to the first token, prompt tokens, weights
+    (``stats``: a ``chat.GenerationStats``)."""
+    first = (f" · first token after {stats.first_token_seconds:.2f} s" if stats.first_token_seconds is not None
+             else "")
+    return (f"{stats.tokens} tokens · **{stats.decode_tokens_per_second:.1f} tokens/s**{first} · prompt "
+            f"{stats.prompt_tokens} tokens · weights {mb(weight_bytes)}" + (" · stopped" if stopped else ""))
 
 
 def message_text(content) -> str:

@@ -1,0 +1,241 @@
+"""Native C++ CPU kernels (torch extension built on first use from ``kernels/csrc``).
+
+Same math as ``kernels.reference`` / ``kernels.cpu`` (see their docstrings), repacked once per layer:
+
+* ``prepare_vq(spec, indices, centroids, res_centroids, outlier_indices, outlier_centroids, perm, weight_scale,
+  weight_bias, bias)`` -> a ``VQLayer``: per vector row one index (the centroid's element offset) as uint16
+  (uint32 only when an offset needs more than 16 bits), rows interleaved in blocks of 8, codebooks padded to 4/8/16
+  lanes per centroid in fp32 and bf16 (the bf16 copy is used by the 1-token GEMV only when it is exact), the
+  residual as a second index stream, perm as int32, norm and bias as fp32.
+* ``vq_linear(x, layer)``: x [..., in] (bf16 or fp32; other float dtypes run in fp32) -> y [..., out] in x.dtype,
+  fp32 accumulation. Up to 8 tokens: a fused lookup GEMV (W is never built; each centroid load is shared by the
+  tokens; AVX-512 puts 2 or 4 tokens in one 512-bit register). More tokens (prefill): W is dequantized tile by
+  tile (perm and norm folded in, so the tiles equal the reference's bf16 W) and multiplied in bf16 with fp32
+  accumulation: on CPUs with oneDNN's micro-kernels (AMX) the tiles are written straight into small VNNI blocks
+  fed to ``at::native::cpublas::brgemm``; elsewhere (and for fp32 x) tiles of ~480 outputs go through ``torch.mm``.
+* ``prepare_scalar(codes_packed, scales, zeros, bias, bits, group_size, in_features)`` / ``scalar_linear(x,
+  layer)``: the same for scalar codes (bits 1..8, any group size; codes repacked to 4- or 8-bit containers with
+  each group padded to 32 codes). GEMV up to 4 tokens where the micro-kernel path exists (8 elsewhere; measured
+  crossover), then dequantize + GEMM.
+
+The kernels exist for AVX-512 (F/BW/VL/DQ/BF16), AVX2+FMA and plain C++; the best one the CPU supports is chosen
+at run time (``isa()``, ``set_isa()`` to force a lower one). Big layers run on ATen's thread pool
+(``torch.set_num_threads``); small ones stay on the calling thread.
+
+Build: ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja) into
+``$VPTQ_NATIVE_CACHE`` or ``~/.cache/vptq_core/native/<hash of sources, flags, torch and python version>``; later
+processes import the built module directly. ``VPTQ_NATIVE=0`` disables the native kernels (``status()`` then
+reports why and every entry point raises ``RuntimeError``). Importing this module never raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import platform
+import re
+import shutil
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ENV_VAR = "VPTQ_NATIVE"
+CACHE_ENV_VAR = "VPTQ_NATIVE_CACHE"
+_NAME = "vptq_native"
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = ("native.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp")
+_HEADERS = ("common.h", "kernels_body.h")
+# -fopenmp: at::parallel_for is inlined from ATen's OpenMP header, so the extension must be built with OpenMP to run
+# on torch's thread pool (the module then uses torch's own libgomp, already loaded by libtorch).
+_CFLAGS = ("-O3", "-DNDEBUG", "-fno-math-errno", "-fno-trapping-math", "-Wno-unused-function", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
+
+_lock = threading.Lock()
+_module: Any = None
+_failure = ""  # why building / loading failed (sticky for this process)
+
+
+def _disabled() -> bool:
+    return os.environ.get(ENV_VAR, "").strip() == "0"
+
+
+def _build_dir() -> Path:
+    digest = hashlib.sha256()
+    for name in (*_SOURCES, *_HEADERS):
+        digest.update(name.encode())
+        digest.update((_CSRC / name).read_bytes())
+    key = "|".join((*_CFLAGS, *_LDFLAGS, torch.__version__, sys.version, platform.machine(), os.environ.get("CXX", "")))
+    digest.update(key.encode())
+    root = os.environ.get(CACHE_ENV_VAR, "")
+    if root:
+        base = Path(root)
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME", "") or Path.home() / ".cache") / "vptq_core" / "native"
+    return base / digest.hexdigest()[:16]
+
+
+def _import_built(so: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(_NAME, so)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {so}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _first_error(text: str) -> str:
+    """The first compiler / linker error line of a build log."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for pattern in (r":\d+(:\d+)?: (fatal )?error:", r"\berror\b"):
+        for line in lines:
+            if re.search(pattern, line, re.IGNORECASE) and "Error building extension" not in line:
+                return line[:300]
+    return lines[0][:300] if lines else "unknown error"
+
+
+def _compile(build_dir: Path) -> Any:
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise _BuildError(f"no C++ compiler found ({cxx!r} is not on PATH)")
+    if not cpp_extension.is_ninja_available():
+        raise _BuildError("ninja is not installed (pip install ninja)")
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        module = cpp_extension.load(
+            name=_NAME,
+            sources=[str(_CSRC / s) for s in _SOURCES],
+            extra_cflags=list(_CFLAGS),
+            extra_ldflags=list(_LDFLAGS),
+            extra_include_paths=[str(_CSRC)],
+            build_directory=str(build_dir),
+            with_cuda=False,
+            verbose=False,
+        )
+    except Exception as exc:  # compiler errors arrive as RuntimeError with the build log
+        raise _BuildError(f"build failed: {_first_error(str(exc))}") from exc
+    return module
+
+
+class _BuildError(RuntimeError):
+    pass
+
+
+def _load() -> tuple[Any, str]:
+    global _module, _failure
+    if _module is not None or _failure:
+        return _module, _failure
+    with _lock:
+        if _module is not None or _failure:
+            return _module, _failure
+        try:
+            build_dir = _build_dir()
+            so = build_dir / f"{_NAME}.so"
+            module = None
+            if so.exists():
+                try:
+                    module = _import_built(so)
+                except Exception:  # stale or partial build: rebuild below
+                    module = None
+            if module is None:
+                module = _compile(build_dir)
+            _module = module
+        except _BuildError as exc:
+            _failure = f"native kernels unavailable: {exc}"
+        except Exception as exc:  # anything else (permissions, import errors, ...): report, never raise
+            _failure = f"native kernels unavailable: {type(exc).__name__}: {exc}"
+    return _module, _failure
+
+
+def status() -> tuple[bool, str]:
+    """(usable, one-line reason when not). Builds (or loads the cached build of) the extension on first call."""
+    if _disabled():
+        return False, f"native kernels disabled by {ENV_VAR}=0"
+    module, reason = _load()
+    return module is not None, reason
+
+
+def _ext() -> Any:
+    if _disabled():
+        raise RuntimeError(f"native kernels disabled by {ENV_VAR}=0")
+    module, reason = _load()
+    if module is None:
+        raise RuntimeError(reason)
+    return module
+
+
+def warm_up() -> None:
+    """Build / load the extension now instead of on the first call (raises RuntimeError when unusable)."""
+    _ext()
+
+
+def isa() -> str:
+    """Instruction set of the kernels in use: 'avx512', 'avx2' or 'scalar'."""
+    return _ext().isa()
+
+
+def cpu_isa() -> str:
+    """Best instruction set this CPU supports."""
+    return _ext().cpu_isa()
+
+
+def set_isa(name: str = "auto") -> str:
+    """Force 'avx512' / 'avx2' / 'scalar' kernels (for tests and benchmarks; 'auto' = best). Returns the active one."""
+    return _ext().set_isa(name)
+
+
+def set_prefill(mode: str = "auto") -> str:
+    """Prefill (more than 8 tokens) path: 'auto', 'brgemm' (oneDNN micro-kernel, bf16 x, AMX CPUs) or 'mm' (tiles +
+    torch.mm, always possible). Returns the path bf16 prefill now takes. For tests and benchmarks."""
+    return _ext().set_prefill(mode)
+
+
+_VQ_FIELDS = ("indices", "centroids", "res_centroids", "outlier_indices", "outlier_centroids", "perm",
+              "weight_scale", "weight_bias", "bias")
+
+
+def prepare_vq(spec, indices, centroids=None, res_centroids=None, outlier_indices=None,  # noqa: ANN001, ANN201
+               outlier_centroids=None, perm=None, weight_scale=None, weight_bias=None, bias=None):
+    """Repack one VPTQ layer (public tensors, see ``kernels.reference``) for ``vq_linear``.
+
+    ``spec`` is a ``VQSpec`` (or its ``as_list()``); the tensors come one by one, or as one ``VQWeights`` (or a
+    dict with those field names) in place of ``indices``.
+    """
+    if centroids is None and not isinstance(indices, torch.Tensor):
+        fields = indices._asdict() if hasattr(indices, "_asdict") else dict(indices)
+        indices, centroids, res_centroids, outlier_indices, outlier_centroids, perm, weight_scale, weight_bias, \
+            bias = (fields.get(name) for name in _VQ_FIELDS)
+    values = spec.as_list() if hasattr(spec, "as_list") else [int(s) for s in spec]
+    return _ext().prepare_vq(values, indices, centroids, res_centroids, outlier_indices, outlier_centroids, perm,
+                             weight_scale, weight_bias, bias)
+
+
+def vq_linear(x: torch.Tensor, prepared) -> torch.Tensor:  # noqa: ANN001
+    """x [..., in] -> y [..., out] (x.dtype) for a layer from ``prepare_vq``."""
+    return prepared(x)
+
+
+def prepare_scalar(codes_packed, scales=None, zeros=None, bias=None, bits: int | None = None,  # noqa: ANN001, ANN201
+                   group_size: int | None = None, in_features: int | None = None):
+    """Repack a scalar-code layer for ``scalar_linear``.
+
+    Arguments: the packed codes int32 [out, ceil(in*bits/32)], scales and zeros [out, groups], bias [out] or None,
+    bits, group_size, in_features; or ``prepare_scalar(spec, weights)`` with a ``ScalarSpec`` and ``ScalarWeights``.
+    """
+    if hasattr(codes_packed, "bits") and hasattr(codes_packed, "group_size"):  # (ScalarSpec, ScalarWeights)
+        spec, weights = codes_packed, scales
+        codes_packed, scales, zeros, bias = weights.codes, weights.scales, weights.zeros, weights.bias
+        bits, group_size, in_features = spec.bits, spec.group_size, spec.in_features
+    if bits is None or group_size is None or in_features is None:
+        raise TypeError("prepare_scalar needs bits, group_size and in_features")
+    return _ext().prepare_scalar(codes_packed, scales, zeros, bias, int(bits), int(group_size), int(in_features))
+
+
+def scalar_linear(x: torch.Tensor, prepared) -> torch.Tensor:  # noqa: ANN001
+    """x [..., in] -> y [..., out] (x.dtype) for a layer from ``prepare_scalar``."""
+    return prepared(x)

@@ -1,0 +1,174 @@
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from factories import random_vq_state
+
+from vptq_core.quant.blocks import decoder_blocks
+from vptq_core.quant.config import VPTQConfig
+from vptq_core.quant.finetune import (
+    CodebookLinear,
+    cosine_factor,
+    finetune_block_centroids,
+    holdout_count,
+    minibatches,
+)
+from vptq_core.quant.methods import Cancelled
+from vptq_core.quant.pipeline import _run_batched, capture_block_inputs, quantize_model, run_block
+from vptq_core.storage.checkpoint import load_quantized, save_quantized
+
+TINY = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=3, outlier_percent=0.0)
+HELD = [12, 13, 14, 15]
+
+
+@pytest.fixture(scope="module")
+def windows() -> torch.Tensor:
+    # 16 windows of 128 tokens: on this random model shorter or fewer windows make fine-tuning overfit (the
+    # held-out check then rightly keeps the untuned block)
+    return torch.randint(0, 256, (16, 128), generator=torch.Generator().manual_seed(1))
+
+
+LAYOUTS = [
+    {"vector_len": 4, "num_centroids": 16},
+    {"vector_len": 6, "num_centroids": 64, "num_res_centroids": 16, "perm": True},  # 70 rows: a padded vector
+    {"vector_len": 4, "num_centroids": 16, "group_num": 2, "outlier_size": 8, "outlier_vector_len": 2,
+     "num_outlier_centroids": 16, "perm": True, "norm": True},
+    {"vector_len": 8, "num_centroids": 32, "group_num": 4, "norm": True, "bias": True},
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_codebook_linear_matches_the_dequantized_layer_and_trains_every_float_tensor(layout):
+    out = 70 if layout["vector_len"] == 6 else 96
+    st = random_vq_state(64, out, **layout)
+    layer = CodebookLinear(st, None if st.bias is None else torch.nn.Parameter(st.bias.clone()))
+    x = torch.randn(3, 5, 64)
+    y = layer(x)
+    torch.testing.assert_close(y, F.linear(x, st.dequantize(), st.bias), rtol=1e-5, atol=1e-5)
+    y.square().sum().backward()
+    for key, p in layer.params.items():
+        assert p.grad is not None and p.grad.abs().sum() > 0, key
+    # trained_state() is a copy with the current tensors; the given state is untouched
+    with torch.no_grad():
+        layer.params["centroids"].add_(0.5)
+    moved = layer.trained_state()
+    torch.testing.assert_close(moved.centroids, st.centroids + 0.5)
+    torch.testing.assert_close(F.linear(x, moved.dequantize(), st.bias), layer(x), rtol=1e-5, atol=1e-5)
+
+
+def test_helpers():
+    assert [holdout_count(n, 0.125) for n in (1, 2, 8, 16, 32)] == [0, 1, 1, 2, 4]
+    assert holdout_count(16, 0.0) == 0
+    assert cosine_factor(0, 10) == 1.0 and cosine_factor(10, 10) == 0.0 and 0.4 < cosine_factor(5, 10) < 0.6
+    assert cosine_factor(0, 10, warmup=2) < cosine_factor(1, 10, warmup=2) < cosine_factor(2, 10, warmup=2) == 1.0
+    gen = minibatches(5, 2, seed=0)
+    epoch = torch.cat([next(gen), next(gen)])
+    assert len(set(epoch.tolist())) == 4  # without replacement within an epoch
+
+
+def _block_setup(tiny_model, windows, b=0):
+    model, _ = tiny_model
+    with torch.no_grad():
+        inps, kwargs = capture_block_inputs(model, windows)
+    qmodel, result = quantize_model(model, windows, "vptq", TINY)
+    qblock = decoder_blocks(qmodel)[b]
+    block = decoder_blocks(model)[b]
+    kw = kwargs.at(b)
+    with torch.no_grad():
+        targets = _run_batched(block, inps, kw)
+    prefix = f"model.layers.{b}."
+    states = {k[len(prefix):]: copy.deepcopy(v) for k, v in result.states.items() if k.startswith(prefix)}
+    return copy.deepcopy(qblock), states, inps, targets, (lambda blk, x: run_block(blk, x, kw))
+
+
+def _heldout_mse(block, inps, targets, forward, rows):
+    with torch.no_grad():
+        return float(torch.mean((forward(block, inps[rows]) - targets[rows]) ** 2))
+
+
+def test_finetune_trains_norms_and_keeps_the_best_heldout_check(tiny_model, windows):
+    block, states, inps, targets, forward = _block_setup(tiny_model, windows)
+    norms_before = {n: p.detach().clone() for n, p in block.named_parameters() if p.dim() == 1}
+    centroids_before = {n: st.centroids.clone() for n, st in states.items()}
+    cfg = dataclasses.replace(TINY, finetune_iters=16, finetune_lr=3e-3, finetune_norm_lr=1e-2,
+                              finetune_eval_every=4, finetune_holdout=0.25, train_dtype="float32")
+    metrics = finetune_block_centroids(block, states, inps, targets, forward, cfg)
+    assert metrics["finetune_heldout"] == 4 and metrics["finetune_best_step"] in (4, 8, 12, 16)
+    assert metrics["finetune_loss_after"] < metrics["finetune_loss_before"]
+    # the reported held-out loss is the block's (windows 12-15, never trained on), as the pipeline will use it
+    assert _heldout_mse(block, inps, targets, forward, HELD) == pytest.approx(metrics["finetune_loss_after"], rel=1e-5)
+    for name, p in block.named_parameters():
+        if name in norms_before:
+            assert not torch.equal(p, norms_before[name]), name
+    for name, st in states.items():
+        assert not torch.equal(st.centroids, centroids_before[name])
+        torch.testing.assert_close(block.get_submodule(name).weight, st.dequantize())
+
+
+def test_heldout_acceptance_never_accepts_a_worse_block(tiny_model, windows):
+    block, states, inps, targets, forward = _block_setup(tiny_model, windows)
+    before_block = copy.deepcopy(block)
+    before_states = copy.deepcopy(states)
+    start = _heldout_mse(block, inps, targets, forward, [15])
+    # a learning rate that wrecks the block: every check is worse, so nothing is kept
+    cfg = dataclasses.replace(TINY, finetune_iters=6, finetune_lr=0.5, finetune_norm_lr=0.5, finetune_eval_every=2)
+    metrics = finetune_block_centroids(block, states, inps, targets, forward, cfg)
+    assert metrics["finetune_best_step"] == 0
+    assert metrics["finetune_loss_after"] == metrics["finetune_loss_before"] == pytest.approx(start, rel=1e-6)
+    for (name, p), q in zip(block.named_parameters(), before_block.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    for name, st in states.items():
+        assert torch.equal(st.centroids, before_states[name].centroids)
+    # and across settings: the held-out error after is never above the one before
+    for lr in (1e-3, 1e-2, 1e-1):
+        blk, sts = copy.deepcopy(before_block), copy.deepcopy(before_states)
+        cfg = dataclasses.replace(TINY, finetune_iters=4, finetune_lr=lr, finetune_norm_lr=lr, seed=3)
+        finetune_block_centroids(blk, sts, inps, targets, forward, cfg)
+        assert _heldout_mse(blk, inps, targets, forward, [15]) <= start * (1 + 1e-6)
+
+
+def test_cancel_between_steps_leaves_the_block_as_it_was(tiny_model, windows):
+    block, states, inps, targets, forward = _block_setup(tiny_model, windows)
+    before_block = copy.deepcopy(block)
+    calls = []
+
+    def stop():
+        calls.append(1)
+        return len(calls) > 3
+
+    cfg = dataclasses.replace(TINY, finetune_iters=50, finetune_lr=1e-2, finetune_norm_lr=1e-2)
+    with pytest.raises(Cancelled):
+        finetune_block_centroids(block, states, inps, targets, forward, cfg, should_stop=stop)
+    assert len(calls) == 4
+    for (name, p), q in zip(block.named_parameters(), before_block.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert all(type(m).__name__ != "CodebookLinear" for m in block.modules())
+
+
+def test_pipeline_finetune_round_trips_through_the_packed_checkpoint(tmp_path, tiny_model, windows):
+    model, tok = tiny_model
+    cfg = dataclasses.replace(TINY, finetune_iters=16, finetune_lr=3e-3, finetune_norm_lr=1e-2, finetune_holdout=0.25,
+                              finetune_eval_every=4)
+    qmodel, result = quantize_model(model, windows, "vptq", cfg)
+    changed = [name for name, p in qmodel.named_parameters()
+               if "layernorm" in name and not torch.equal(p, model.get_parameter(name))]
+    assert changed, "layer-wise fine-tuning should move the blocks' norm weights"
+    assert all(r.extra["finetune_loss_after"] <= r.extra["finetune_loss_before"] for r in result.reports)
+    save_quantized(qmodel, tok, result.states, tmp_path / "ckpt", dtype=torch.float32)
+    loaded, _ = load_quantized(tmp_path / "ckpt", dtype=torch.float32)
+    for name in changed:
+        assert torch.equal(loaded.get_parameter(name), qmodel.get_parameter(name))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(windows, use_cache=False).logits, qmodel(windows, use_cache=False).logits,
+                                   rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("finetune_norm_lr", -1.0), ("finetune_batch", 0), ("finetune_holdout", 0.9), ("finetune_eval_every", -1),
+    ("train_dtype", "float16"),
+])
+def test_finetune_settings_are_validated(field, value):
+    with pytest.raises(ValueError, match=field):
+        VPTQConfig(**{field: value})

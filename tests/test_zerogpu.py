@@ -1,0 +1,115 @@
+"""ZeroGPU Spaces: with ``SPACES_ZERO_GPU`` set and a (fake) ``spaces`` module, the app's quantization job runs
+inside one ``spaces.GPU`` call with a duration that fits the model, arguments and events crossing as pickles
+(as to ZeroGPU's forked worker), progress and cancellation intact; without them nothing changes."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from vptq_core.models import TINY
+from vptq_core.quant.config import CalibConfig, ScalarConfig
+from vptq_core.studio import zerogpu
+from vptq_core.studio.queue import JobCancelled
+from vptq_core.studio.task import quantization_task
+
+CALIB = CalibConfig(samples=2, seqlen=32, seed=0)
+
+
+class FakeSpaces(types.ModuleType):
+    """``spaces.GPU(duration=...)(fn)``: records each call's duration; pickles the arguments and every
+    yielded event as ZeroGPU does between the app and its GPU worker."""
+
+    def __init__(self) -> None:
+        super().__init__("spaces")
+        self.calls: list[dict] = []
+
+    def GPU(self, task=None, *, duration=None, size=None):  # noqa: N802 - the real name
+        def decorate(fn):
+            def wrapper(*args, **kwargs):
+                args, kwargs = pickle.loads(pickle.dumps((args, kwargs)))
+                seconds = duration(*args, **kwargs) if callable(duration) else duration
+                self.calls.append({"fn": fn.__name__, "duration": seconds})
+                for event in fn(*args, **kwargs):
+                    yield pickle.loads(pickle.dumps(event))
+
+            return wrapper
+
+        return decorate(task) if callable(task) else decorate
+
+
+class Ctx:
+    """The parts of a ``JobContext`` a task uses."""
+
+    def __init__(self, out_dir: Path, stop_after: int | None = None) -> None:
+        self.out_dir, self.job_id, self.stop_after = out_dir, "0123456789ab", stop_after
+        self.reports, self.phases, self.total = [], [], None
+
+    def set_phase(self, text):
+        self.phases.append(text)
+
+    def on_start(self, total):
+        self.total = total
+
+    def on_layer(self, report):
+        self.reports.append(report)
+
+    def should_stop(self):
+        return self.stop_after is not None and len(self.reports) >= self.stop_after
+
+
+@pytest.fixture
+def fake_spaces(monkeypatch):
+    fake = FakeSpaces()
+    monkeypatch.setitem(sys.modules, "spaces", fake)
+    monkeypatch.setenv("SPACES_ZERO_GPU", "true")
+    monkeypatch.delenv(zerogpu.DURATION_ENV, raising=False)
+    zerogpu._decorated.clear()
+    yield fake
+    zerogpu._decorated.clear()
+
+
+@pytest.mark.slow
+def test_the_job_runs_in_one_gpu_call_with_progress(fake_spaces, tmp_path: Path):
+    ctx = Ctx(tmp_path)
+    result = quantization_task(TINY, "rtn", ScalarConfig(bits=4), CALIB)(ctx)
+    assert len(fake_spaces.calls) == 1 and fake_spaces.calls[0]["fn"] == "_worker"
+    assert 60 <= fake_spaces.calls[0]["duration"] <= 900
+    assert ctx.total == 14 and len(ctx.reports) == 14
+    assert all(r.rel_output_error is not None for r in ctx.reports)  # filled in when each block ended
+    assert any("ZeroGPU" in phase for phase in ctx.phases)
+    assert Path(result["checkpoint_dir"], "model.safetensors").is_file() and result["summary"]["layers"] == 14
+
+
+@pytest.mark.slow
+def test_cancelling_reaches_the_gpu_worker(fake_spaces, tmp_path: Path):
+    with pytest.raises(JobCancelled):
+        quantization_task(TINY, "rtn", ScalarConfig(bits=4), CALIB)(Ctx(tmp_path, stop_after=2))
+    assert (tmp_path / zerogpu.CANCEL_FILE).exists() and not (tmp_path / "checkpoint").exists()
+
+
+def test_errors_cross_with_their_message(fake_spaces, tmp_path: Path):
+    with pytest.raises(ValueError, match="no such model"):
+        quantization_task(str(tmp_path / "no such model"), "rtn", ScalarConfig(bits=4), CALIB)(Ctx(tmp_path))
+
+
+def test_duration_grows_with_the_model_and_obeys_the_limits(monkeypatch):
+    tiny = zerogpu.duration_for(TINY)
+    assert tiny == 60  # 14 linears, a few thousand weights: the floor
+    monkeypatch.setenv(zerogpu.DURATION_ENV, "123")
+    assert zerogpu.duration_for(TINY) == 123
+    monkeypatch.setenv(zerogpu.MAX_DURATION_ENV, "100")
+    assert zerogpu.duration_for(TINY) == 100
+
+
+def test_elsewhere_nothing_changes(monkeypatch):
+    monkeypatch.delenv("SPACES_ZERO_GPU", raising=False)
+    monkeypatch.setitem(sys.modules, "spaces", FakeSpaces())
+    assert zerogpu.zero_gpu() is None  # spaces installed, but not on ZeroGPU
+    monkeypatch.setenv("SPACES_ZERO_GPU", "true")
+    monkeypatch.setitem(sys.modules, "spaces", None)  # on ZeroGPU, but spaces not importable
+    assert zerogpu.zero_gpu() is None

@@ -1,0 +1,80 @@
+"""Where quantization runs: device choice, exact float32 matmuls, the nearest-centroid search backend, and
+moving layer states between devices.
+
+Every phase of the pipeline follows the device of its inputs (Hessians, inverse Hessians, k-means, the
+nearest-centroid search, the error-feedback sweep, fine-tuning, LRQ): nothing is moved to the host per column.
+Random draws (k-means initialisation and subsamples, fine-tuning and LRQ batches) come from CPU generators
+and only the drawn indices are moved, so a CUDA run draws exactly what a CPU run draws and the two agree up
+to float rounding.
+
+``VPTQ_NEAREST=torch`` makes the nearest-centroid search use the chunked torch matmul path on the CPU too
+(the path CUDA always takes), instead of scipy's k-d tree or the numba kernel: for tests and comparisons.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+import torch
+
+NEAREST_ENV = "VPTQ_NEAREST"
+NEAREST_BACKENDS = ("auto", "torch", "kdtree", "numba")
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """``None`` / "auto" -> "cuda" when available, else "cpu"; anything else as a ``torch.device``."""
+    if device is None or (isinstance(device, str) and device == "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def nearest_backend(requested: str | None = None) -> str:
+    """The search backend asked for: ``requested``, else ``$VPTQ_NEAREST``, else "auto" (ValueError otherwise)."""
+    value = requested if requested is not None else (os.environ.get(NEAREST_ENV) or "auto")
+    value = value.strip().lower()
+    if value not in NEAREST_BACKENDS:
+        source = "backend" if requested is not None else f"${NEAREST_ENV}"
+        raise ValueError(f"{source} must be one of {', '.join(NEAREST_BACKENDS)}, got {value!r}")
+    return value
+
+
+@contextlib.contextmanager
+def exact_float32():
+    """Full float32 matmuls inside (no TF32 / bf16 shortcuts, whatever the caller enabled globally), restored
+    after. The Hessians, distances and error updates need full precision: with TF32 a nearest-centroid search
+    picks other centroids than on the CPU, and ``H`` loses the small eigenvalues its inverse depends on."""
+    before = torch.get_float32_matmul_precision()
+    cudnn = torch.backends.cudnn.allow_tf32
+    if before == "highest" and not cudnn:
+        yield
+        return
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+        torch.backends.cudnn.allow_tf32 = cudnn
+
+
+def tensors_to(obj, device: str | torch.device, non_blocking: bool = False):
+    """A copy of ``obj`` (a layer state or any dataclass, dict, list, tuple) with every tensor on ``device``
+    (tensors already there are kept, not copied). Dataclasses are rebuilt without running ``__init__``."""
+    device = torch.device(device)
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.device == device else obj.to(device, non_blocking=non_blocking)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = object.__new__(type(obj))
+        out.__dict__.update(obj.__dict__)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(out, f.name, tensors_to(getattr(obj, f.name), device, non_blocking))
+        return out
+    if isinstance(obj, dict):
+        return {k: tensors_to(v, device, non_blocking) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
+        return type(obj)(*(tensors_to(v, device, non_blocking) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(tensors_to(v, device, non_blocking) for v in obj)
+    return obj

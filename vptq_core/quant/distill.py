@@ -1,0 +1,328 @@
+"""End-to-end distillation of a VPTQ-quantized model against the original model's next-token distributions.
+
+After every block is quantized (and maybe fine-tuned layer by layer), the tensors that stay in the packed
+format and are cheap to move are trained together: every quantized layer's codebooks (main, residual,
+outlier; ``weight_scale`` / ``weight_bias`` when normalisation is on) and every 1-D tensor of the model
+(the norms inside the blocks, the final norm, linear biases). Indices, embeddings and the LM head stay
+fixed. Objective, per predicted token: KL(P_orig || P_quant).
+
+- **Teacher**: the reference model runs once per window, before training, and only its top ``distill_topk``
+  log-probabilities (+ the log of the mass of all the others) are kept: n x seq x k values, never
+  full-vocabulary logits for all windows. The KL is taken over those k tokens plus one bucket for the rest,
+  the KL of the two distributions coarsened the same way (<= the full KL, equal when k covers the vocab).
+- **Student**: the quantized model with its quantized linears replaced by ``finetune.CodebookLinear``
+  (the weight gathered from the codebooks in each forward), each decoder block under activation
+  checkpointing (``distill_checkpointing``) and the LM head + loss in checkpointed chunks of tokens, so
+  memory holds one block's activations and one chunk's logits; bf16 autocast for the training steps
+  (``train_dtype``), float32 parameters and Adam state.
+- **Held-out**: ``distill_holdout`` of the windows are never trained on; the KL on them is checked every
+  ``distill_eval_every`` steps and at the end (float32), and the best check wins, the starting point
+  included: distillation never leaves the model worse on those windows.
+
+The result is written back in place: the states' codebooks (and biases), the fake-quant model's linear
+weights (dequantized) and its norm weights, so ``save_quantized(qmodel, ...)`` writes the distilled model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .blocks import decoder_blocks
+from .config import VPTQConfig
+from .finetune import (
+    TRAIN_DTYPES,
+    CodebookLinear,
+    Snapshot,
+    autocast,
+    cosine_factor,
+    dense_parameters,
+    holdout_count,
+    minibatches,
+    only_trainable,
+    swapped_in,
+    write_back,
+)
+from .states import VQLayerState
+
+OnStep = Callable[[int, float], None]
+HEAD_CHUNK = 1024  # tokens per LM-head chunk: one chunk's full-vocabulary logits live at a time
+WARMUP_FRACTION = 0.05  # of the steps, linear learning-rate warm-up before the cosine decay
+
+
+# ------------------------------------------------------------------------------------------- teacher
+@torch.no_grad()
+def teacher_topk(reference: nn.Module, windows: torch.Tensor, k: int, device: torch.device,
+                 should_stop: Callable[[], bool] | None = None) -> dict[str, torch.Tensor] | None:
+    """The reference's top-``k`` next-token log-probabilities on every window, computed one window at a time.
+
+    Returns {"logp": [n, seq-1, k] float32, "index": [n, seq-1, k] int64, "rest": [n, seq-1] float32 (log of
+    the mass outside the top k; -inf when there is none)} on ``device``; None if ``should_stop`` turned true.
+    """
+    ref_device = next(reference.parameters()).device
+    logps, indices, rests = [], [], []
+    for row in windows:
+        if should_stop is not None and should_stop():
+            return None
+        logits = reference(row.unsqueeze(0).to(ref_device), use_cache=False).logits[0, :-1].float()
+        logp = F.log_softmax(logits, dim=-1)
+        top, index = logp.topk(min(k, logp.shape[-1]), dim=-1)
+        rest = logp.scatter(-1, index, float("-inf")).logsumexp(-1)
+        logps.append(top.to(device))
+        indices.append(index.to(device))
+        rests.append(rest.to(device))
+    return {"logp": torch.stack(logps), "index": torch.stack(indices), "rest": torch.stack(rests)}
+
+
+def bucket_kl(logits: torch.Tensor, t_logp: torch.Tensor, t_index: torch.Tensor, t_rest: torch.Tensor,
+              cap: float | None = None) -> torch.Tensor:
+    """Sum over tokens of KL(P || Q) on the teacher's top-k tokens + one bucket for the rest.
+
+    logits [t, V] (student, any float dtype; ``cap``: final logit soft-capping); t_logp, t_index [t, k];
+    t_rest [t] (log of the teacher's mass outside its top k).
+    """
+    logits = logits.float()
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    lse = logits.logsumexp(-1)
+    q_top = logits.gather(-1, t_index) - lse[:, None]
+    q_rest = logits.scatter(-1, t_index, float("-inf")).logsumexp(-1) - lse
+    p_top = t_logp.exp()
+    p_rest = t_rest.exp()
+    kl_top = (p_top * (t_logp - q_top)).sum(-1)
+    # the rest bucket: 0 * log(0 / q) = 0 when the teacher's top k hold all the mass
+    kl_rest = torch.where(p_rest > 0, p_rest * (t_rest - q_rest), torch.zeros_like(p_rest))
+    return (kl_top + kl_rest).sum()
+
+
+# ------------------------------------------------------------------------------------------- student
+@contextlib.contextmanager
+def _checkpointed_blocks(model: nn.Module, enabled: bool):
+    """Every decoder block's forward under activation checkpointing (instance attributes, removed after)."""
+    blocks = list(decoder_blocks(model)) if enabled else []
+    for block in blocks:
+        cls_forward = type(block).forward
+
+        def forward(*args, _block=block, _fwd=cls_forward, **kwargs):
+            if not torch.is_grad_enabled():
+                return _fwd(_block, *args, **kwargs)
+            return checkpoint(functools.partial(_fwd, _block, **kwargs), *args, use_reentrant=False)
+
+        block.forward = forward
+    try:
+        yield
+    finally:
+        for block in blocks:
+            block.__dict__.pop("forward", None)
+
+
+class _Student:
+    """Runs the quantized model to its final hidden states and the LM head + KL in chunks of tokens."""
+
+    def __init__(self, model: nn.Module, checkpointing: bool) -> None:
+        self.model = model
+        self.base = model.base_model
+        self.head = model.get_output_embeddings()
+        if self.head is None:
+            raise ValueError(f"{type(model).__name__} has no output embeddings (LM head); cannot distill it")
+        self.cap = getattr(model.config, "final_logit_softcapping", None)
+        self.checkpointing = checkpointing
+
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.base(input_ids=ids, use_cache=False)
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.head(hidden)
+        return torch.tanh(logits.float() / self.cap) * self.cap if self.cap else logits
+
+    def kl_sum(self, ids: torch.Tensor, teacher: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        """Sum of the bucket KL over every predicted token of ``ids`` [b, seq] (teacher rows ``rows``)."""
+        h = self.hidden(ids)[:, :-1].reshape(-1, self.head.in_features)
+        t_logp = teacher["logp"][rows].reshape(h.shape[0], -1)
+        t_index = teacher["index"][rows].reshape(h.shape[0], -1)
+        t_rest = teacher["rest"][rows].reshape(-1)
+        total = h.new_zeros((), dtype=torch.float32)
+
+        def chunk(h_c, lp, ix, rs):
+            return bucket_kl(self.head(h_c), lp, ix, rs, self.cap)
+
+        for i in range(0, h.shape[0], HEAD_CHUNK):
+            part = (h[i : i + HEAD_CHUNK], t_logp[i : i + HEAD_CHUNK], t_index[i : i + HEAD_CHUNK],
+                    t_rest[i : i + HEAD_CHUNK])
+            if self.checkpointing and torch.is_grad_enabled():
+                total = total + checkpoint(chunk, *part, use_reentrant=False)
+            else:
+                total = total + chunk(*part)
+        return total
+
+
+def _check_head(student: _Student, model: nn.Module, ids: torch.Tensor) -> None:
+    """The student's hidden-state + head path must give the model's own logits (soft-capping, scaling...)."""
+    with torch.no_grad():
+        ids = ids[:1, : min(ids.shape[1], 16)]
+        ours = student.logits(student.hidden(ids)).float()
+        theirs = model(input_ids=ids, use_cache=False).logits.float()
+    if not torch.allclose(ours, theirs, rtol=1e-3, atol=1e-3 * max(1.0, float(theirs.abs().max()))):
+        raise ValueError(f"{type(model).__name__}: its logits are not lm_head(base_model(ids)) (max difference "
+                         f"{float((ours - theirs).abs().max()):.3g}); distillation does not support this model")
+
+
+@contextlib.contextmanager
+def _restore_on_error(snapshot: Snapshot):
+    try:
+        yield
+    except BaseException:
+        snapshot.restore()
+        raise
+
+
+# ------------------------------------------------------------------------------------------------ api
+def distill(
+    qmodel: nn.Module,
+    reference: nn.Module,
+    states: dict[str, VQLayerState],
+    windows: torch.Tensor,
+    config: VPTQConfig,
+    on_step: OnStep | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> dict:
+    """Distil ``qmodel`` (the fake-quantized model ``quantize_model`` returns) towards ``reference``.
+
+    Args:
+        qmodel: its linears named in ``states`` hold the dequantized weights; trained on its own device.
+        reference: the original model (any dtype/device, e.g. bf16), same vocabulary.
+        states: full module name -> ``VQLayerState`` of ``qmodel``'s quantized linears (updated in place).
+        windows: token ids [n, seq]; the last ``holdout_count(n, config.distill_holdout)`` are held out.
+        config: a ``VPTQConfig``: ``distill_iters`` steps of ``distill_batch`` windows, ``distill_lr``
+            (codebooks), ``distill_norm_lr`` (1-D tensors), ``distill_topk``, ``distill_eval_every``,
+            ``distill_checkpointing``, ``train_dtype``, ``seed``.
+        on_step: called after every step with (step, training KL per token of that step's windows).
+        should_stop: polled before every step; when true the run stops there and keeps the best check so far.
+
+    Returns metrics: ``steps`` done, ``cancelled``, ``heldout_windows``, ``kl_before`` / ``kl_after`` (held-out
+    bucket KL per token; after <= before), ``best_step`` (0 = nothing kept), ``train_kl_first`` /
+    ``train_kl_last``, ``teacher_seconds``, ``seconds``.
+    """
+    t_start = time.perf_counter()
+    if not states:
+        raise ValueError("states must name the quantized linears of qmodel")
+    bad = [name for name, st in states.items() if not isinstance(st, VQLayerState)]
+    if bad:
+        raise TypeError(f"distill trains VPTQ codebooks; {bad[0]!r} is not a VQLayerState")
+    if windows.dim() != 2 or windows.shape[0] < 1 or windows.shape[1] < 2:
+        raise ValueError(f"windows must be token ids [n, seq >= 2], got shape {tuple(windows.shape)}")
+    ref_vocab = reference.get_output_embeddings().out_features
+    if ref_vocab != qmodel.get_output_embeddings().out_features:
+        raise ValueError(f"reference has a vocabulary of {ref_vocab}, the quantized model "
+                         f"{qmodel.get_output_embeddings().out_features}")
+    should_stop = should_stop or (lambda: False)
+    on_step = on_step or (lambda _step, _loss: None)
+    device = next(qmodel.parameters()).device
+    windows = windows.to(device)
+    n = windows.shape[0]
+    n_val = holdout_count(n, config.distill_holdout)
+    n_train = n - n_val
+    val = torch.arange(n_train, n) if n_val else torch.arange(n)
+    dtype = TRAIN_DTYPES[config.train_dtype]
+    metrics = {"steps": 0, "cancelled": False, "heldout_windows": n_val}
+
+    t0 = time.perf_counter()
+    teacher = teacher_topk(reference, windows, config.distill_topk, device, should_stop)
+    metrics["teacher_seconds"] = time.perf_counter() - t0
+    if teacher is None:
+        metrics.update(cancelled=True, seconds=time.perf_counter() - t_start)
+        return metrics
+
+    linears = {name: qmodel.get_submodule(name) for name in states}
+    dense = dense_parameters(qmodel) if config.distill_norm_lr > 0 else []
+    dense_dtypes = [p.dtype for p in dense]
+    was_training = qmodel.training
+    qmodel.eval()
+    student = _Student(qmodel, config.distill_checkpointing)
+    _check_head(student, qmodel, windows)
+    tokens_per_window = windows.shape[1] - 1
+
+    def heldout_kl() -> float:
+        with torch.no_grad():
+            total = 0.0
+            for i in val.tolist():
+                total += float(student.kl_sum(windows[i : i + 1], teacher, torch.tensor([i], device=device)))
+        return total / (val.numel() * tokens_per_window)
+
+    def make(name: str, linear: nn.Module) -> CodebookLinear:
+        return CodebookLinear(states[name], linear.bias, device)
+
+    try:
+        for p in dense:  # train 1-D tensors in float32 (put back in their dtype after)
+            p.data = p.data.float()
+        with swapped_in(qmodel, list(states), make) as trainables, _checkpointed_blocks(
+            qmodel, config.distill_checkpointing
+        ):
+            codebooks = [p for layer in trainables.values() for p in layer.params.values()]
+            codebooks_trained = codebooks if config.distill_lr > 0 else []
+            trained = codebooks_trained + dense
+            if not trained:
+                raise ValueError("distill_lr and distill_norm_lr are both 0: nothing to train")
+            start = Snapshot(codebooks + dense)
+            best = start
+            groups = []
+            if codebooks_trained:
+                groups.append({"params": codebooks_trained, "lr": config.distill_lr})
+            if dense:
+                groups.append({"params": dense, "lr": config.distill_norm_lr})
+            base_lrs = [g["lr"] for g in groups]
+            optimizer = torch.optim.Adam(groups)
+            iters = config.distill_iters
+            every = config.distill_eval_every or iters
+            warmup = int(iters * WARMUP_FRACTION)
+            batches = minibatches(n_train, config.distill_batch, config.seed)
+            with only_trainable(qmodel, trained), torch.enable_grad(), _restore_on_error(start):
+                before = heldout_kl()
+                best_kl, best_step = before, 0
+                metrics["kl_before"] = before
+                for step in range(iters):
+                    if should_stop():
+                        metrics["cancelled"] = True
+                        break
+                    for g, lr in zip(optimizer.param_groups, base_lrs, strict=True):
+                        g["lr"] = lr * cosine_factor(step, iters, warmup)
+                    rows = next(batches)
+                    with autocast(device, dtype):
+                        loss = student.kl_sum(windows[rows], teacher, rows) / (rows.numel() * tokens_per_window)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
+                    value = float(loss.detach())
+                    if not math.isfinite(value):
+                        raise FloatingPointError(f"distillation loss is {value} at step {step + 1}")
+                    metrics.setdefault("train_kl_first", value)
+                    metrics["train_kl_last"] = value
+                    metrics["steps"] = step + 1
+                    on_step(step + 1, value)
+                    if (step + 1) % every == 0 or step + 1 == iters:
+                        kl_now = heldout_kl()
+                        if kl_now < best_kl:
+                            best_kl, best_step = kl_now, step + 1
+                            best = Snapshot(codebooks + dense)
+                if metrics["cancelled"] and metrics["steps"] and best_step < metrics["steps"]:
+                    kl_now = heldout_kl()  # the steps since the last check may still be the best
+                    if kl_now < best_kl:
+                        best_kl, best_step = kl_now, metrics["steps"]
+                        best = Snapshot(codebooks + dense)
+            best.restore()
+            write_back(linears, trainables, states)
+    finally:
+        for p, dt in zip(dense, dense_dtypes, strict=True):
+            p.data = p.data.to(dt)
+        qmodel.train(was_training)
+    metrics.update(kl_after=best_kl, best_step=best_step, seconds=time.perf_counter() - t_start)
+    return metrics
