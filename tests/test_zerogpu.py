@@ -99,7 +99,13 @@ def test_errors_cross_with_their_message(fake_spaces, tmp_path: Path):
 
 def test_duration_grows_with_the_model_and_obeys_the_limits(monkeypatch):
     tiny = zerogpu.duration_for(TINY)
-    assert tiny == 60  # 14 linears, a few thousand weights: the floor
+    assert tiny == 74  # 60 s + 14 linears + a few thousand weights (under one million: 0 s)
+    monkeypatch.setattr("vptq_core.studio.estimate.model_info", lambda name: types.SimpleNamespace(
+        linear_shapes=[(576, 576)] * 210, linear_weights=106_168_320))  # SmolLM2-135M's 210 linears
+    assert zerogpu.duration_for("smollm2-135m-instruct") == 60 + 210 + 106
+    monkeypatch.setattr("vptq_core.studio.estimate.model_info", lambda name: types.SimpleNamespace(
+        linear_shapes=[(4096, 4096)] * 224, linear_weights=6_476_005_376))  # a 7B model: capped
+    assert zerogpu.duration_for("7b") == 900
     monkeypatch.setenv(zerogpu.DURATION_ENV, "123")
     assert zerogpu.duration_for(TINY) == 123
     monkeypatch.setenv(zerogpu.MAX_DURATION_ENV, "100")

@@ -459,7 +459,10 @@ def open_streaming(name_or_dir: str) -> StreamingModel:
         except ValueError as exc:
             if "attention implementation" not in str(exc):
                 raise NotStreamable(f"cannot build the model skeleton: {_first_line(exc)}") from None
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            try:
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+            except Exception as retry_exc:  # noqa: BLE001
+                raise NotStreamable(f"cannot build the model skeleton: {_first_line(retry_exc)}") from None
         except Exception as exc:  # noqa: BLE001
             raise NotStreamable(f"cannot build the model skeleton: {_first_line(exc)}") from None
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
