@@ -63,12 +63,20 @@ def test_bad_method_and_config(tiny_model, calib_ids):
         quantize_model(model, calib_ids[0], "vptq", TINY_VQ)
 
 
-def test_finetune_lowers_block_loss(tiny_model, calib_ids):
+def test_finetune_lowers_block_loss(tiny_model):
+    # Fine-tuning is judged on windows it never trained on (here the last 2 of 8). On 4 windows x 64 tokens of
+    # this random model, or at lr 2e-3 (10% of its weights' std per Adam step), it only fits the training
+    # windows and the held-out check rightly keeps the untuned block.
     model, _ = tiny_model
-    cfg = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=3, finetune_iters=8, finetune_lr=2e-3)
-    _, result = quantize_model(model, calib_ids, "vptq", cfg)
-    extra = result.reports[0].extra
-    assert extra["finetune_loss_after"] < extra["finetune_loss_before"]
+    ids = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(0))
+    cfg = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=3, finetune_iters=8, finetune_lr=3e-4,
+                     finetune_norm_lr=3e-4, finetune_holdout=0.25)
+    _, result = quantize_model(model, ids, "vptq", cfg)
+    for block in (0, 1):
+        extra = next(r.extra for r in result.reports if r.block == block)
+        assert extra["finetune_heldout"] == 2 and extra["finetune_best_step"] == 8
+        assert extra["finetune_loss_after"] < extra["finetune_loss_before"], block
+        assert extra["finetune_rel_after"] < extra["finetune_rel_before"], block
 
 
 def test_lrq_through_pipeline(tiny_model, calib_ids):
