@@ -13,7 +13,9 @@ Protocol: both models in the same process; a fixed chat prompt; one warm-up run 
 timed runs, alternating which model goes first; each run = one prefill plus --tokens greedy single-token steps
 with a KV cache (end-of-sequence ignored, so every run decodes the same number of tokens). --loop picks the
 decode loop, the same for both models: "cache" (a plain forward loop with transformers' dynamic KV cache),
-"static" (a preallocated static KV cache), "generate" (transformers' generate(), what a chat UI calls).
+"static" (a preallocated static KV cache), "generate" (transformers' generate()), "lean" / "lean-static"
+(``vptq_core.generation.decode_loop``, what the app's chat runs: last-position logits only at prefill, no
+logits processors, dynamic or static KV cache).
 Decode tokens/s = steps / time of the steps (prefill excluded, reported apart); medians over pairs and the
 median of the per-pair ratios. --anatomy adds a table of one decode step's time split into the block linears,
 the LM head and the rest (attention, norms, rotary, embedding, Python), measured with timing hooks.
@@ -114,10 +116,23 @@ def _generate_loop(model: nn.Module, prompt_ids: torch.Tensor, steps: int) -> tu
     return out[0, prompt_ids.shape[1]:].tolist(), prefill, max(total - prefill, 1e-9)
 
 
+def _lean_loop(model: nn.Module, prompt_ids: torch.Tensor, steps: int, cache: str) -> tuple[list[int], float, float]:
+    """vptq_core.generation.decode_loop (what the app's chat runs): prefill = time to the first token."""
+    from vptq_core.generation import decode_loop
+
+    marks: list[float] = []
+    start = time.perf_counter()
+    ids = decode_loop(model, prompt_ids, steps + 1, cache=cache, eos_ids=(),
+                      on_token=lambda _ids: marks.append(time.perf_counter()))
+    return ids, marks[0] - start, max(marks[-1] - marks[0], 1e-9)
+
+
 LOOPS: dict[str, Callable] = {
     "cache": lambda m, p, s: _cache_loop(m, p, s, static=False),
     "static": lambda m, p, s: _cache_loop(m, p, s, static=True),
     "generate": _generate_loop,
+    "lean": lambda m, p, s: _lean_loop(m, p, s, "dynamic"),
+    "lean-static": lambda m, p, s: _lean_loop(m, p, s, "static"),
 }
 
 

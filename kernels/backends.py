@@ -41,7 +41,10 @@ def _static_status(name: str, interpret: bool) -> tuple[bool, str]:
 
 
 def backend_status(name: str) -> tuple[bool, str]:
-    """(usable, reason when not) for one backend name (cached; TRITON_INTERPRET is re-read each call)."""
+    """(usable, reason when not) for one backend name (cached; TRITON_INTERPRET is re-read each call; the
+    native kernels answer for themselves: a build may finish, or be disabled, while the process runs)."""
+    if name == "native":
+        return _status(name, False)
     status = _static_status(name, name == "triton" and triton_interpret())
     if name == "cpu" and status[0]:
         import sys

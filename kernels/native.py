@@ -36,8 +36,10 @@ import os
 import platform
 import re
 import shutil
+import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -126,52 +128,195 @@ class _BuildError(RuntimeError):
     pass
 
 
-def _load() -> tuple[Any, str]:
+# ----------------------------------------------------------------------------------------- build lock
+# One builder per build directory across processes: ``build.lock`` (created with O_EXCL) holds the builder's pid,
+# host and start time. A lock whose process is gone (same host), or older than ``_STALE_S``, is stale and taken
+# over. torch's own ``lock`` file (cpp_extension waits on it forever) is only ever created by a process holding
+# ``build.lock``, so a ``lock`` found while holding it is left over from a killed build and removed.
+_LOCK_NAME = "build.lock"
+_STALE_S = 20 * 60.0  # no build takes this long (measured 50-180 s on 2 cores)
+WAIT_ENV_VAR = "VPTQ_NATIVE_WAIT"
+_DEFAULT_WAIT_S = 300.0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def _lock_is_stale(path: Path) -> bool:
+    try:
+        text = path.read_text()
+        age = time.time() - path.stat().st_mtime
+    except OSError:
+        return False  # released meanwhile (or unreadable): look again
+    if age > _STALE_S:
+        return True
+    fields = dict(part.split("=", 1) for part in text.split() if "=" in part)
+    try:
+        pid = int(fields["pid"])
+    except (KeyError, ValueError):
+        return age > 30.0  # being written, or garbage: stale once it has stayed unreadable for a while
+    return fields.get("host") == socket.gethostname() and not _pid_alive(pid)
+
+
+def _acquire_build_lock(build_dir: Path, deadline: float) -> Path:
+    """Create ``build_dir/build.lock`` (taking over a stale one); raise TimeoutError at ``deadline``."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    path = build_dir / _LOCK_NAME
+    while True:
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            if _lock_is_stale(path):
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    pass
+                continue
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"another process is building the native kernels ({path})") from None
+            time.sleep(0.25)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(f"pid={os.getpid()} host={socket.gethostname()} started={time.time():.0f}\n")
+        return path
+
+
+def _build_or_import(deadline: float) -> Any:
+    """The extension module: the cached build if there is one, else built here under the build lock."""
+    build_dir = _build_dir()
+    so = build_dir / f"{_NAME}.so"
+    if so.exists():
+        try:
+            return _import_built(so)
+        except Exception:  # stale or partial build: rebuild below
+            pass
+    lock = _acquire_build_lock(build_dir, deadline)
+    try:
+        if so.exists():  # built by another process while this one waited
+            try:
+                return _import_built(so)
+            except Exception:
+                pass
+        torch_lock = build_dir / "lock"
+        if torch_lock.exists():  # left by a killed build (only holders of build.lock create it)
+            torch_lock.unlink()
+        return _compile(build_dir)
+    finally:
+        try:
+            lock.unlink()
+        except FileNotFoundError:
+            pass
+
+
+# ----------------------------------------------------------------------------------------- loading
+# The build runs in one daemon thread per process; callers wait for it with a bound (``VPTQ_NATIVE_WAIT``
+# seconds for the automatic backend choice, default 300). A caller that gives up gets the fallback and a reason;
+# once one has given up, later ones do not wait again, and the build goes on: when it finishes, layers bound
+# from then on use the native kernels.
+_done = threading.Event()
+_thread: threading.Thread | None = None
+_waited_out: float | None = None  # the wait that ran out, once one has
+
+
+def _wait_seconds() -> float:
+    text = os.environ.get(WAIT_ENV_VAR, "").strip()
+    if not text:
+        return _DEFAULT_WAIT_S
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{WAIT_ENV_VAR} must be a number of seconds, got {text!r}") from None
+    if value < 0:
+        raise ValueError(f"{WAIT_ENV_VAR} must be >= 0 seconds, got {text!r}")
+    return value
+
+
+def _build_thread_main() -> None:
     global _module, _failure
+    try:
+        _module = _build_or_import(time.monotonic() + _STALE_S)
+    except _BuildError as exc:
+        _failure = f"native kernels unavailable: {exc}"
+    except TimeoutError as exc:
+        _failure = f"native kernels unavailable: {exc} for over {_STALE_S / 60:.0f} min"
+    except Exception as exc:  # anything else (permissions, import errors, ...): report, never raise
+        _failure = f"native kernels unavailable: {type(exc).__name__}: {exc}"
+    finally:
+        _done.set()
+
+
+def _start() -> None:
+    global _thread
+    with _lock:
+        if _thread is None:
+            _thread = threading.Thread(target=_build_thread_main, name="vptq-native-build", daemon=True)
+            _thread.start()
+
+
+def _load(timeout: float | None = None) -> tuple[Any, str]:
+    """(module or None, reason when None), waiting at most ``timeout`` s (None: until the build is done)."""
+    global _waited_out
     if _module is not None or _failure:
         return _module, _failure
-    with _lock:
-        if _module is not None or _failure:
-            return _module, _failure
-        try:
-            build_dir = _build_dir()
-            so = build_dir / f"{_NAME}.so"
-            module = None
-            if so.exists():
-                try:
-                    module = _import_built(so)
-                except Exception:  # stale or partial build: rebuild below
-                    module = None
-            if module is None:
-                module = _compile(build_dir)
-            _module = module
-        except _BuildError as exc:
-            _failure = f"native kernels unavailable: {exc}"
-        except Exception as exc:  # anything else (permissions, import errors, ...): report, never raise
-            _failure = f"native kernels unavailable: {type(exc).__name__}: {exc}"
+    _start()
+    if timeout is not None and _waited_out is not None:
+        timeout, waited = 0.0, _waited_out
+    else:
+        waited = timeout
+    if not _done.wait(timeout):
+        _waited_out = waited
+        return None, (f"native kernels unavailable: build not finished after {waited:.0f} s "
+                      f"({_build_dir()}; {WAIT_ENV_VAR} sets the wait)")
     return _module, _failure
 
 
-def status() -> tuple[bool, str]:
-    """(usable, one-line reason when not). Builds (or loads the cached build of) the extension on first call."""
+def building() -> bool:
+    """True while this process builds the extension (or waits for another process's build)."""
+    return _thread is not None and not _done.is_set()
+
+
+def status(wait: float | None = -1.0) -> tuple[bool, str]:
+    """(usable, one-line reason when not). Loads the cached build, or builds the extension, on first call.
+
+    ``wait``: seconds to wait for a build in progress; -1 (default) = ``VPTQ_NATIVE_WAIT`` (300), None = until
+    done. Giving up is reported as unusable; the build goes on in the background."""
     if _disabled():
         return False, f"native kernels disabled by {ENV_VAR}=0"
-    module, reason = _load()
+    module, reason = _load(_wait_seconds() if wait == -1.0 else wait)
     return module is not None, reason
 
 
 def _ext() -> Any:
     if _disabled():
         raise RuntimeError(f"native kernels disabled by {ENV_VAR}=0")
-    module, reason = _load()
+    module, reason = _load(None)
     if module is None:
         raise RuntimeError(reason)
     return module
 
 
-def warm_up() -> None:
-    """Build / load the extension now instead of on the first call (raises RuntimeError when unusable)."""
-    _ext()
+def warm_up(background: bool = False) -> tuple[bool, str]:
+    """Build / load the extension now instead of on the first call; never raises.
+
+    ``background=True`` starts the build and returns at once: (False, "... building in the background") unless
+    it is already done (the app calls this at start-up). Otherwise waits for it and returns ``status()``."""
+    if _disabled():
+        return False, f"native kernels disabled by {ENV_VAR}=0"
+    if background:
+        _start()
+        if not _done.is_set():
+            return False, "native kernels building in the background"
+    module, reason = _load(None)
+    return module is not None, reason
 
 
 def isa() -> str:

@@ -16,6 +16,7 @@ with fake (meta) implementations; eager calls skip the dispatcher (its overhead 
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 
 import torch
@@ -118,14 +119,34 @@ def backend_module(name: str):  # noqa: ANN201 - the backend's module
     return importlib.import_module(_MODULES[name], __package__)
 
 
+_log = logging.getLogger("kernels")
+_reported: set[str] = set()
+
+
+def _report_fallback(reason: str, chosen: str) -> None:
+    """One line on stderr (logging's last-resort handler) per distinct reason, the first time it applies."""
+    if reason and reason not in _reported:
+        _reported.add(reason)
+        _log.warning("%s; using the %s kernels", reason, chosen)
+
+
 def _auto_backend(device: torch.device) -> str:
-    """CUDA -> triton; CPU -> native (C++), else cpu (numba); else reference."""
+    """CUDA -> triton; CPU -> native (C++), else cpu (numba); else reference. A fallback is reported once."""
     if device.type == "cuda":
-        return "triton" if backend_status("triton")[0] else "reference"
+        usable, reason = backend_status("triton")
+        if not usable:
+            _report_fallback(reason, "reference")
+        return "triton" if usable else "reference"
     if device.type == "cpu":
+        reasons = []
         for name in ("native", "cpu"):
-            if backend_status(name)[0]:
+            usable, reason = backend_status(name)
+            if usable:
+                if reasons:
+                    _report_fallback(reasons[0], name)
                 return name
+            reasons.append(reason)
+        _report_fallback("; ".join(reasons), "reference")
     return "reference"
 
 
@@ -137,7 +158,7 @@ def _vq_runner(spec: VQSpec, weights: VQWeights, backend: str, auto: bool,
         layer = prepared.get("native")
         if layer is None:
             layer = prepared["native"] = native.prepare_vq(spec, *weights)
-        return lambda x: native.vq_linear(x, layer)
+        return layer  # the C++ layer object is the call: x -> y (no Python frame in between)
     if backend == "cpu":
         cpu = backend_module("cpu")
 
@@ -167,7 +188,7 @@ def _scalar_runner(spec: ScalarSpec, weights: ScalarWeights, backend: str, auto:
             layer = prepared["native"] = native.prepare_scalar(
                 weights.codes, weights.scales, weights.zeros, weights.bias, spec.bits, spec.group_size,
                 spec.in_features)
-        return lambda x: native.scalar_linear(x, layer)
+        return layer
     if backend == "cpu":
         cpu = backend_module("cpu")
 

@@ -289,9 +289,103 @@ def test_disabled_by_environment(monkeypatch):
     with pytest.raises(RuntimeError, match="VPTQ_NATIVE=0"):
         native.prepare_scalar(torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, 1), torch.zeros(1, 1), None, 4,
                               8, 8)
-    code = ("import kernels.native as n; ok, why = n.status(); "
-            "print('usable' if ok else 'fallback: ' + why)")
-    env = dict(os.environ, VPTQ_NATIVE="0")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=120, check=True).stdout
-    assert out.startswith("fallback:") and "VPTQ_NATIVE=0" in out
+    out, err = _fallback_run(VPTQ_NATIVE="0")
+    assert out.startswith("fallback: native kernels disabled by VPTQ_NATIVE=0 | backend cpu | close")
+    assert err.count("VPTQ_NATIVE=0") == 1, err  # one line, once
+
+
+# A process that binds a small layer automatically and compares it with the reference: prints
+# "fallback: <reason> | backend <name> | close" (or "usable ...").
+_FALLBACK_CODE = """
+import torch
+import kernels.native as n
+from kernels import VQSpec, bind_vq, reference, synthetic
+spec = VQSpec(48, 40, 4, 16, num_res_centroids=4, outlier_vector_len=2, num_outlier_centroids=8, outlier_size=6)
+w = synthetic.random_vq_layer(spec, seed=0, dtype=torch.float32, perm=True, norm=True, bias=True)
+k = bind_vq(spec, w)
+x = torch.randn(3, 48)
+torch.testing.assert_close(k(x), reference.vq_linear(x, spec, w), rtol=2e-5, atol=2e-5)
+k(x)
+ok, why = n.status()
+print(('usable' if ok else 'fallback: ' + why) + ' | backend ' + k.backend + ' | close')
+"""
+
+
+def _fallback_run(**env: str) -> tuple[str, str]:
+    run = subprocess.run([sys.executable, "-c", _FALLBACK_CODE], cwd=ROOT, env=dict(os.environ, **env),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout.strip(), run.stderr
+
+
+def test_no_compiler_falls_back_to_numba(tmp_path):
+    """An empty build cache and no compiler (a Space without one): numba kernels, same outputs, one line."""
+    out, err = _fallback_run(VPTQ_NATIVE_CACHE=str(tmp_path), CXX=str(tmp_path / "no-such-c++"))
+    assert out.startswith("fallback: native kernels unavailable: no C++ compiler found") and "backend cpu" in out
+    assert len([line for line in err.splitlines() if "no C++ compiler" in line]) == 1, err
+    assert "using the cpu kernels" in err
+
+
+@pytest.mark.slow
+def test_failed_build_falls_back_to_numba(tmp_path):
+    """A compiler that fails: "build failed: <first error line>", numba kernels, same outputs."""
+    cxx = tmp_path / "broken-c++"
+    cxx.write_text("#!/bin/sh\necho 'fake.cpp:1:1: error: this compiler always fails' >&2\nexit 1\n")
+    cxx.chmod(0o755)
+    out, err = _fallback_run(VPTQ_NATIVE_CACHE=str(tmp_path / "cache"), CXX=str(cxx))
+    assert out.startswith("fallback: native kernels unavailable: build failed") and "backend cpu" in out
+
+
+def test_build_in_progress_elsewhere_times_out_to_numba(tmp_path, monkeypatch):
+    """Another live process holds the build lock: after VPTQ_NATIVE_WAIT seconds the fallback runs (no hang)."""
+    monkeypatch.setenv("VPTQ_NATIVE_CACHE", str(tmp_path))
+    build_dir = native._build_dir()
+    build_dir.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (build_dir / "build.lock").write_text(f"pid={holder.pid} host={native.socket.gethostname()} started=0\n")
+        out, err = _fallback_run(VPTQ_NATIVE_CACHE=str(tmp_path), VPTQ_NATIVE_WAIT="1")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert out.startswith("fallback: native kernels unavailable: build not finished after 1 s") and "backend cpu" in out
+    assert "using the cpu kernels" in err
+
+
+def test_stale_locks_are_taken_over(tmp_path, monkeypatch):
+    """A lock of a process that is gone, an old one, or garbage left for a while is taken over; a live one is
+    waited for until the deadline."""
+    import time
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = native.socket.gethostname()
+    lock = tmp_path / "build.lock"
+    for text, age in ((f"pid={dead.pid} host={host} started=0", 0), (f"pid={os.getpid()} host=other", 3600),
+                      ("", 60)):
+        lock.write_text(text)
+        os.utime(lock, (time.time() - age, time.time() - age))
+        assert native._acquire_build_lock(tmp_path, time.monotonic()) == lock
+        assert f"pid={os.getpid()}" in lock.read_text()
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="another process is building the native kernels"):
+        native._acquire_build_lock(tmp_path, time.monotonic() + 0.5)  # held by this (live) process
+    assert 0.4 < time.monotonic() - t0 < 5
+
+
+def test_builder_removes_a_killed_builds_torch_lock(tmp_path, monkeypatch):
+    """torch's cpp_extension waits forever on its 'lock' file; one left by a killed build is removed by the next
+    builder (which holds build.lock), and build.lock is released after the build."""
+    monkeypatch.setattr(native, "_build_dir", lambda: tmp_path)
+    (tmp_path / "lock").write_text("")
+    seen = []
+    monkeypatch.setattr(native, "_compile", lambda d: seen.append(((d / "lock").exists(),
+                                                                   (d / "build.lock").exists())) or "module")
+    assert native._build_or_import(native.time.monotonic() + 5) == "module"
+    assert seen == [(False, True)] and not (tmp_path / "build.lock").exists()
+
+
+def test_bad_wait_setting(monkeypatch):
+    monkeypatch.setenv("VPTQ_NATIVE_WAIT", "soon")
+    with pytest.raises(ValueError, match="VPTQ_NATIVE_WAIT must be a number of seconds, got 'soon'"):
+        native._wait_seconds()

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
+from vptq_core import generation
+
 
 @dataclass
 class GenerationStats:
@@ -152,7 +154,7 @@ class ChatSession:
             try:
                 torch.manual_seed(seed)
                 with torch.no_grad():
-                    self.model.generate(**kwargs)
+                    generation.generate(self.model, **kwargs)  # lean loop where it equals generate()
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
                 errors.append(exc)
                 streamer.end()
