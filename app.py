@@ -21,6 +21,7 @@ from pathlib import Path
 
 import gradio as gr
 
+from vptq_core.generation import warm_up_kernels
 from vptq_core.models import BUNDLED, TINY
 from vptq_core.quant import methods
 from vptq_core.storage.archive import DEFAULT_MAX_BYTES
@@ -326,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     demo = build_app(settings)
     # Build the default model's shapes (and the bundled model's dense cache) before the first visitor asks.
     threading.Thread(target=_warm_up, args=(settings.default_model,), daemon=True).start()
+    warm_up_kernels()  # build (or load the cached build of) the native CPU kernels in the background
     demo.launch(server_name=args.host, server_port=args.port, **launch_options(settings))
 
 
