@@ -6,6 +6,15 @@ import pytest
 import torch
 
 
+def pytest_sessionstart(session):
+    # Start building (or loading) the native CPU kernels while the first tests run, once per machine: later
+    # processes load the cached build, and a process that finds a build in progress waits for it (bounded by
+    # VPTQ_NATIVE_WAIT, then the numba kernels run). Nothing happens with VPTQ_NATIVE=0.
+    from kernels import native
+
+    native.warm_up(background=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     # Imported here, not at the top: vptq_core imports triton, and tests/test_triton_kernels.py must be able to
