@@ -4,6 +4,7 @@ the single-process states and checkpoint bit for bit; a stop or a failure on one
 from __future__ import annotations
 
 import dataclasses
+import json
 import multiprocessing
 import os
 import socket
@@ -182,3 +183,40 @@ def test_two_gloo_ranks_give_the_single_process_states_and_checkpoint(tmp_path: 
         assert report["cancelled"] == (True, 0)
     assert reports[1]["failure"] == "ValueError: rank 1 cannot quantize this"
     assert reports[0]["failure"].startswith("RuntimeError: another rank failed while quantizing block 0")
+
+
+@pytest.mark.slow
+def test_torchrun_cli_writes_the_single_process_checkpoint(tmp_path: Path):
+    """``torchrun --nproc-per-node 2 -m vptq_core quantize`` (gloo, a streamed safetensors directory): rank 0
+    alone writes, and its checkpoint equals the one-process CLI run's bit for bit."""
+    import subprocess
+
+    from vptq_core.models import tiny_random_model
+
+    model_dir = tmp_path / "llama"
+    model, tok = tiny_random_model("llama", num_layers=2)
+    model.save_pretrained(str(model_dir))
+    tok.save_pretrained(str(model_dir))
+    text = tmp_path / "calib.txt"
+    text.write_text("Plain words for a small calibration text, repeated. " * 40, encoding="utf-8")
+    args = ["-m", "vptq_core", "quantize", "--model", str(model_dir), "--method", "gptq", "--bits", "3",
+            "--group-size", "32", "--calib-text", str(text), "--calib-samples", "4", "--seqlen", "32",
+            "--threads", "1", "--device", "cpu", "--quiet"]
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    single = subprocess.run([sys.executable, *args, "--out", str(tmp_path / "single")], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr[-2000:]
+    ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *args,
+                            "--out", str(tmp_path / "ranks")], env=env, capture_output=True, text=True, timeout=300)
+    assert ranks.returncode == 0, ranks.stderr[:3000]
+    summary = json.loads(ranks.stdout)  # one summary, printed by rank 0 alone
+    assert summary["ranks"] == 2 and summary["timings"]["exchange"] >= 0
+    for file in ("model.safetensors", "config.json"):
+        assert (tmp_path / "ranks" / file).read_bytes() == (tmp_path / "single" / file).read_bytes(), file
+    assert not (tmp_path / "ranks" / ".partial").exists()
+    report = json.loads((tmp_path / "ranks" / "quant_report.json").read_text())
+    assert report["streaming"] == "on"

@@ -16,7 +16,7 @@ from . import __version__
 from .data import calibration_windows
 from .eval import EvalResult, evaluate
 from .models import BUNDLED, NotStreamable, load_model, model_directory, open_streaming
-from .quant import methods
+from .quant import distributed, methods
 from .quant.blocks import decoder_blocks
 from .quant.config import CalibConfig
 from .quant.pipeline import BlockDone, quantize_model, total_linear_shapes
@@ -62,6 +62,7 @@ def quantize_to_dir(
     save_dtype: torch.dtype = torch.bfloat16,
     resume: bool = False,
     stream: bool | str = "auto",
+    on_step: Callable[[str, int, int, float], None] | None = None,
 ) -> tuple[Path, dict]:
     """Load ``model_name``, quantize it with ``method``/``config`` on ``calib`` data, write the packed
     checkpoint to ``out_dir``. Returns (directory, summary).
@@ -78,12 +79,27 @@ def quantize_to_dir(
     an uninterrupted run; a resume with a different model, method, settings, calibration, save dtype or
     device is refused (ValueError saying what differs). ``resume=False`` starts over, discarding an
     unfinished run. The partial directory is removed once the checkpoint is written.
+
+    End-to-end distillation (VPTQ ``distill_iters``; any method's after-model hooks) trains the whole
+    quantized model against the original (loaded a second time): the model is then loaded whole (no
+    streaming), a resume starts over (the finished blocks are quantized again), and ``on_step(phase, step,
+    steps, loss)`` reports every training step; a cancel during it writes nothing, like any other.
+
+    Several ranks (``quant.distributed`` active, e.g. ``torchrun ... -m vptq_core quantize``): every rank calls
+    this with the same arguments (``device``: its own, from ``distributed.init_from_env``); the linears of each
+    block are split across the ranks, and rank 0 alone writes ``.partial`` and the checkpoint, which equals a
+    single-process run's bit for bit. ``out_dir`` must be on a file system every rank sees (resume reads it).
     """
     method_obj = methods.get(method)
     method_obj.check_config(config)
     if stream not in ("auto", True, False):
         raise ValueError(f"stream must be 'auto', True or False, got {stream!r}")
+    whole = [hook.phase for hook in method_obj.after_model if hook.applies(config)]
+    if whole and stream is True:
+        raise ValueError(f"cannot stream block by block with {', '.join(whole)}: it trains the whole model")
     source, stream_note = None, "off"
+    if whole:
+        stream, stream_note = False, f"off: {', '.join(whole)} trains the whole model"
     if stream is not False:
         try:
             source = open_streaming(model_name)
@@ -103,13 +119,17 @@ def quantize_to_dir(
     blocks_total = len(decoder_blocks(model))
     fingerprint = run_fingerprint(model_name, model, method_obj, config, calib, calib_ids, save_dtype, dev)
     partial = PartialRun(out_dir)
+    main = distributed.is_main()  # with several ranks (torchrun) every rank computes, rank 0 alone writes
     point = None
-    if resume and partial.exists():
+    if resume and partial.exists() and not whole:
         point = partial.resume_point(fingerprint, blocks_total)
-    if point is None:
+    distributed.barrier()  # every rank has read the unfinished run before rank 0 may replace it
+    if point is None and main:
         partial.start(fingerprint, blocks_total)
 
     def persist(done: BlockDone) -> None:
+        if not main:
+            return
         packed = {name: pack_layer(state, save_dtype) for name, state in done.states.items()}
         kinds = {quant_method_of(state) for state in done.states.values()}
         if len(kinds) != 1:
@@ -119,13 +139,19 @@ def quantize_to_dir(
     _, result = quantize_model(
         model, calib_ids, method_obj, config, on_layer=on_layer, should_stop=should_stop, device=dev, inplace=True,
         weights=source.weights if source is not None else None, capture_dtype=torch.float32, on_block=persist,
-        resume=point, keep_states=False,
+        resume=point, keep_states=bool(whole), on_step=on_step,
+        reference=load_model(model_name, dtype="auto")[0] if whole else None,
     )
     summary = result.summary()
     summary["resumed_from_block"] = point.blocks_done if point is not None else 0
     summary["streaming"] = stream_note
+    if distributed.active():
+        summary["ranks"] = distributed.world_size()
     if result.cancelled:
         summary["partial"] = str(partial.dir)
+        return Path(out_dir), summary
+    if not main:
+        distributed.barrier()  # returns once rank 0 has written the checkpoint
         return Path(out_dir), summary
     report = build_report(model_name, result, calib, dev)
     report["streaming"] = stream_note
@@ -133,9 +159,13 @@ def quantize_to_dir(
     dims = partial.layer_dims()
     if source is not None:
         source.fill_remaining(skip=tuple(dims))  # block norms (small) for the writer; quantized linears stay on meta
-    out = save_packed(model, tok, partial.quant_method(), dims, partial.packed_layers(), out_dir, report=report,
+    layers = partial.packed_layers()
+    if whole:  # the blocks in .partial are from before the whole-model training: write the trained states
+        layers = ((name, pack_layer(state, save_dtype)) for name, state in result.states.items())
+    out = save_packed(model, tok, partial.quant_method(), dims, layers, out_dir, report=report,
                       dtype=save_dtype)
     partial.remove()
+    distributed.barrier()
     del model, source
     if evaluate_after:
         ev = evaluate_model(str(out), reference=model_name, seqlen=calib.seqlen, max_windows=16)

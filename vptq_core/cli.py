@@ -56,7 +56,11 @@ METHOD_FLAGS: dict[str, dict[str, tuple[str, str, str]]] = {
         "--norm": ("enable_norm", "bool", "per-input-column normalisation"),
         "--perm": ("enable_perm", "bool", "process columns by decreasing Hessian diagonal"),
         "--kmeans-iters": ("kmeans_iters", "int", "k-means iterations"),
-        "--finetune-iters": ("finetune_iters", "int", "layer-wise centroid fine-tuning steps per block"),
+        "--finetune-iters": ("finetune_iters", "int", "layer-wise fine-tuning steps per block (codebooks + norms)"),
+        "--distill-iters": ("distill_iters", "int", "end-to-end distillation steps on the whole model (KL to the "
+                            "original's next-token distributions)"),
+        "--layer-bits-cap": ("layer_bits_cap", "float", "total bits per weight no layer may exceed (shorter "
+                             "vectors, same index bits, where codebooks are expensive); 0 = off"),
         "--no-second-order": ("second_order", "false", "ablation: plain nearest-centroid assignment"),
     },
     "GPTQ / RTN / LRQ": {
@@ -194,7 +198,8 @@ def method_config_from_args(args):
 def _cmd_quantize(args) -> int:
     import torch
 
-    from .api import partial_status, quantize_to_dir
+    from .api import partial_status
+    from .quant import distributed
 
     config = method_config_from_args(args)
     calib = CalibConfig(text=args.calib_text, samples=args.calib_samples, seqlen=args.seqlen, seed=args.seed)
@@ -208,8 +213,28 @@ def _cmd_quantize(args) -> int:
         raise ValueError(f"--out {args.out} holds an unfinished run ({unfinished['blocks_done']} of "
                          f"{unfinished['blocks_total']} blocks done, in {unfinished['dir']}); pass --resume to "
                          "continue it, or remove that directory to start over")
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:  # under torchrun: one rank per process
+        try:
+            return _quantize_on_ranks(args, config, calib, device)
+        finally:
+            distributed.shutdown()
+    return _quantize(args, config, calib, device, main=True)
+
+
+def _quantize_on_ranks(args, config, calib, device) -> int:
+    """Join torchrun's process group (gloo on CPU, nccl on CUDA: each rank takes cuda:LOCAL_RANK) and quantize
+    with the linears of each block split across the ranks; rank 0 writes the checkpoint and prints."""
+    from .quant import distributed
+
+    dev = distributed.init_from_env(device)  # None: CUDA when available
+    return _quantize(args, config, calib, str(dev), main=distributed.is_main())
+
+
+def _quantize(args, config, calib, device, main: bool) -> int:
+    from .api import quantize_to_dir
+
     bar = None
-    if not args.quiet:
+    if not args.quiet and main:
         from tqdm import tqdm
 
         bar = tqdm(unit="layer", desc="quantizing")
@@ -224,13 +249,18 @@ def _cmd_quantize(args) -> int:
             bar.total = total
             bar.refresh()
 
+    def on_step(phase: str, step: int, steps: int, loss: float) -> None:
+        if bar is not None:
+            bar.set_postfix_str(f"{phase} step {step}/{steps} loss {loss:.4g}")
+
     stream = "auto" if args.stream is None else args.stream
     out, summary = quantize_to_dir(args.model, args.method, config, calib, args.out, device=device,
                                    on_layer=on_layer, on_start=on_start, evaluate_after=args.eval,
-                                   resume=args.resume, stream=stream)
+                                   resume=args.resume, stream=stream, on_step=on_step)
     if bar is not None:
         bar.close()
-    print(json.dumps({"out": str(out), **summary}, indent=2, default=str))
+    if main:
+        print(json.dumps({"out": str(out), **summary}, indent=2, default=str))
     return 0
 
 
