@@ -4,7 +4,8 @@ original, and download the packed weights.
 Run ``python app.py`` (bundled SmolLM2-135M-Instruct, offline). Options: ``--tiny`` (or
 ``VPTQ_APP_DEFAULT_MODEL=tiny-random-llama``) makes the tiny test model the default, ``--workdir`` (or
 ``VPTQ_APP_WORKDIR``) sets where runs are written; host and port follow ``GRADIO_SERVER_NAME`` /
-``GRADIO_SERVER_PORT`` or ``--host`` / ``--port``. This file is the UI only: layout and event wiring; the
+``GRADIO_SERVER_PORT`` or ``--host`` / ``--port``; the limits a public machine needs are ``AppSettings`` fields
+with an environment variable each (``LIMITS``). This file is the UI only: layout and event wiring; the
 handlers are ``vptq_core.studio.handlers.Studio``, what they show is formatted by ``vptq_core.studio.views``
 and the settings form's logic is ``vptq_core.studio.form``.
 """
@@ -24,7 +25,6 @@ import gradio as gr
 from vptq_core.generation import warm_up_kernels
 from vptq_core.models import BUNDLED, TINY
 from vptq_core.quant import methods
-from vptq_core.storage.archive import DEFAULT_MAX_BYTES
 from vptq_core.studio import form, plots, views
 from vptq_core.studio.estimate import model_info
 from vptq_core.studio.form import ACTIVATIONS, CUSTOM, FILE_SOURCE, WEIGHT_ONLY, WIKI_SOURCE
@@ -35,9 +35,32 @@ __all__ = ["AppSettings", "Studio", "build_app", "launch_options", "main", "pars
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 TITLE = "VPTQ Studio"
-MODEL_CHOICES = [("SmolLM2-135M-Instruct (bundled, offline)", BUNDLED), ("tiny random llama (for tests)", TINY)]
-SESSION_NOTE = ("Runs belong to this browser tab: download the archive before closing or reloading it "
-                "(closing the tab cancels its jobs and deletes its runs).")
+MODEL_CHOICES = [("SmolLM2-135M-Instruct (bundled, offline)", BUNDLED), ("tiny random llama (for tests)", TINY),
+                 ("a hub id or a local directory…", form.OTHER_MODEL)]
+# Every limit: (AppSettings field, environment variable, what it takes). Sizes are given in MB (10^6 bytes).
+LIMITS = {
+    "max_upload_bytes": ("VPTQ_APP_MAX_UPLOAD_MB", "MB"),
+    "max_unpacked_bytes": ("VPTQ_APP_MAX_UNPACKED_MB", "MB"),
+    "max_entry_bytes": ("VPTQ_APP_MAX_ENTRY_MB", "MB"),
+    "max_ratio": ("VPTQ_APP_MAX_RATIO", "ratio"),
+    "user_quota_bytes": ("VPTQ_APP_USER_QUOTA_MB", "MB"),
+    "total_quota_bytes": ("VPTQ_APP_TOTAL_QUOTA_MB", "MB"),
+    "max_runs_per_user": ("VPTQ_APP_MAX_RUNS", "int"),
+    "max_jobs_per_user": ("VPTQ_APP_MAX_JOBS", "int"),
+    "run_ttl_hours": ("VPTQ_APP_RUN_TTL_HOURS", "hours"),
+    "max_prompt_tokens": ("VPTQ_APP_MAX_PROMPT_TOKENS", "int"),
+    "chat_concurrency": ("VPTQ_APP_CHAT_CONCURRENCY", "int"),
+}
+# The page warns before it is left while a job runs or a result was not taken home (the guard element's data).
+LEAVE_GUARD_JS = """<script>
+window.addEventListener('beforeunload', function (event) {
+  var guard = document.querySelector('[data-guard]');
+  if (guard && (guard.dataset.busy === '1' || guard.dataset.unexported === '1')) {
+    event.preventDefault();
+    event.returnValue = '';
+  }
+});
+</script>"""
 
 
 def _examples() -> list[list[str]]:
@@ -62,62 +85,67 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
     app = studio or Studio(settings)
     method_list = methods.all_methods()
     initial = form.initial_values("2 bits")
-    default_model = settings.default_model if settings.default_model in (BUNDLED, TINY) else BUNDLED
-    custom_default = "" if settings.default_model in (BUNDLED, TINY) else settings.default_model
+    known = settings.default_model in (BUNDLED, TINY)
+    default_model = settings.default_model if known else form.OTHER_MODEL
+    custom_default = "" if known else settings.default_model
     small = settings.default_model == TINY
     initial["iters"] = 20 if small else 200  # LRQ: more steps than the library default when a user waits for it
     if small:  # the presets are sized for SmolLM2; the tiny model's 64-wide layers need tiny codebooks
-        initial.update(vector_len=4, num_centroids=16, kmeans_iters=2, outlier_percent=0.0)
+        initial.update(form.SMALL_MODEL_VALUES)
+    samples0, seqlen0 = form.SMALL_MODEL_CALIB if small else form.MODEL_CALIB
+    labels = form.FIELD_LABELS
 
-    def number(key: str, label: str, integer: bool = True) -> gr.Number:
-        return gr.Number(initial[key], precision=0 if integer else None, label=label)
+    def number(key: str, hint: str = "", integer: bool = True) -> gr.Number:
+        return gr.Number(initial[key], precision=0 if integer else None, label=labels[key] + hint)
 
     with gr.Blocks(title=TITLE, analytics_enabled=False, delete_cache=(1800, 3600)) as demo:
         demo.studio = app
         demo.settings_form = fields = {}  # one component per form field, keyed by the setting (see studio.form)
+        retention = views.retention_md(settings.run_ttl_hours, settings.max_runs_per_user, settings.user_quota_bytes)
+        identity = gr.BrowserState(None, storage_key="vptq-studio-identity", secret=settings.browser_secret)
         gr.Markdown(f"# {TITLE}\nExtreme low-bit quantization of LLMs — VPTQ vector quantization, LRQ, GPTQ and "
                     "RTN — in the browser: quantize, watch where the error goes, chat with the result next to the "
                     f"original, take the packed weights home. <span class='vq-note'>Jobs run on "
-                    f"**{settings.device}**. {SESSION_NOTE}</span>",
-                    elem_classes="vq-header")
+                    f"**{settings.device}**. "
+                    f"{retention}</span>", elem_classes="vq-header", elem_id="vq-header")
+        guard = gr.HTML(views.guard_html(False, False), elem_id="vq-guard", container=False)
         groups: dict[gr.Group, tuple[str, ...]] = {}  # a group of fields -> its field keys (visibility)
         with gr.Tabs():
             with gr.Tab("Quantize", id="quantize"):
                 with gr.Row(equal_height=False):
                     with gr.Column(scale=1, min_width=340):
-                        model = gr.Dropdown(MODEL_CHOICES, value=default_model, label="Model")
-                        custom_model = gr.Textbox(value=custom_default, label="…or a hub id / local directory",
-                                                  placeholder="e.g. HuggingFaceTB/SmolLM2-360M-Instruct or a path")
+                        model = gr.Dropdown(MODEL_CHOICES, value=default_model, label="Model", elem_id="model")
+                        custom_model = gr.Textbox(value=custom_default, label="hub id or local directory",
+                                                  placeholder="e.g. HuggingFaceTB/SmolLM2-360M-Instruct or a path",
+                                                  visible=default_model == form.OTHER_MODEL, elem_id="custom-model")
                         model_note = gr.Markdown(app.model_note(default_model, custom_default),
                                                  elem_classes="vq-note")
                         method = gr.Radio([(m.label, m.name) for m in method_list], value=method_list[0].name,
                                           label="Method")
                         preset = gr.Radio([*form.preset_names(), CUSTOM], value=CUSTOM if small else "2 bits",
-                                          label="Preset")
+                                          label="Preset", elem_id="preset")
                         with gr.Accordion("Advanced settings", open=False):
                             with gr.Group() as vptq_group:
                                 with gr.Row():
-                                    fields["vector_len"] = number("vector_len", "vector length")
-                                    fields["num_centroids"] = number("num_centroids", "centroids (power of 2)")
-                                    fields["num_res_centroids"] = number("num_res_centroids",
-                                                                         "residual centroids (0 = none)")
+                                    fields["vector_len"] = number("vector_len")
+                                    fields["num_centroids"] = number("num_centroids", " (power of 2)")
+                                    fields["num_res_centroids"] = number("num_res_centroids", " (0 = none)")
                                 with gr.Row():
-                                    fields["outlier_percent"] = number("outlier_percent", "outlier columns %",
-                                                                       integer=False)
-                                    fields["group_num"] = number("group_num", "groups")
-                                    fields["kmeans_iters"] = number("kmeans_iters", "k-means iterations")
+                                    fields["outlier_percent"] = number("outlier_percent", integer=False)
+                                    fields["group_num"] = number("group_num")
+                                    fields["kmeans_iters"] = number("kmeans_iters")
                                 with gr.Row():
                                     fields["enable_norm"] = gr.Checkbox(initial["enable_norm"],
-                                                                        label="normalize columns")
-                                    fields["enable_perm"] = gr.Checkbox(initial["enable_perm"],
-                                                                        label="permute columns (Hessian order)")
-                                    fields["finetune_iters"] = number("finetune_iters", "fine-tune iterations")
+                                                                        label=labels["enable_norm"])
+                                    fields["enable_perm"] = gr.Checkbox(
+                                        initial["enable_perm"], label=labels["enable_perm"] + " (Hessian order)")
+                                    fields["finetune_iters"] = number("finetune_iters")
                             groups[vptq_group] = ("vector_len", "num_centroids", "num_res_centroids",
                                                   "outlier_percent", "group_num", "kmeans_iters", "enable_norm",
                                                   "enable_perm", "finetune_iters")
                             with gr.Group() as scalar_group, gr.Row():
-                                fields["bits"] = number("bits", "bits")
-                                fields["group_size"] = number("group_size", "group size (0 = per channel)")
+                                fields["bits"] = number("bits")
+                                fields["group_size"] = number("group_size", " (0 = per channel)")
                                 fields["activations"] = gr.Dropdown(
                                     list(ACTIVATIONS), value=initial.get("activations", WEIGHT_ONLY),
                                     label="activations (W·A8 = 8-bit inputs to the linears)")
@@ -126,8 +154,8 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                                 fields["act_order"] = gr.Checkbox(initial["act_order"], label="act order (GPTQ)")
                             groups[act_order_group] = ("act_order",)
                             with gr.Group() as lrq_group, gr.Row():
-                                fields["rank"] = number("rank", "LRQ rank (0 = auto)")
-                                fields["iters"] = number("iters", "LRQ iterations per block")
+                                fields["rank"] = number("rank", " (0 = auto)")
+                                fields["iters"] = number("iters")
                             groups[lrq_group] = ("rank", "iters")
                             for group, keys in groups.items():
                                 group.visible = form.uses(method.value, keys)
@@ -137,10 +165,9 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                             calib_file = gr.File(label="calibration .txt (UTF-8)", file_types=[".txt"],
                                                  visible=False, height=90)
                             with gr.Row():
-                                calib_samples = gr.Number(4 if small else 32, precision=0, label="samples")
-                                calib_seqlen = gr.Number(64 if small else 512, precision=0,
-                                                         label="tokens per sample")
-                                fields["seed"] = number("seed", "seed")
+                                calib_samples = gr.Number(samples0, precision=0, label=labels["samples"])
+                                calib_seqlen = gr.Number(seqlen0, precision=0, label=labels["seqlen"])
+                                fields["seed"] = number("seed", " (0..2^64 - 1)")
                         estimate_box = gr.Markdown(elem_id="estimate")
                         with gr.Row():
                             start_btn = gr.Button("Start", variant="primary", elem_id="start-btn")
@@ -162,17 +189,33 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                             eval_seqlen = gr.Number(64 if small else settings.eval_seqlen, precision=0,
                                                     label="tokens per window", min_width=120)
                             eval_btn = gr.Button("Evaluate vs the original", elem_id="eval-btn", min_width=200)
-                        eval_box = gr.Markdown(elem_id="eval-result")
+                        eval_box = gr.Markdown(elem_id="eval-result", min_height=40)
+                        with gr.Accordion("Push to your Hugging Face repo", open=False):
+                            push_note = gr.Markdown(elem_id="push-note")
+                            if os.environ.get("SPACE_ID"):
+                                gr.LoginButton()
+                            with gr.Row():
+                                push_repo = gr.Textbox(label="repo (your-name/repo-name)", scale=3)
+                                push_private = gr.Checkbox(True, label="private", scale=1)
+                            push_token = gr.Textbox(label="write token (not needed after signing in on Spaces)",
+                                                    type="password")
+                            push_btn = gr.Button("Push this run", elem_id="push-btn")
                 with gr.Accordion("Your runs: compare settings", open=True):
                     with gr.Row():
                         runs_table = gr.Dataframe(headers=plots.RUN_COLUMNS, value=[], interactive=False,
                                                   max_height=260, show_label=False, scale=3, elem_id="runs-table")
                         runs_plot = gr.Plot(plots.runs_figure([]), show_label=False, scale=2, elem_id="runs-plot")
-                    runs_btn = gr.Button("Refresh runs", size="sm")
+                    with gr.Row(equal_height=True):
+                        runs_btn = gr.Button("Refresh runs", size="sm", scale=1)
+                        delete_pick = gr.Dropdown([], value=None, label="run to delete", scale=3,
+                                                  allow_custom_value=True, elem_id="delete-pick")
+                        delete_btn = gr.Button("Delete the run and its files", size="sm", variant="stop", scale=1,
+                                               elem_id="delete-btn")
                 with gr.Accordion("Raw job status (JSON)", open=False):
-                    job_json = gr.JSON(label="job")
+                    job_json = gr.JSON(label="job", elem_id="job-json")
                     status_btn = gr.Button("Refresh with every layer report", size="sm")
                     download_api = gr.Button("api: download", visible=False)
+                    upload_api = gr.Button("api: upload", visible=False)
             with gr.Tab("Chat", id="chat"):
                 with gr.Row(equal_height=True):
                     chat_run = gr.Dropdown([], value=None, label="Quantized run", allow_custom_value=True, scale=3,
@@ -183,23 +226,28 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                     models_box = gr.Markdown(views.NO_RUN, elem_id="chat-models")
                     run_eval_btn = gr.Button("Evaluate this run vs the original", size="md", scale=0,
                                              min_width=260, elem_id="chat-eval-btn")
-                run_eval_box = gr.Markdown(elem_id="chat-eval-result")
+                run_eval_box = gr.Markdown(elem_id="chat-eval-result", min_height=40)
+                gr.Markdown(views.CHAT_SPEED_NOTE, elem_classes="vq-note", elem_id="chat-speed-note")
                 with gr.Row(equal_height=True):
                     with gr.Column(elem_classes="vq-chat-col"):
                         gr.Markdown("#### Original model")
                         chat_orig = gr.Chatbot(label="Original model", show_label=False, height=380,
                                                elem_id="chat-original", buttons=["copy"])
                         stats_orig = gr.Markdown(elem_classes="vq-stats", elem_id="stats-original")
+                        stop_orig_btn = gr.Button("Stop the original", size="sm", elem_id="chat-stop-original")
                     with gr.Column(elem_classes="vq-chat-col"):
                         gr.Markdown("#### Quantized model")
                         chat_quant = gr.Chatbot(label="Quantized model", show_label=False, height=380,
                                                 elem_id="chat-quantized", buttons=["copy"])
                         stats_quant = gr.Markdown(elem_classes="vq-stats", elem_id="stats-quantized")
+                        stop_quant_btn = gr.Button("Stop the quantized", size="sm", elem_id="chat-stop-quantized")
                 with gr.Row(equal_height=True):
-                    prompt = gr.Textbox(placeholder="Ask both models something…", show_label=False, scale=5,
-                                        elem_id="chat-prompt", max_lines=4)
+                    prompt = gr.Textbox(placeholder=f"Ask both models something… (at most "
+                                                    f"{settings.max_prompt_tokens} tokens with the conversation)",
+                                        show_label=False, scale=5, elem_id="chat-prompt", max_lines=4,
+                                        max_length=4 * settings.max_prompt_tokens)
                     send_btn = gr.Button("Send", variant="primary", scale=1, elem_id="chat-send")
-                    stop_btn = gr.Button("Stop", variant="stop", scale=1, elem_id="chat-stop")
+                    stop_btn = gr.Button("Stop both", variant="stop", scale=1, elem_id="chat-stop")
                     clear_btn = gr.Button("Clear", scale=1, elem_id="chat-clear")
                 with gr.Accordion("Sampling", open=False):
                     with gr.Row():
@@ -212,8 +260,16 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                     gr.Examples(examples, inputs=[prompt], label="Example prompts")
         timer = gr.Timer(1.0, active=False)
         poll_state = gr.State({})
+        upload_state = gr.State("")
+        app.field_keys = tuple(fields)
 
         calib_inputs = [calib_source, calib_file, calib_samples, calib_seqlen]
+
+        # Identity: the browser's lasting id comes back from its local storage; its runs come back with it.
+        demo.load(app.attach, inputs=identity,
+                  outputs=[identity, job_id, poll_state, timer, eval_box, runs_table, runs_plot, chat_run,
+                           delete_pick, guard], api_visibility="private", show_progress="hidden")
+        demo.load(app.hub_status, outputs=[push_note, push_btn], api_visibility="private", show_progress="hidden")
 
         # Settings: presets fill the fields they fix; editing a field by hand switches the preset to "custom".
         def apply_preset(method: str, preset: str) -> list:  # (the parameter names are the API's)
@@ -232,36 +288,60 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
             fields[key].input(lambda: CUSTOM, outputs=preset, api_visibility="private", show_progress="hidden")
         calib_source.change(lambda s: gr.File(visible=s == FILE_SOURCE), inputs=calib_source, outputs=calib_file,
                             api_visibility="private", show_progress="hidden")
-        gr.on([model.change, custom_model.submit, custom_model.blur], app.model_note, inputs=[model, custom_model],
-              outputs=model_note, api_name="model_note", concurrency_limit=4)
+        model.change(lambda m: gr.Textbox(visible=m == form.OTHER_MODEL), inputs=model, outputs=custom_model,
+                     api_visibility="private", show_progress="hidden")
+        model_events = [model.change, custom_model.submit, custom_model.blur]
+        gr.on(model_events, app.model_note, inputs=[model, custom_model], outputs=model_note, api_name="model_note",
+              concurrency_limit=4, show_progress="hidden")
+        gr.on(model_events, app.model_defaults, inputs=[model, custom_model, method, preset],
+              outputs=[preset, calib_samples, calib_seqlen, *fields.values()], api_name="model_defaults",
+              concurrency_limit=4, show_progress="hidden", trigger_mode="always_last")
         model_inputs = [model, custom_model, method]
-        gr.on([demo.load] + [c.change for c in [*model_inputs, *fields.values()]], app.estimate_md,
-              inputs=model_inputs, inputs_kwargs=fields, outputs=estimate_box, api_name="estimate",
-              trigger_mode="always_last", show_progress="hidden", concurrency_limit=4)
+        gr.on([demo.load] + [c.change for c in [*model_inputs, calib_samples, calib_seqlen, *fields.values()]],
+              app.estimate_md, inputs=[*model_inputs, calib_samples, calib_seqlen], inputs_kwargs=fields,
+              outputs=[estimate_box, start_btn], api_name="estimate", trigger_mode="always_last",
+              show_progress="hidden", concurrency_limit=4)
 
         live_outputs = [job_id, progress, lines_plot, heat_plot, table, summary, download_btn, eval_box, poll_state,
-                        timer, job_json]
-        start_btn.click(app.start, inputs=[*model_inputs, *calib_inputs], inputs_kwargs=fields, outputs=live_outputs,
-                        api_name="start", concurrency_limit=4)
+                        timer, job_json, guard]
+        # A refused Start shows its reason and touches no output (check_start has none).
+        start_btn.click(app.check_start, inputs=[*model_inputs, *calib_inputs], inputs_kwargs=fields,
+                        api_visibility="private", show_progress="hidden", concurrency_limit=4).success(
+            app.start, inputs=[*model_inputs, *calib_inputs], inputs_kwargs=fields, outputs=live_outputs,
+            api_name="start", concurrency_limit=4, show_progress="hidden")
         cancel_btn.click(app.cancel, inputs=job_id, outputs=[progress, job_json], api_name="cancel",
-                         concurrency_limit=None)
+                         concurrency_limit=None, show_progress="hidden")
         timer.tick(app.poll, inputs=[job_id, poll_state],
                    outputs=[progress, lines_plot, heat_plot, table, summary, download_btn, runs_table, runs_plot,
-                            chat_run, job_json, poll_state, timer],
+                            chat_run, delete_pick, job_json, poll_state, guard, timer],
                    api_name="poll", show_progress="hidden", concurrency_limit=None)
         status_btn.click(app.job_status, inputs=job_id, outputs=job_json, api_name="job_status",
                          concurrency_limit=None)
         download_api.click(app.download, inputs=job_id, outputs=download_btn, api_name="download")
+        download_btn.click(app.mark_exported, inputs=job_id, outputs=guard, api_visibility="private",
+                           show_progress="hidden")
         eval_btn.click(_gpu(app.evaluate, 300), inputs=[job_id, eval_windows, eval_seqlen],
-                       outputs=[eval_box, runs_table, runs_plot, job_json], api_name="evaluate",
-                       concurrency_limit=1, concurrency_id="evaluate")
+                       outputs=[eval_box, runs_table, runs_plot, job_json, download_btn], api_name="evaluate",
+                       concurrency_limit=1, concurrency_id="evaluate", show_progress_on=[eval_box])
         run_eval_btn.click(_gpu(app.evaluate_run, 300), inputs=[chat_run, eval_windows, eval_seqlen],
                            outputs=[run_eval_box, runs_table, runs_plot], api_name="evaluate_run",
-                           concurrency_limit=1, concurrency_id="evaluate")
+                           concurrency_limit=1, concurrency_id="evaluate", show_progress_on=[run_eval_box])
         runs_btn.click(app.runs, outputs=[runs_table, runs_plot], api_name="runs")
+        delete_btn.click(app.delete_run, inputs=[delete_pick, job_id],
+                         outputs=[runs_table, runs_plot, chat_run, delete_pick, guard, download_btn, summary,
+                                  progress, job_id], api_name="delete_run", show_progress="hidden")
+        push_btn.click(app.push, inputs=[job_id, push_repo, push_private, push_token], outputs=[push_note, guard],
+                       api_name="push", concurrency_limit=2)
 
-        archive_upload.upload(app.upload, inputs=archive_upload, outputs=[chat_run, models_box, runs_table, runs_plot],
-                              api_name="upload", concurrency_limit=2)
+        # Upload: checked and unpacked first (no outputs, so a refusal marks nothing), then shown.
+        archive_upload.upload(app.upload_run, inputs=archive_upload, outputs=upload_state, api_visibility="private",
+                              concurrency_limit=2, show_progress="hidden").success(
+            app.upload_view, inputs=upload_state,
+            outputs=[chat_run, models_box, runs_table, runs_plot, delete_pick, archive_upload, guard],
+            api_visibility="private", show_progress="hidden").failure(
+            lambda: None, outputs=archive_upload, api_visibility="private", show_progress="hidden")
+        upload_api.click(app.upload, inputs=archive_upload, outputs=[chat_run, models_box, runs_table, runs_plot],
+                         api_name="upload", concurrency_limit=2)
         chat_run.change(app.chat_load, inputs=chat_run,
                         outputs=[models_box, chat_orig, chat_quant, stats_orig, stats_quant], api_name="chat_load",
                         concurrency_limit=2)
@@ -269,8 +349,10 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
         chat_outputs = [chat_orig, chat_quant, stats_orig, stats_quant, prompt]
         chat_fn = _gpu(app.chat, 120)
         gr.on([send_btn.click, prompt.submit], chat_fn, inputs=chat_inputs, outputs=chat_outputs, api_name="chat",
-              concurrency_limit=settings.chat_concurrency, concurrency_id="chat", show_progress="minimal")
+              concurrency_limit=settings.chat_concurrency, concurrency_id="chat", show_progress="hidden")
         stop_btn.click(app.chat_stop, api_name="chat_stop", concurrency_limit=None)
+        stop_orig_btn.click(app.chat_stop_original, api_name="chat_stop_original", concurrency_limit=None)
+        stop_quant_btn.click(app.chat_stop_quantized, api_name="chat_stop_quantized", concurrency_limit=None)
         clear_btn.click(app.chat_clear, outputs=[chat_orig, chat_quant, stats_orig, stats_quant], api_name="chat_clear")
         demo.unload(app.on_unload)
     # Short handlers run a few at a time; quantization itself is limited by the job manager, chat and
@@ -280,15 +362,37 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
 
 
 def launch_options(settings: AppSettings) -> dict:
-    """Keyword arguments for ``demo.launch``: theme and CSS, and only the work dir served as files."""
+    """Keyword arguments for ``demo.launch``: theme and CSS, the leave-page warning, and no file path of the work
+    directory served (it is blocked; downloads are per-request copies in Gradio's cache, see ``Studio``)."""
     return {
         "theme": gr.themes.Soft(primary_hue="indigo"),
         "css_paths": [str(ASSETS / "app.css")],
-        "allowed_paths": [str(settings.workdir)],
+        "head": LEAVE_GUARD_JS,
+        "blocked_paths": [str(settings.workdir)],
         "max_file_size": settings.max_upload_bytes,
         "show_error": True,
         "footer_links": ["api"],
     }
+
+
+def _env_limit(name: str, kind: str, default):
+    """One limit from its environment variable (MB for sizes), or ``default``; SystemExit naming it when bad."""
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SystemExit(f"{name} must be a number, got {raw!r}") from None
+    if not value > 0:
+        raise SystemExit(f"{name} must be positive, got {raw!r}")
+    if kind == "MB":
+        return int(value * 1e6)
+    if kind == "int":
+        if not value.is_integer():
+            raise SystemExit(f"{name} must be a whole number, got {raw!r}")
+        return int(value)
+    return value
 
 
 def settings_from(args: argparse.Namespace) -> AppSettings:
@@ -297,13 +401,13 @@ def settings_from(args: argparse.Namespace) -> AppSettings:
     if not workdir:
         workdir, cleanup = tempfile.mkdtemp(prefix="vptq_app_"), True
     default_model = TINY if args.tiny else (args.default_model or os.environ.get("VPTQ_APP_DEFAULT_MODEL") or BUNDLED)
-    chat = int(os.environ.get("VPTQ_APP_CHAT_CONCURRENCY", "2"))
-    max_upload = int(float(os.environ.get("VPTQ_APP_MAX_UPLOAD_MB", str(DEFAULT_MAX_BYTES / 1e6))) * 1e6)
+    defaults = AppSettings(workdir=Path(workdir))
+    limits = {key: _env_limit(env, kind, getattr(defaults, key)) for key, (env, kind) in LIMITS.items()}
     device = default_device()
     # Evaluating a quantized model on 2 CPU cores costs tens of seconds per 512-token window: keep it modest.
     return AppSettings(workdir=Path(workdir).resolve(), default_model=default_model, device=device,
-                       chat_concurrency=max(chat, 1), max_upload_bytes=max_upload, cleanup_workdir=cleanup,
-                       eval_windows=4 if device == "cpu" else 16)
+                       cleanup_workdir=cleanup, eval_windows=4 if device == "cpu" else 16,
+                       browser_secret=os.environ.get("VPTQ_APP_SECRET") or None, **limits)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -9,22 +9,31 @@ and the downloaded archive loads back to the same model."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import json
+import queue
 import re
+import shutil
 import socket
+import struct
 import threading
 import time
+import urllib.error
+import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 gradio_client = pytest.importorskip("gradio_client")
 import gradio as gr  # noqa: E402
+from factories import random_scalar_state  # noqa: E402
 from gradio_client import Client, handle_file  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
 
@@ -33,15 +42,16 @@ from vptq_core.eval import evaluate  # noqa: E402
 from vptq_core.models import TINY, load_model  # noqa: E402
 from vptq_core.quant import methods  # noqa: E402
 from vptq_core.quant.bits import scalar_bits  # noqa: E402
+from vptq_core.quant.blocks import block_linears, decoder_blocks  # noqa: E402
 from vptq_core.quant.config import ConfigBase, check_int  # noqa: E402
 from vptq_core.quant.methods import Method  # noqa: E402
 from vptq_core.quant.pipeline import LayerReport  # noqa: E402
 from vptq_core.storage.archive import pack_checkpoint  # noqa: E402
-from vptq_core.storage.checkpoint import load_quantized  # noqa: E402
+from vptq_core.storage.checkpoint import load_quantized, save_quantized  # noqa: E402
 from vptq_core.studio import form, views  # noqa: E402
-from vptq_core.studio.chat import ChatSession  # noqa: E402
+from vptq_core.studio.chat import ChatSession, GenerationStats  # noqa: E402
 from vptq_core.studio.estimate import model_info  # noqa: E402
-from vptq_core.studio.queue import JobCancelled  # noqa: E402
+from vptq_core.studio.queue import JobCancelled, JobSnapshot  # noqa: E402
 
 STATS = re.compile(r"(\d+) tokens · \*\*([\d.]+) tokens/s\*\*")
 LAYERS = 14  # the tiny llama: 2 blocks × 7 linears
@@ -95,7 +105,7 @@ class GatedRun:
         ckpt = ctx.out_dir / "checkpoint"
         ckpt.mkdir()
         (ckpt / "config.json").write_text("{}")
-        archive = ctx.out_dir / f"stand-in-{ctx.job_id}.zip"
+        archive = ctx.out_dir / "stand-in.zip"
         with zipfile.ZipFile(archive, "w") as zf:
             zf.write(ckpt / "config.json", "stand-in/config.json")
         summary = {"index_bits_per_weight": 2.0, "total_bits_per_weight": 2.5, "seconds": 0.14, "layers": LAYERS,
@@ -153,7 +163,7 @@ def job_kwargs(**overrides) -> dict:
 
 
 def estimate_kwargs(**overrides) -> dict:
-    return {k: v for k, v in job_kwargs(**overrides).items() if not k.startswith("calib")}
+    return {k: v for k, v in job_kwargs(**overrides).items() if k not in ("calib_source", "calib_file")}
 
 
 def status(client: Client, job_id: str) -> dict:
@@ -275,8 +285,8 @@ def test_a_newly_registered_method_gets_its_fields(tmp_path, toy_method):
     assert form.preset_values("toy", "2 bits", fields) == {"bits": 2}
     shown = {k for k in fields if form.uses("toy", [k])}
     assert shown == {"bits"}
-    estimate = demo.studio.estimate_md(TINY, "", "toy", **{**values, "bits": 2})
-    assert "**2.000 index bits**" in estimate
+    estimate, start = demo.studio.estimate_md(TINY, "", "toy", **{**values, "bits": 2})
+    assert "**2.000 index bits**" in estimate and start.interactive
 
 
 def _visible(component) -> bool:
@@ -292,12 +302,17 @@ def _visible(component) -> bool:
 def test_bad_settings_give_clear_errors(served, gated, monkeypatch):
     client = Client(served.url, verbose=False)
     cases = [
-        (dict(num_centroids=1000), r"num_centroids must be a power of two in 2\.\.65536, got 1000"),
-        (dict(method="lrq", rank=-1), r"rank must be in 0\.\.8192, got -1"),
-        (dict(calib_samples=0), r"samples must be in 1\.\.100000, got 0"),
+        # The form's words for its fields, not the settings' code names.
+        (dict(num_centroids=1000), r"^centroids must be a power of two in 2\.\.65536, got 1000"),
+        (dict(vector_len=0), r"^vector length must be in 1\.\.16, got 0"),
+        (dict(method="lrq", rank=-1), r"^LRQ rank must be in 0\.\.8192, got -1"),
+        (dict(calib_samples=0), r"^calibration samples must be in 1\.\.100000, got 0"),
+        (dict(seed=2**64), r"^seed must be in 0\.\.18446744073709551615 \(2\*\*64 - 1\), got 18446744073709551616"),
+        (dict(seed=-1), r"^seed must be in 0\.\.18446744073709551615"),
         (dict(method="awq"), r"'awq' .* is not in the list of choices: \['vptq', 'gptq', 'rtn', 'lrq'\]"),
         (dict(calib_source=form.FILE_SOURCE), r"no file was uploaded"),
-        (dict(custom_model="no such model"), r"'no such model' is not a built-in name"),
+        (dict(model=form.OTHER_MODEL, custom_model="no such model"), r"'no such model' is not a built-in name"),
+        (dict(model=form.OTHER_MODEL, custom_model=""), r"type a hub id \(owner/name\) or a local model directory"),
         (dict(method="rtn", activations="4-bit"), r"4-bit is not in the list of choices: \['16-bit \(weight-only\)'"),
     ]
     for overrides, message in cases:
@@ -305,13 +320,24 @@ def test_bad_settings_give_clear_errors(served, gated, monkeypatch):
             client.predict(**job_kwargs(**overrides), api_name="/start")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(AppError, match=r"cannot reach the Hugging Face hub to fetch 'someone/model'"):
-        client.predict(**job_kwargs(custom_model="someone/model"), api_name="/start")
+        client.predict(**job_kwargs(model=form.OTHER_MODEL, custom_model="someone/model"), api_name="/start")
     assert served.studio.manager.jobs(client.session_hash) == [] and gated.runs == []
-    # The live estimate explains instead of raising.
-    assert "num_centroids must be a power of two" in client.predict(**estimate_kwargs(num_centroids=1000),
-                                                                    api_name="/estimate")
+    # A hub id typed in the box counts only when the dropdown says so.
+    assert client.predict(**job_kwargs(custom_model="someone/model"), api_name="/start")[0]
+    assert [s.meta["model"] for s in served.studio.manager.jobs(client.session_hash)] == [TINY]
+    # The live estimate explains instead of raising, and Start is disabled until the settings are accepted.
+    # (the API returns the text; the page also gets the Start button's state)
+    assert client.predict(**estimate_kwargs(num_centroids=1000), api_name="/estimate").startswith(
+        "⚠️ centroids must be a power of two")
+    for bad in (dict(num_centroids=1000), dict(seed=2**64), dict(calib_samples=0)):
+        text, start = served.studio.estimate_md(**estimate_kwargs(**bad))
+        assert text.startswith("⚠️") and start.interactive is False, bad
+    assert "seed must be in 0..18446744073709551615" in served.studio.estimate_md(**estimate_kwargs(seed=2**64))[0]
     good = client.predict(**estimate_kwargs(), api_name="/estimate")
     assert "**1.000 index bits**" in good and "14 linears in 2 blocks" in good
+    assert served.studio.estimate_md(**estimate_kwargs())[1].interactive is True
+    # The duration is shown before Start, with what it rests on.
+    assert re.search(r"Takes ≈ \*\*\d+ s\*\*.*rough: scaled from one measured SmolLM2 run", good), good
     assert "**3.000 index bits**" in client.predict(**estimate_kwargs(method="gptq", bits=3), api_name="/estimate")
     with pytest.raises(AppError, match=r"evaluation windows must be in 1\.\.512, got 0"):
         client.predict("anything", 0, 64, api_name="/evaluate")
@@ -374,8 +400,12 @@ def test_queue_progress_cancel_and_sessions(served, gated):
     runs = client.predict(api_name="/runs")[0]["data"]
     assert [row[:4] for row in runs] == [[first, TINY, "VPTQ", "v4 k16"]]
     assert other.predict(api_name="/runs")[0]["data"] in ([], [[]])
+    # The job JSON names the archive by its file name only: no server path, no owner, no job id in the name.
+    assert "archive" not in final["result"] and "checkpoint_dir" not in final["result"] and "owner" not in final
+    archive = Path(served.studio.manager.get(first, client.session_hash).result["archive"])
+    assert final["result"]["archive_name"] == archive.name
     downloaded = Path(client.predict(first, api_name="/download"))
-    assert downloaded.read_bytes() == Path(final["result"]["archive"]).read_bytes()
+    assert downloaded.read_bytes() == archive.read_bytes() and downloaded.name == archive.name
     with pytest.raises(AppError, match=rf"job {second} has no archive to download \(status: cancelled\)"):
         client.predict(second, api_name="/download")
 
@@ -402,20 +432,29 @@ def test_poll_refreshes_only_what_changed(served, gated):
     run.release(2)
     until(served, client, job, lambda st: st["layers_done"] == 2)
     out = served.studio.poll(job, {}, request)
-    progress, lines, heat, table, summary, download, runs_rows, runs_fig, chat_runs, job_json, seen, timer = out
+    (progress, lines, heat, table, summary, download, runs_rows, runs_fig, chat_runs, pick_runs, job_json, seen,
+     guard, timer) = out
     assert "2/14 layers" in progress and [row[1] for row in table] == ["self_attn.k_proj", "self_attn.q_proj"]
     assert [t.name for t in lines.data] == ["q_proj", "k_proj"] and job_json["reports"] == 2
-    assert all(x == gr.skip() for x in (summary, download, runs_rows, runs_fig, chat_runs)) and timer.active
+    assert all(x == gr.skip() for x in (summary, download, runs_rows, runs_fig, chat_runs, pick_runs))
+    assert timer.active and 'data-busy="1"' in guard  # leaving the page now asks first
     # Nothing new: only the progress text (elapsed time) is sent again.
     again = served.studio.poll(job, seen, request)
-    assert all(x == gr.skip() for x in again[1:10]) and again[10] == seen and again[11].active
+    assert all(x == gr.skip() for x in again[1:11]) and again[11] == seen and again[13].active
     run.release()
     until(served, client, job, lambda st: st["status"] == "done")
     done = served.studio.poll(job, seen, request)
-    archive = Path(status(client, job)["result"]["archive"])
-    assert "Done:" in done[4] and done[5].visible and Path(done[5].value["path"]).name == archive.name
-    assert done[8].value == job and [c[1] for c in done[8].choices] == [job] and not done[11].active
-    assert served.studio.poll(job, done[10], request)[4] == gr.skip()  # the summary is sent once
+    archive = Path(served.studio.manager.get(job, client.session_hash).result["archive"])
+    served_copy = Path(done[5].value["path"])
+    assert "Done:" in done[4] and done[5].visible and served_copy.name == archive.name
+    # The page's download is a copy in a fresh random folder of Gradio's cache, not the work directory's file.
+    assert served_copy.read_bytes() == archive.read_bytes() and not served_copy.is_relative_to(served.workdir)
+    assert re.fullmatch(r"vq-[0-9a-f]{32}", served_copy.parent.name)
+    assert done[8].value == job and [c[1] for c in done[8].choices] == [job] and not done[13].active
+    assert [c[1] for c in done[9].choices] == [job]
+    assert 'data-busy="0" data-unexported="1"' in done[12]  # a result not taken home yet
+    assert served.studio.poll(job, done[11], request)[4] == gr.skip()  # the summary is sent once
+    assert 'data-unexported="0"' in served.studio.mark_exported(job, request)
     # Through the API the same tick fills the page's outputs.
     values = client.predict(job, api_name="/poll")  # (the poll state is the session's)
     assert 'data-status="done"' in values[0] and "Done:" in values[4]
@@ -458,11 +497,54 @@ def test_bad_archives_are_refused_with_the_reason(served, tmp_path):
     client.close()
 
 
-def test_unload_cancels_jobs_and_deletes_runs(served, gated):
+def _done(served, owner: str, job_id: str) -> JobSnapshot:
+    snap = served.studio.manager.wait(job_id, owner, timeout=30)
+    assert snap.status == "done", snap.error
+    return snap
+
+
+def test_runs_survive_a_reload_and_api_sessions_are_cleaned_up(served, gated):
+    # A page: the browser's lasting identity comes from attach (kept in the browser's local storage).
+    page = Client(served.url, verbose=False)
+    identity = served.studio.attach(None, as_request(page))[0]
+    assert re.fullmatch(r"[A-Za-z0-9_-]{43}", identity) and identity != page.session_hash
+    job = page.predict(**job_kwargs(), api_name="/start")[0]
+    gated.runs[-1].release()
+    snap = _done(served, identity, job)
+    archive, ckpt = Path(snap.result["archive"]), Path(snap.result["checkpoint_dir"])
+    # Reload: the page goes away and a new one comes back with the identity the browser kept.
+    served.studio.on_unload(as_request(page))
+    page.close()
+    assert archive.is_file() and ckpt.is_dir()
+    reloaded = Client(served.url, verbose=False)
+    ident, watched, poll_state, timer, _ev, rows, _fig, chat_pick, delete_pick, guard = served.studio.attach(
+        identity, as_request(reloaded))
+    assert (ident, watched, timer.active) == (identity, job, True) and [r[0] for r in rows] == [job]
+    assert [c[1] for c in chat_pick.choices] == [job] == [c[1] for c in delete_pick.choices]
+    assert 'data-unexported="1"' in guard  # the result was not taken home yet: leaving asks first
+    tick = served.studio.poll(job, poll_state, as_request(reloaded))  # the first tick fills the page in again
+    assert "Done:" in tick[4] and tick[5].visible and Path(tick[5].value["path"]).read_bytes() == archive.read_bytes()
+    downloaded = Path(reloaded.predict(job, api_name="/download"))
+    assert downloaded.read_bytes() == archive.read_bytes()
+    assert reloaded.predict(api_name="/runs")[0]["data"][0][0] == job
+    # The old page's session no longer acts for the browser; a malformed identity gets a new one.
+    with pytest.raises(ValueError, match=rf"no job '{job}' in this session"):
+        served.studio.manager.get(job, page.session_hash)
+    stranger = Client(served.url, verbose=False)
+    fresh = served.studio.attach("../../" + identity[6:], as_request(stranger))
+    assert fresh[0] != identity and fresh[1] == "" and fresh[5] == []
+    # Deleting a run removes its files and every download copy made of it.
+    copies = list(served.studio._served[job])
+    assert copies and all(c.is_file() for c in copies)
+    reloaded.predict(job, job, api_name="/delete_run")
+    assert not ckpt.parent.exists() and not any(c.exists() for c in copies)
+    assert served.studio.manager.jobs(identity) == []
+
+    # An API session that never attached cannot come back: its jobs are cancelled and its runs deleted.
     client = Client(served.url, verbose=False)
     finished_job = client.predict(**job_kwargs(), api_name="/start")[0]
     gated.runs[-1].release()
-    ckpt = finished(served, client, finished_job)["result"]["checkpoint_dir"]
+    ckpt = _done(served, client.session_hash, finished_job).result["checkpoint_dir"]
     running = client.predict(**job_kwargs(), api_name="/start")[0]
     until(served, client, running, lambda st: st["status"] == "running")
     served.studio.cache.get(("quant", ckpt, "cpu"), lambda: "a loaded model")
@@ -475,6 +557,258 @@ def test_unload_cancels_jobs_and_deletes_runs(served, gated):
     while any(d.exists() for d in dirs) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not any(d.exists() for d in dirs)
+    for c in (client, reloaded, stranger):
+        c.close()
+
+
+def _http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_another_session_reaches_no_file_and_no_endpoint(served, gated, monkeypatch):
+    owner = Client(served.url, verbose=False)
+    identity = served.studio.attach(None, as_request(owner))[0]
+    job = owner.predict(**job_kwargs(), api_name="/start")[0]
+    gated.runs[-1].release()
+    snap = _done(served, identity, job)
+    archive, ckpt = Path(snap.result["archive"]), Path(snap.result["checkpoint_dir"])
+    attacker = Client(served.url, verbose=False)
+    served.studio.attach(None, as_request(attacker))
+    calls = {"/job_status": (job,), "/cancel": (job,), "/download": (job,), "/evaluate": (job, 2, 64),
+             "/evaluate_run": (job, 2, 64), "/chat_load": (job,), "/chat": ("hi", [], [], job, 0.0, 1.0, 4),
+             "/delete_run": (job, ""), "/push": (job, "me/repo", True, "token")}
+    for endpoint, args in calls.items():
+        with pytest.raises(AppError, match=rf"no job '{job}' in this session"):
+            attacker.predict(*args, api_name=endpoint)
+    progress = attacker.predict(job, api_name="/poll")[0]
+    assert "no job" in progress and "Done" not in progress
+    # Files by path: the work directory is never served, knowing the job id and the path or not.
+    base = f"{served.url}gradio_api/file="
+    for path in (archive, ckpt / "config.json", served.workdir / "jobs" / job, served.workdir):
+        assert _http_status(base + str(path)) == 403, path
+    copy = Path(owner.predict(job, api_name="/download"))  # (the client's local copy of what it fetched)
+    served_copy = served.studio._served[job][-1]
+    assert _http_status(base + str(served_copy)) == 200  # the route works: the owner's own copy is served
+    assert copy.read_bytes() == archive.read_bytes()
+    served.studio.delete_run(job, "", as_request(owner))
+    assert _http_status(base + str(served_copy)) == 403  # gone from Gradio's cache with its run
+
+    # Nothing a user sees names the work directory, Gradio's cache or a session: a failed job's error neither.
+    def failing(model, method, config, calib, device="cpu", calib_text=None):
+        def task(ctx):
+            raise OSError(f"cannot open {ctx.out_dir / 'checkpoint' / 'model.safetensors'} (session "
+                          f"{identity})")
+        return task
+
+    monkeypatch.setattr(served.studio, "make_task", failing)
+    failed = owner.predict(**job_kwargs(), api_name="/start")[0]
+    assert served.studio.manager.wait(failed, identity, timeout=30).status == "failed"
+    monkeypatch.setattr(served.studio, "make_task", gated)
+    shown = [owner.predict(**job_kwargs(), api_name="/start"), owner.predict(failed, api_name="/job_status"),
+             owner.predict(failed, api_name="/poll"), owner.predict(api_name="/runs")]
+    with pytest.raises(AppError) as refused:
+        owner.predict(handle_file(__file__), api_name="/upload")
+    shown.append(str(refused.value))
+    text = json.dumps(shown, default=str)
+    assert "model.safetensors" in text  # the error is there, without where the file was
+    for secret in (str(served.workdir), str(served.studio.serve_dir), identity, owner.session_hash,
+                   attacker.session_hash):
+        assert secret not in text, secret
+    for c in (owner, attacker):
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A real packed checkpoint of the tiny model (random 4-bit RTN states), as zip, made in well under a second."""
+    model, tok = load_model(TINY)
+    linears = {f"model.layers.{b}.{name}": m for b, block in enumerate(decoder_blocks(model))
+               for name, m in block_linears(block).items()}
+    states = {name: random_scalar_state(m.in_features, m.out_features, bits=4, group_size=32, seed=i)
+              for i, (name, m) in enumerate(linears.items())}
+    ckpt = save_quantized(model, tok, states, tmp_path_factory.mktemp("tiny") / "ckpt",
+                          report={"model": {"source": TINY}, "method": "rtn"})
+    return ckpt
+
+
+def _safetensors_bytes(header: dict, data: bytes) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+def test_uploads_are_limited_and_checked_before_they_become_runs(served, tiny_checkpoint, tmp_path, monkeypatch):
+    client = Client(served.url, verbose=False)
+    owner = served.studio.attach(None, as_request(client))[0]
+    jobs_dir = served.workdir / "jobs"
+
+    def refused(path: Path, message: str) -> None:
+        before = set(jobs_dir.iterdir())
+        with pytest.raises(AppError, match=message):
+            client.predict(handle_file(str(path)), api_name="/upload")
+        assert set(jobs_dir.iterdir()) == before  # nothing written stays on disk
+        assert not any(p.name == path.name for p in served.studio.serve_dir.rglob("*"))  # the upload is gone too
+
+    # A zip bomb: a valid safetensors header, then 50 MB of zeros, deflated to ~50 kB.
+    bomb = tmp_path / "bomb.zip"
+    with zipfile.ZipFile(bomb, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("config.json", (tiny_checkpoint / "config.json").read_text())
+        n = 50_000_000
+        zf.writestr("model.safetensors", _safetensors_bytes(
+            {"x": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}}, bytes(n)))
+    assert bomb.stat().st_size < 1_000_000
+    refused(bomb, r"cannot load bomb.zip: entry 'model.safetensors' unpacks to 50000\d+ bytes \(50.0 MB\) from \d+ "
+                  r"compressed bytes, a ratio of \d+; at most 100 is allowed")
+    # Deeply nested JSON: a reason, not a RecursionError.
+    nested = tmp_path / "nested.zip"
+    with zipfile.ZipFile(nested, "w") as zf:
+        zf.writestr("config.json", "[" * 100_000 + "]" * 100_000)
+        zf.writestr("model.safetensors", (tiny_checkpoint / "model.safetensors").read_bytes())
+    refused(nested, r"cannot load nested.zip: config.json: JSON nested too deeply")
+
+    # A checkpoint whose tensors do not match what its config implies is refused at upload, not at chat.
+    good = pack_checkpoint(tiny_checkpoint, tmp_path / "good.zip")
+    tensors = load_file(str(tiny_checkpoint / "model.safetensors"))
+    tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"][:, :32].contiguous()
+    wrong = tmp_path / "wrong-dir"
+    shutil.copytree(tiny_checkpoint, wrong)
+    save_file(tensors, str(wrong / "model.safetensors"), metadata={"format": "pt"})
+    refused(pack_checkpoint(wrong, tmp_path / "wrong.zip"), r"cannot load wrong.zip: .*model.embed_tokens.weight")
+    tensors = load_file(str(tiny_checkpoint / "model.safetensors"))
+    name = next(k for k in tensors if k.endswith(".scales"))
+    tensors[name] = tensors[name].to(torch.int32)
+    save_file(tensors, str(wrong / "model.safetensors"), metadata={"format": "pt"})
+    refused(pack_checkpoint(wrong, tmp_path / "dtype.zip"), rf"cannot load dtype.zip: .*{re.escape(name)}")
+    assert served.studio.manager.jobs(owner) == []
+
+    # The disk quotas: this browser's, then everyone's; the runs per browser.
+    size = sum(p.stat().st_size for p in tiny_checkpoint.iterdir())
+    settings = served.studio.settings
+    monkeypatch.setattr(served.studio, "settings", dataclasses.replace(settings, user_quota_bytes=size // 2))
+    refused(good, rf"archive expands to more than {size // 2} bytes .*\(what is left of your "
+                  rf"{size // 2 / 1e6:.1f} MB disk quota\)")
+    monkeypatch.setattr(served.studio, "settings", dataclasses.replace(settings, total_quota_bytes=size // 2))
+    refused(good, r"what is left of the server's .* disk quota")
+    monkeypatch.setattr(served.studio, "settings", settings)
+    picked = client.predict(handle_file(str(good)), api_name="/upload")[0]["value"]
+    assert [s.id for s in served.studio.manager.jobs(owner)] == [picked]
+    monkeypatch.setattr(served.studio.manager, "max_runs_per_owner", 1)
+    refused(good, r"you already have 1 runs kept or in progress \(limit 1 per browser\); delete one")
+    with pytest.raises(AppError, match=r"limit 1 per browser"):
+        client.predict(**job_kwargs(), api_name="/start")
+    monkeypatch.setattr(served.studio.manager, "max_runs_per_owner", 6)
+    used = served.studio.manager.disk_usage(owner)
+    monkeypatch.setattr(served.studio, "settings", dataclasses.replace(settings, user_quota_bytes=used + 1000))
+    with pytest.raises(AppError, match=rf"this run needs about .* MB; your runs use {used / 1e6:.1f} MB of your "
+                                       r"0.\d MB disk quota: delete a run"):
+        client.predict(**job_kwargs(), api_name="/start")
+    client.predict(picked, "", api_name="/delete_run")
+    client.close()
+
+
+class FakeSide:
+    """A stand-in ``ChatSession``: streams tokens one per ``release()``, so a test decides who is ahead."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.name = torch.nn.Linear(2, 2), model
+        self.history: list = []
+        self.steps = threading.Semaphore(0)
+        self.stopped = threading.Event()
+        self.started = threading.Event()
+        self.last_stats = None
+        self.sent = 0
+
+    def check_prompt(self, prompt, max_new_tokens, max_prompt_tokens=None):
+        return None
+
+    def stream(self, prompt, max_new_tokens=8, temperature=0.0, top_p=1.0, max_prompt_tokens=None):
+        self.started.set()
+        for _ in range(max_new_tokens):
+            while not self.steps.acquire(timeout=0.01):
+                if self.stopped.is_set():
+                    break
+            if self.stopped.is_set():
+                break
+            self.sent += 1
+            yield f"{self.name}{self.sent} "
+        self.last_stats = GenerationStats(tokens=self.sent, seconds=1.0, first_token_seconds=0.5, prompt_tokens=3)
+
+    def stop(self):
+        self.stopped.set()
+
+
+def test_both_chat_sides_stream_at_once_and_stop_on_their_own(served, monkeypatch):
+    sides: dict[str, FakeSide] = {}
+
+    def make_chat(model, tokenizer):
+        sides[model] = FakeSide(model, tokenizer)
+        return sides[model]
+
+    monkeypatch.setattr(served.studio, "make_chat", make_chat)
+    monkeypatch.setattr(served.studio, "_run_models", lambda run_id, owner: (("Q", None), ("O", None), "", TINY))
+    request = as_request(SimpleNamespace(session_hash="chat-test-session"))
+    replies = served.studio.chat("Hello", [], [], "run", 0.0, 1.0, 6, request)
+    first = next(replies)  # the prompt on both sides, empty replies
+    assert texts(first[0]) == [("user", "Hello"), ("assistant", "")] and first[4] == ""
+    updates: queue.Queue = queue.Queue()
+    consumer = threading.Thread(target=lambda: [updates.put(out) for out in replies] + [updates.put(None)],
+                                daemon=True)
+    consumer.start()
+    assert sides["O"].started.wait(5) and sides["Q"].started.wait(5)  # both generate before either gave a token
+
+    def step(side: str):
+        """Let ``side`` produce one token; the page update that shows it."""
+        sides[side].steps.release()
+        while True:
+            out = updates.get(timeout=5)
+            assert out is not None, "the chat ended early"
+            if views.message_text((out[0] if side == "O" else out[1])[-1]["content"]).count(side) == sides[side].sent:
+                return out
+
+    out = step("Q")  # the quantized side's first token arrives while the original has given none
+    assert (texts(out[0])[-1][1], texts(out[1])[-1][1]) == ("", "Q1 ")
+    out = step("O")
+    assert (texts(out[0])[-1][1], texts(out[1])[-1][1]) == ("O1 ", "Q1 ")
+    served.studio.chat_stop_original(request)  # Stop on one side: the other goes on
+    assert sides["O"].stopped.wait(5)
+    for _ in range(5):
+        out = step("Q")
+    assert views.message_text(out[1][-1]["content"]) == "Q1 Q2 Q3 Q4 Q5 Q6 "
+    assert views.message_text(out[0][-1]["content"]) == "O1 "
+    rest = []
+    while (item := updates.get(timeout=5)) is not None:
+        rest.append(item)
+    final = rest[-1] if rest else out
+    assert STATS.search(final[2]).group(1) == "1" and "stopped" in final[2]
+    assert STATS.search(final[3]).group(1) == "6" and "stopped" not in final[3]
+
+
+def test_prompts_are_bounded_by_tokens_and_the_model_context(served, tiny_checkpoint):
+    model, tok = load_model(TINY)
+    session = ChatSession(model, tok)
+    context = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=r"the message is \d+ characters; at most 320 are accepted \(prompts are "
+                                         r"limited to 10 tokens\)"):
+        session.check_prompt("x" * 321, 4, max_prompt_tokens=10)
+    with pytest.raises(ValueError, match=r"the prompt is \d+ tokens with the conversation so far; at most 10 are "
+                                         r"allowed: shorten the message or press Clear"):
+        session.check_prompt("hello " * 20, 4, max_prompt_tokens=10)
+    with pytest.raises(ValueError, match=rf"plus max new tokens \({context}\) is \d+ tokens, more than the model's "
+                                         rf"context of {context}"):
+        session.check_prompt("hello", context)
+    assert session.check_prompt("hello", 4, max_prompt_tokens=100).shape[0] == 1
+    # Through the app: the limit and the reason reach the user before anything is generated.
+    client = Client(served.url, verbose=False)
+    picked = client.predict(handle_file(str(pack_checkpoint(tiny_checkpoint, tiny_checkpoint.parent / "p.zip"))),
+                            api_name="/upload")[0]["value"]
+    limit = served.studio.settings.max_prompt_tokens
+    with pytest.raises(AppError, match=rf"original model: the message is 240000 characters; at most {32 * limit}"):
+        client.predict("y" * 240_000, [], [], picked, 0.0, 1.0, 4, api_name="/chat")
+    with pytest.raises(AppError, match=rf"original model: the prompt is \d+ tokens .*at most {limit} are allowed"):
+        client.predict("hello " * (limit + 10), [], [], picked, 0.0, 1.0, 4, api_name="/chat")
     client.close()
 
 
@@ -485,7 +819,7 @@ def test_real_run_evaluate_chat_download_reload(served):
     job = client.predict(**job_kwargs(), api_name="/start")[0]
     final = finished(served, client, job)
     assert final["status"] == "done", final["error"]
-    ckpt = Path(final["result"]["checkpoint_dir"])
+    ckpt = served.studio.manager.checkpoint_dir(job, client.session_hash)
     # The reports the app streamed are the ones the checkpoint's report keeps.
     saved = json.loads((ckpt / "quant_report.json").read_text())
     assert final["reports"] == saved["layers"] and len(saved["layers"]) == LAYERS
@@ -524,7 +858,9 @@ def test_real_run_evaluate_chat_download_reload(served):
 
     # Download the packed checkpoint and load it back as a new run.
     downloaded = Path(client.predict(job, api_name="/download"))
-    archive = Path(final["result"]["archive"])
+    archive = Path(served.studio.manager.get(job, client.session_hash).result["archive"])
+    assert job not in archive.name and re.fullmatch(r"tiny-random-llama-vptq-\d\.\d\dbit-\d{8}-\d{4}\.zip",
+                                                    archive.name), archive.name
     assert hashlib.sha256(downloaded.read_bytes()).digest() == hashlib.sha256(archive.read_bytes()).digest()
     with zipfile.ZipFile(downloaded) as zf:
         assert {Path(n).name for n in zf.namelist()} >= {"config.json", "model.safetensors", "quant_report.json"}
@@ -553,9 +889,10 @@ def test_closing_the_session_deletes_its_runs(served, tmp_path, monkeypatch):
     job = client.predict(**job_kwargs(method="rtn", bits=8, group_size=0, activations=w8a8), api_name="/start")[0]
     final = finished(served, client, job)
     assert final["status"] == "done", final["error"]
-    saved = json.loads((Path(final["result"]["checkpoint_dir"]) / "quant_report.json").read_text())
+    ckpt = served.studio.manager.checkpoint_dir(job, client.session_hash)
+    saved = json.loads((ckpt / "quant_report.json").read_text())
     assert (saved["settings"]["act_bits"], saved["settings"]["act_granularity"]) == (8, "tensor")
-    copy = pack_checkpoint(final["result"]["checkpoint_dir"], tmp_path / "copy.zip")
+    copy = pack_checkpoint(ckpt, tmp_path / "copy.zip")
     picked = client.predict(handle_file(str(copy)), api_name="/upload")[0]["value"]
     dirs = [served.workdir / "jobs" / job, served.workdir / "jobs" / picked]
     assert all(d.is_dir() for d in dirs)

@@ -82,22 +82,28 @@ def test_heatmap_cells_match_reports_and_pending_cells_are_blank():
     assert all(z[i][b] is None for i, b in blanks)
 
 
-def test_runs_figure_plots_evaluated_runs_only():
+def test_runs_figure_plots_each_run_against_its_own_original():
     runs = [
         {"label": "VPTQ 2.3b", "method": "vptq", "total_bits": 2.3, "perplexity": 30.5, "reference_perplexity": 21.4},
         {"label": "GPTQ 2.5b", "method": "gptq", "total_bits": 2.5, "perplexity": 80.25, "reference_perplexity": 21.4},
         {"label": "VPTQ 3.2b", "method": "vptq", "total_bits": 3.2, "perplexity": 23.0, "reference_perplexity": 21.4},
+        # Another model with a far higher original perplexity: on a shared perplexity axis it would look worst.
+        {"label": "VPTQ 2.0b", "method": "vptq", "total_bits": 2.0, "perplexity": 2400.0,
+         "reference_perplexity": 2000.0, "model": "tiny"},
         {"label": "not evaluated", "method": "rtn", "total_bits": 4.5, "perplexity": None},
+        {"label": "no original", "method": "rtn", "total_bits": 4.5, "perplexity": 9.0, "reference_perplexity": None},
     ]
     fig = runs_figure(runs)
     traces = {t.name: t for t in fig.data}
     assert list(traces) == ["VPTQ", "GPTQ"]
-    assert list(traces["VPTQ"].x) == [2.3, 3.2] and list(traces["VPTQ"].y) == [30.5, 23.0]
-    assert list(traces["VPTQ"].text) == ["VPTQ 2.3b", "VPTQ 3.2b"]
-    assert list(traces["GPTQ"].x) == [2.5] and list(traces["GPTQ"].y) == [80.25]
+    assert list(traces["VPTQ"].x) == [2.3, 3.2, 2.0]
+    assert list(traces["VPTQ"].y) == pytest.approx([30.5 / 21.4, 23.0 / 21.4, 1.2])
+    assert list(traces["VPTQ"].text) == ["VPTQ 2.3b", "VPTQ 3.2b", "VPTQ 2.0b"]
+    assert list(traces["GPTQ"].x) == [2.5] and list(traces["GPTQ"].y) == pytest.approx([80.25 / 21.4])
     lines = [s for s in fig.layout.shapes if s.type == "line"]
-    assert len(lines) == 1 and lines[0].y0 == 21.4 == lines[0].y1
-    empty = runs_figure(runs[3:])
+    assert len(lines) == 1 and lines[0].y0 == 1.0 == lines[0].y1
+    assert "1 run(s) evaluated without their original" in fig.layout.annotations[-1].text
+    empty = runs_figure(runs[4:5])
     assert len(empty.data) == 0 and "evaluate a finished run" in empty.layout.annotations[0].text
 
 

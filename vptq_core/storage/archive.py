@@ -40,8 +40,8 @@ DEFAULT_MAX_ENTRY_BYTES = 2_000_000_000  # uncompressed size of one entry
 DEFAULT_MAX_FILES = 64
 DEFAULT_MAX_RATIO = 100.0  # uncompressed / compressed bytes (stored safetensors: 1; tokenizer JSON: 3-5)
 RATIO_FLOOR = 1_000_000  # below this many unpacked bytes the ratio is not checked
-_MAX_JSON_BYTES = 64 * 1024**2
-_MAX_SAFETENSORS_HEADER = 100 * 1024**2
+_MAX_JSON_BYTES = 64_000_000
+_MAX_SAFETENSORS_HEADER = 100_000_000
 _COPY_CHUNK = 1 << 20
 _SAFETENSORS_DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4,
@@ -280,11 +280,13 @@ def check_file(path: str | os.PathLike) -> None:
     name = path.name
     if name in JSON_FILES:
         if path.stat().st_size > _MAX_JSON_BYTES:
-            raise ArchiveError(f"{name}: larger than {_MAX_JSON_BYTES} bytes")
+            raise ArchiveError(f"{name}: larger than {_size(_MAX_JSON_BYTES)}")
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ArchiveError(f"{name}: not valid JSON ({exc})") from None
+        except RecursionError:
+            raise ArchiveError(f"{name}: JSON nested too deeply to be a checkpoint file") from None
         if not isinstance(data, dict):
             raise ArchiveError(f"{name}: expected a JSON object, got {type(data).__name__}")
     elif name in TEXT_FILES:
@@ -315,6 +317,8 @@ def check_safetensors(path: str | os.PathLike) -> None:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ArchiveError(f"{path.name}: not a safetensors file (header is not JSON: {exc})") from None
+    except RecursionError:
+        raise ArchiveError(f"{path.name}: not a safetensors file (header JSON nested too deeply)") from None
     if not isinstance(header, dict):
         raise ArchiveError(f"{path.name}: not a safetensors file (header is not a JSON object)")
     data_len = size - 8 - header_len

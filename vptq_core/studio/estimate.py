@@ -155,3 +155,40 @@ def estimate(info: ModelInfo, method: str, config) -> Estimate:
         quantized_bytes=quantized, other_bytes=other, checkpoint_bytes=quantized + other,
         dense_bytes=2 * (info.linear_weights + info.other_params),
     )
+
+
+# ------------------------------------------------------------------------------------------- time
+# Seconds per quantized weight on this project's 2-core CPU machine, idle, from one measured run
+# (README "Quantization time": SmolLM2-135M, 106 M linear weights, VPTQ v6 k4096, 5 k-means iterations, 32 × 512
+# calibration tokens: k-means 160.7 s, sweep 122.5 s, block forwards 60.1 s, load and save 9 s).
+_REF_TOKENS = 32 * 512
+_FORWARD_S = 60.1 / 106.2e6 / _REF_TOKENS  # per weight per calibration token (both passes)
+_KMEANS_S = 160.7 / 106.2e6  # per weight at v6 k4096, 5 iterations
+_SWEEP_S = 122.5 / 106.2e6  # per weight at v6 k4096
+_IO_S = 9.0 / 135e6  # loading and saving, per parameter
+_GPTQ_SWEEP_S = 0.3e-6  # per weight, a column sweep with one rounding per weight (not measured apart: rough)
+_ROUND_S = 0.02e-6  # per weight, rounding to a grid
+
+
+def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
+    """Rough seconds a run takes on a 2-core CPU like this project's (idle): block forwards over the
+    calibration tokens, plus the method's own work scaled from one measured VPTQ run (k-means and sweep cost
+    grow with the index bits per vector element, k-means with its iterations; LRQ trains ``iters`` steps of
+    ``batch_size`` windows per block, about three forwards each; a config with ``act_order`` sweeps columns as
+    GPTQ does). Fine-tuning steps are not counted."""
+    weights, params = info.linear_weights, info.linear_weights + info.other_params
+    tokens = max(int(samples), 1) * max(int(seqlen), 1)
+    seconds = _FORWARD_S * weights * tokens + _IO_S * params
+    settings = config.to_dict()
+    if "num_centroids" in settings and "vector_len" in settings:
+        bits = math.log2(max(settings["num_centroids"], 2))
+        if settings.get("num_res_centroids"):
+            bits += math.log2(settings["num_res_centroids"])
+        scale = (bits / 12.0) * (6.0 / max(settings["vector_len"], 1))
+        seconds += weights * scale * (_KMEANS_S * settings.get("kmeans_iters", 5) / 5.0 + _SWEEP_S)
+    elif "rank" in settings and "iters" in settings:
+        steps = settings["iters"] * settings.get("batch_size", 1) * max(int(seqlen), 1)
+        seconds += 3 * _FORWARD_S * weights * steps
+    else:
+        seconds += (_GPTQ_SWEEP_S if "act_order" in settings else _ROUND_S) * weights
+    return seconds

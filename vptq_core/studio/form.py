@@ -10,6 +10,7 @@ a field keep their config defaults.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, fields
 from typing import Any
@@ -28,6 +29,40 @@ ACTIVATIONS = {  # dropdown label -> (act_bits, act_granularity)
 ACT_FIELD = "activations"
 ACT_SETTINGS = ("act_bits", "act_granularity")
 SEED_FIELD = "seed"
+OTHER_MODEL = "other"  # the model dropdown's choice that takes the hub id / directory textbox
+# What the form calls each field (error messages use these words, not the setting names). Fields a newly
+# registered method brings without a label here keep their setting name.
+FIELD_LABELS = {
+    "vector_len": "vector length", "num_centroids": "centroids", "num_res_centroids": "residual centroids",
+    "outlier_percent": "outlier columns %", "group_num": "groups", "kmeans_iters": "k-means iterations",
+    "enable_norm": "normalize columns", "enable_perm": "permute columns", "finetune_iters": "fine-tune iterations",
+    "bits": "bits", "group_size": "group size", "activations": "activations", "act_order": "act order",
+    "rank": "LRQ rank", "iters": "LRQ iterations per block", "seed": "seed", "samples": "calibration samples",
+    "seqlen": "tokens per sample",
+}
+# Settings sized for a model whose linears are this narrow or narrower (the presets are sized for SmolLM2:
+# on 64-wide layers their 4096-entry codebooks cost ~80 bits per weight).
+SMALL_MODEL_WIDTH = 256
+SMALL_MODEL_VALUES = {"vector_len": 4, "num_centroids": 16, "kmeans_iters": 2, "outlier_percent": 0.0}
+SMALL_MODEL_CALIB = (4, 64)  # calibration samples × tokens per sample
+MODEL_CALIB = (32, 512)
+_SETTING_NAME = re.compile(r"\b(" + "|".join(sorted(map(re.escape, FIELD_LABELS), key=len, reverse=True)) + r")\b")
+
+
+def readable(message: str) -> str:
+    """A config error with the form's words for its settings ("vector length must be in 1..16, got 0" for
+    "vector_len must be ..."): setting names with an underscore anywhere, others only where they start it."""
+    message = str(message)
+
+    def swap(match: re.Match) -> str:
+        name = match.group(1)
+        if "_" in name or match.start() == 0:
+            return FIELD_LABELS[name]
+        return name
+
+    return _SETTING_NAME.sub(swap, message)
+
+
 SEED_MAX = 2**64 - 1  # torch.manual_seed takes at most 64 bits
 
 

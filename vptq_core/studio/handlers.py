@@ -52,7 +52,7 @@ from ..storage.checkpoint import checkpoint_size, load_quantized, read_quantizat
 from . import form, plots, views
 from .card import CARD_NAME, write_model_card
 from .chat import ChatSession, check_sampling, model_memory_bytes
-from .estimate import estimate, hub_reachable, model_info
+from .estimate import estimate, hub_reachable, model_info, time_estimate
 from .model_cache import ModelCache
 from .queue import ACTIVE, JobManager
 from .task import quantization_task
@@ -82,7 +82,7 @@ class AppSettings:
     max_jobs_per_user: int = 2  # jobs queued or running, per browser
     run_ttl_hours: float = 12.0  # finished runs are deleted this long after they finish
     max_prompt_tokens: int = 1024  # a chat prompt with the conversation so far
-    max_calib_bytes: int = 32 * 1024**2
+    max_calib_bytes: int = 32_000_000  # an uploaded calibration .txt
     eval_windows: int = 4
     eval_seqlen: int = 512
     cleanup_workdir: bool = False  # remove the work dir at exit (it was a fresh temporary one)
@@ -114,11 +114,16 @@ class Studio:
         self.make_chat = make_chat
         self.hub_api = hub_api
         self.serve_dir = Path(get_upload_folder())
+        if Path(settings.workdir).resolve().is_relative_to(self.serve_dir.resolve()):
+            raise ValueError(f"the work directory must not be inside Gradio's cache ({self.serve_dir}): files there "
+                             "are served to anyone who knows their path")
         self.roots = tuple(str(Path(r).resolve()) for r in (settings.workdir, self.serve_dir, tempfile.gettempdir()))
         self._lock = threading.Lock()
         self._identities: dict[str, str] = {}  # page session -> browser identity
         self._served: dict[str, list[Path]] = {}  # job id -> download copies in Gradio's cache
         self._chats: dict[str, dict[str, tuple[ChatSession, threading.Event]]] = {}  # page session -> side -> ...
+        self._speed: dict[tuple[str, str], float] = {}  # (device, method) -> measured / rough seconds, last run
+        self.field_keys: tuple[str, ...] = ()  # the form's fields in page order (``app.build_app`` sets them)
         gpu = settings.device == "cuda"
         self.dtype = "float16" if gpu else "bfloat16"  # fp16 matmuls are very slow on CPU; bf16 is not
         self.manager.on_delete(self._run_deleted)
@@ -134,22 +139,41 @@ class Studio:
         with self._lock:
             return self._identities.get(session, session)
 
+    def hidden(self) -> list[str]:
+        """Every page session id and browser identity known now (never shown to anyone)."""
+        with self._lock:
+            return [*self._identities, *self._identities.values()]
+
     def public(self, text) -> str:
-        """``text`` without server paths (for messages shown to users)."""
-        return views.scrub_paths(str(text), self.roots)
+        """``text`` without server paths, session ids or identities (for messages shown to users)."""
+        return views.scrub(str(text), self.roots, self.hidden())
+
+    def progress(self, snap, message: str = "") -> str:
+        return views.progress_html(snap, message, roots=self.roots, hidden=self.hidden())
 
     def error(self, exc) -> gr.Error:
         return user_error(self.public(exc))
 
     def job_json(self, snap, reports: bool = False) -> dict:
-        return views.public_job(snap, reports=reports, roots=self.roots)
+        return views.public_job(snap, reports=reports, roots=self.roots, hidden=self.hidden())
 
     @staticmethod
     def model_name(model: str | None, custom_model: str | None) -> str:
-        return (custom_model or "").strip() or (model or "")
+        """The model a form names: the dropdown's choice, or the textbox when the dropdown says "a hub id or
+        a local directory" (``form.OTHER_MODEL``; the textbox is ignored otherwise). API clients that send no
+        dropdown value get the textbox."""
+        custom = (custom_model or "").strip()
+        if model == form.OTHER_MODEL or not model:
+            if not custom:
+                raise ValueError("type a hub id (owner/name) or a local model directory in the box under Model")
+            return custom
+        return model
 
     def model_note(self, model: str, custom_model: str) -> str:
-        name = self.model_name(model, custom_model)
+        try:
+            name = self.model_name(model, custom_model)
+        except ValueError as exc:
+            return views.model_note("", error=str(exc))
         if name in (BUNDLED, TINY):
             return views.model_note(name)
         try:
@@ -157,15 +181,54 @@ class Studio:
         except ValueError as exc:
             return views.model_note(name, error=self.public(exc))
 
-    def estimate_md(self, model, custom_model, method, **settings) -> str:
-        """Live bits per weight and checkpoint size for the current settings (warnings inline, no popup)."""
-        name = self.model_name(model, custom_model)
+    def estimate_md(self, model, custom_model, method, calib_samples=None, calib_seqlen=None, **settings):
+        """Live bits per weight, checkpoint size and a rough duration for the current settings (warnings inline,
+        no popup), and the Start button: disabled while the settings are refused."""
         try:
+            name = self.model_name(model, custom_model)
             config = form.config_from(method, settings)
+            samples, seqlen = _calib_size(calib_samples, calib_seqlen)
             info = model_info(name)
         except ValueError as exc:
-            return f"⚠️ {self.public(exc)}"
-        return views.estimate_md(info, estimate(info, method, config))
+            return f"⚠️ {self.public(form.readable(exc))}", gr.Button(interactive=False)
+        seconds, basis = self.predicted_seconds(info, method, config, samples, seqlen)
+        return (views.estimate_md(info, estimate(info, method, config), seconds, basis),
+                gr.Button(interactive=True))
+
+    def predicted_seconds(self, info, method: str, config, samples: int, seqlen: int) -> tuple[float | None, str]:
+        """(seconds a run should take here, what that rests on): ``estimate.time_estimate`` (a 2-core CPU) times
+        what this server's last finished run of the method took against its own estimate; None on another
+        device until a run there has finished."""
+        rough = time_estimate(info, config, samples, seqlen)
+        with self._lock:
+            factor = self._speed.get((self.settings.device, method))
+        if factor is not None:
+            return rough * factor, (f"from this server's last {views.method_label(method)} run, which took "
+                                    f"{factor:.2g}× the rough estimate")
+        if self.settings.device != "cpu":
+            return None, f"no estimate on {self.settings.device} until a run has finished here"
+        return rough, ("rough: scaled from one measured SmolLM2 run on 2 idle CPU cores; a busy server is slower, "
+                       "fine-tuning is not counted")
+
+    def model_defaults(self, model, custom_model, method, preset):
+        """The model changed: settings sized for it. Narrow models (the tiny test model) get small codebooks
+        and calibration (the presets are sized for SmolLM2); others get the chosen preset back (the 2-bit one
+        when it was "custom") and the usual calibration. Returns (preset, calibration samples, tokens per sample,
+        then one value per form field in ``form`` order, ``gr.skip()`` where unchanged)."""
+        keys = list(self.field_keys)
+        skip = [gr.skip()] * (3 + len(keys))
+        try:
+            info = model_info(self.model_name(model, custom_model))
+        except ValueError:
+            return skip
+        width = max((max(shape) for shape in info.linear_shapes), default=0)
+        if width <= form.SMALL_MODEL_WIDTH:
+            samples, seqlen = form.SMALL_MODEL_CALIB
+            return [form.CUSTOM, samples, seqlen, *(form.SMALL_MODEL_VALUES.get(k, gr.skip()) for k in keys)]
+        chosen = preset if preset in form.preset_names() else "2 bits"
+        values = form.preset_values(method, chosen, keys)
+        samples, seqlen = form.MODEL_CALIB
+        return [chosen, samples, seqlen, *(values.get(k, gr.skip()) for k in keys)]
 
     def _read_calibration_file(self, calib_file) -> str:
         if not calib_file:
@@ -248,8 +311,11 @@ class Studio:
     def _prepare(self, owner, model, custom_model, method, calib_source, calib_file, calib_samples, calib_seqlen,
                  settings):
         name = self.model_name(model, custom_model)
-        config = form.config_from(method, settings)
-        calib = CalibConfig(text="wiki", samples=calib_samples, seqlen=calib_seqlen, seed=settings.get("seed", 0))
+        try:
+            config = form.config_from(method, settings)
+            calib = CalibConfig(text="wiki", samples=calib_samples, seqlen=calib_seqlen, seed=settings.get("seed", 0))
+        except ValueError as exc:
+            raise ValueError(form.readable(exc)) from None
         calib_text = self._read_calibration_file(calib_file) if calib_source == form.FILE_SOURCE else None
         info = model_info(name)
         est = estimate(info, method, config)
@@ -280,10 +346,12 @@ class Studio:
                                        device=self.settings.device, meta={
                                            "model": name, "method": method, "settings": config.to_dict(),
                                            "num_blocks": info.num_blocks, "modules": list(info.modules),
-                                           "estimate": asdict(est), "reserve_bytes": reserve})
+                                           "estimate": asdict(est), "reserve_bytes": reserve,
+                                           "rough_seconds": time_estimate(info, config, calib.samples,
+                                                                          calib.seqlen)})
         except ValueError as exc:
             raise self.error(exc) from None
-        return (snap.id, views.progress_html(snap), plots.proxy_error_figure([], info.num_blocks),
+        return (snap.id, self.progress(snap), plots.proxy_error_figure([], info.num_blocks),
                 plots.error_heatmap_figure([], info.num_blocks, info.modules), [], "",
                 gr.DownloadButton(value=None, visible=False), "", {"job": snap.id, "version": None, "status": None},
                 gr.Timer(active=True), self.job_json(snap), self._guard(owner))
@@ -300,7 +368,7 @@ class Studio:
             snap = self.manager.cancel(job_id, self.owner(request))
         except ValueError as exc:
             raise self.error(exc) from None
-        return views.progress_html(snap, roots=self.roots), self.job_json(snap)
+        return self.progress(snap), self.job_json(snap)
 
     def runs_view(self, owner: str):
         """(rows of the runs table, bits-vs-perplexity figure, choices of the run pickers)."""
@@ -312,16 +380,18 @@ class Studio:
         return rows, fig
 
     def poll(self, job_id: str, seen: dict | None, request: gr.Request):
-        """Timer tick: refresh the live view of the watched job; plots and tables only when they changed."""
+        """Timer tick: refresh the live view of the watched job; plots and tables only when they changed.
+        Returns (progress, line plot, heatmap, layer table, summary, download button, runs table, runs plot,
+        chat run picker, delete picker, job JSON, poll state, leave-page guard, timer)."""
         owner = self.owner(request)
         seen = dict(seen or {})
         skip = gr.skip()
         if not job_id:
-            return (skip,) * 12 + (gr.Timer(active=False),)
+            return (skip,) * 13 + (gr.Timer(active=False),)
         try:
             snap = self.manager.get(job_id, owner)
         except ValueError as exc:
-            return ((views.progress_html(None, self.public(exc)),) + (skip,) * 9
+            return ((views.progress_html(None, self.public(exc)),) + (skip,) * 10
                     + ({}, self._guard(owner), gr.Timer(active=False)))
         version = [snap.id, snap.status, list(snap.reports_version)]
         changed = seen.get("version") != version
@@ -333,17 +403,26 @@ class Studio:
             heat = plots.error_heatmap_figure(snap.reports, num_blocks, modules)
             table = plots.report_rows(snap.reports)
             job_json = self.job_json(snap)
-        summary = download = runs_rows = runs_fig = chat_runs = skip
+        summary = download = runs_rows = runs_fig = chat_runs = pick_runs = skip
         if finished_now:
+            self._learn_speed(snap)
             summary = views.summary_md(snap)
             download = self._download_button(snap, owner)
             runs_rows, runs_fig, choices = self.runs_view(owner)
             chat_runs = (gr.Dropdown(choices=choices, value=snap.id) if snap.status == "done"
                          else gr.Dropdown(choices=choices))
+            pick_runs = gr.Dropdown(choices=choices)
         guard = self._guard(owner)
         seen = {"job": snap.id, "version": version, "status": snap.status, "guard": guard}
-        return (views.progress_html(snap, roots=self.roots), lines, heat, table, summary, download, runs_rows, runs_fig,
-                chat_runs, job_json, seen, guard, gr.Timer(active=snap.active))
+        return (self.progress(snap), lines, heat, table, summary, download, runs_rows, runs_fig,
+                chat_runs, pick_runs, job_json, seen, guard, gr.Timer(active=snap.active))
+
+    def _learn_speed(self, snap) -> None:
+        """A run finished: how long it took against its rough estimate corrects the next estimates."""
+        rough, seconds = snap.meta.get("rough_seconds"), (snap.result or {}).get("summary", {}).get("seconds")
+        if snap.status == "done" and snap.kind == "quantize" and rough and seconds:
+            with self._lock:
+                self._speed[(snap.device, snap.meta.get("method"))] = float(seconds) / float(rough)
 
     # -------------------------------------------------------------------------------------- downloads
     def _serve(self, snap, owner: str) -> str | None:
@@ -776,6 +855,21 @@ class Studio:
             chat_session.stop()
         if identity is None:
             self.manager.forget_owner(session)
+
+
+def _calib_size(samples, seqlen) -> tuple[int, int]:
+    """The calibration size fields as ints (ValueError naming the field, as ``CalibConfig`` checks them); a field
+    not given (a caller without them) takes the usual size."""
+    samples = form.MODEL_CALIB[0] if samples is None else samples
+    seqlen = form.MODEL_CALIB[1] if seqlen is None else seqlen
+    calib = CalibConfig(samples=_as_int(samples, "samples"), seqlen=_as_int(seqlen, "seqlen"))
+    return calib.samples, calib.seqlen
+
+
+def _as_int(value, name: str):
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 def _hf_api(token: str):

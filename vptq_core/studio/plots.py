@@ -104,28 +104,36 @@ def error_heatmap_figure(reports: Sequence, num_blocks: int | None = None, modul
 
 
 def runs_figure(runs: Sequence[dict], title: str | None = None) -> go.Figure:
-    """Perplexity against total bits per weight, one marker per evaluated run (grouped by method), with the
-    original model's perplexity as a dashed line. ``runs``: dicts with "label", "method", "total_bits",
-    "perplexity" and optionally "reference_perplexity"."""
+    """Each evaluated run's perplexity as a ratio to its own original model's (1 = the original; runs of
+    different models share the axis fairly) against total bits per weight, one marker per run, grouped by
+    method. ``runs``: dicts with "label", "method", "total_bits", "perplexity", "reference_perplexity" and
+    optionally "model". Runs evaluated without their original (no reference) are left out, and counted in a
+    note."""
     evaluated = [r for r in runs if r.get("perplexity") is not None and r.get("total_bits") is not None]
+    plotted = [r for r in evaluated if r.get("reference_perplexity")]
     fig = go.Figure()
-    for method in dict.fromkeys(r["method"] for r in evaluated):
-        group = [r for r in evaluated if r["method"] == method]
+    for method in dict.fromkeys(r["method"] for r in plotted):
+        group = [r for r in plotted if r["method"] == method]
         fig.add_trace(go.Scatter(
-            x=[r["total_bits"] for r in group], y=[r["perplexity"] for r in group], mode="markers+text",
-            text=[r["label"] for r in group], textposition="top center", name=method.upper(),
-            marker=dict(size=11), cliponaxis=False,
-            hovertemplate="%{text}<br>%{x:.3f} bits/weight<br>ppl %{y:.3f}<extra></extra>",
+            x=[r["total_bits"] for r in group], y=[r["perplexity"] / r["reference_perplexity"] for r in group],
+            mode="markers+text", text=[r["label"] for r in group], textposition="top center",
+            name=method.upper(), marker=dict(size=11), cliponaxis=False,
+            customdata=[[r.get("model") or "?", r["perplexity"], r["reference_perplexity"]] for r in group],
+            hovertemplate=("%{text} · %{customdata[0]}<br>%{x:.3f} bits/weight<br>ppl %{customdata[1]:.3f} / "
+                           "original %{customdata[2]:.3f} = %{y:.3f}<extra></extra>"),
         ))
-    references = [r["reference_perplexity"] for r in evaluated if r.get("reference_perplexity") is not None]
-    if references:
-        fig.add_hline(y=references[-1], line_dash="dash", line_color="gray",
-                      annotation_text=f"original {references[-1]:.2f}", annotation_position="bottom right")
-    fig.update_layout(title=title or "Runs: perplexity vs bits per weight", height=_HEIGHT, margin=_MARGIN,
-                      xaxis_title="total bits per weight (incl. codebooks)", yaxis_title="perplexity",
-                      template="plotly_white")
-    if not evaluated:
+    if plotted:
+        fig.add_hline(y=1.0, line_dash="dash", line_color="gray", annotation_text="original model",
+                      annotation_position="bottom right")
+    fig.update_layout(title=title or "Runs: perplexity ÷ its original model's, vs bits per weight", height=_HEIGHT,
+                      margin=_MARGIN, xaxis_title="total bits per weight (incl. codebooks)",
+                      yaxis_title="perplexity ratio to the original", template="plotly_white")
+    if not plotted:
         _placeholder(fig, "evaluate a finished run to add it here")
+    elif len(plotted) < len(evaluated):
+        fig.add_annotation(text=f"{len(evaluated) - len(plotted)} run(s) evaluated without their original: not "
+                                "shown", showarrow=False, xref="paper", yref="paper", x=0, y=1.08, xanchor="left",
+                           font=dict(size=11, color="gray"))
     return fig
 
 

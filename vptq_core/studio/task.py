@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import time
 from collections.abc import Callable
 
 from ..api import quantize_to_dir
@@ -19,8 +20,9 @@ def quantization_task(model_name: str, method: str, config, calib, device: str =
                       calib_text: str | None = None, archive_name: str | None = None) -> Callable[[JobContext], dict]:
     """A task that quantizes ``model_name`` into ``<job dir>/checkpoint`` (``api.quantize_to_dir``), writes its
     model card (``card.write_model_card``) and packs it into ``<job dir>/<archive_name>.zip`` (default:
-    ``<model>-<method>-<bits>bit-<job id>.zip``: no session id, no server path). ``calib_text``: text to calibrate on instead of ``calib.text``
-    (written into the job directory first, so an uploaded file may disappear meanwhile).
+    ``<model>-<method>-<bits>bit-<UTC date-time>.zip``: no job or session id, no server path). ``calib_text``: text
+    to calibrate on instead of ``calib.text`` (written into the job directory first, so an uploaded file may
+    disappear meanwhile).
 
     Result: ``summary`` (the pipeline's), ``checkpoint_dir``, ``archive``, ``checkpoint_bytes``,
     ``archive_bytes``, ``source_model``, ``method``, ``config``, ``calib``.
@@ -46,7 +48,8 @@ def quantization_task(model_name: str, method: str, config, calib, device: str =
         ctx.set_phase("packing the archive")
         write_model_card(out, model_name)
         bits = summary.get("total_bits_per_weight")
-        name = archive_name or "-".join([_slug(model_name), method, *([f"{bits:.2f}bit"] if bits else []), ctx.job_id])
+        stamp = time.strftime("%Y%m%d-%H%M", time.gmtime())
+        name = archive_name or "-".join([_slug(model_name), method, *([f"{bits:.2f}bit"] if bits else []), stamp])
         archive = pack_checkpoint(out, ctx.out_dir / f"{name}.zip")
         return {
             "summary": summary, "checkpoint_dir": str(out), "archive": str(archive),

@@ -37,7 +37,17 @@ def scrub_paths(text: str, roots: Iterable[str | os.PathLike]) -> str:
     return text
 
 
-def public_job(snap: JobSnapshot, reports: bool = False, roots: Iterable[str | os.PathLike] = ()) -> dict:
+def scrub(text: str, roots: Iterable[str | os.PathLike] = (), hidden: Iterable[str] = ()) -> str:
+    """``scrub_paths`` and every string of ``hidden`` (session ids, browser identities) replaced."""
+    text = scrub_paths(str(text), roots)
+    for secret in hidden:
+        if secret:
+            text = text.replace(secret, "(hidden)")
+    return text
+
+
+def public_job(snap: JobSnapshot, reports: bool = False, roots: Iterable[str | os.PathLike] = (),
+               hidden: Iterable[str] = ()) -> dict:
     """A job as its owner sees it (the raw JSON view and the API): no owner id, no server paths; the archive
     by file name only."""
     data = snap.to_dict(reports=reports)
@@ -51,7 +61,7 @@ def public_job(snap: JobSnapshot, reports: bool = False, roots: Iterable[str | o
                 result["archive_name"] = os.path.basename(value) if value else None
         data["result"] = result
     if data.get("error"):
-        data["error"] = scrub_paths(data["error"], roots)
+        data["error"] = scrub(data["error"], roots, [snap.owner, *hidden])
     return data
 
 
@@ -113,8 +123,9 @@ def model_note(name: str, info: ModelInfo | None = None, error: str | None = Non
     return f"`{name}`: {info.num_blocks} blocks, {len(info.linear_shapes)} linears to quantize."
 
 
-def estimate_md(info: ModelInfo, est: Estimate) -> str:
-    """Bits per weight and checkpoint size expected for the current settings."""
+def estimate_md(info: ModelInfo, est: Estimate, seconds: float | None = None, basis: str = "") -> str:
+    """Bits per weight, checkpoint size and (``seconds``, with what it rests on) the duration expected for the
+    current settings."""
     warning = ""
     if est.total_bits_per_weight > 1.5 * est.index_bits_per_weight:
         warning = ("  \n⚠️ Codebooks and scales outweigh the indices on this model's small layers: use fewer "
@@ -125,14 +136,18 @@ def estimate_md(info: ModelInfo, est: Estimate) -> str:
             f"{mb(est.quantized_bytes)} + "
             f"embeddings, norms and the rest {mb(est.other_bytes)} at 16 bits · the 16-bit model is "
             f"{mb(est.dense_bytes)}  \n{len(info.linear_shapes)} linears in {info.num_blocks} blocks, "
-            f"{info.linear_weights / 1e6:.1f} M weights quantized{warning}")
+            f"{info.linear_weights / 1e6:.1f} M weights quantized  \n"
+            + (f"Takes ≈ **{duration(seconds)}** <span class='vq-note'>({basis})</span>" if seconds is not None
+               else f"Duration: {basis}")
+            + warning)
 
 
 def job_title(name: str, method: str, est: Estimate) -> str:
     return f"{name} · {method_label(method)} · {est.total_bits_per_weight:.2f} bits"
 
 
-def progress_html(snap: JobSnapshot | None, message: str = "", roots: Iterable[str | os.PathLike] = ()) -> str:
+def progress_html(snap: JobSnapshot | None, message: str = "", roots: Iterable[str | os.PathLike] = (),
+                  hidden: Iterable[str] = ()) -> str:
     """The progress bar and its line of text for one job snapshot."""
     if snap is None:
         text = html.escape(message or "No job yet: pick the settings and press Start.")
@@ -160,7 +175,8 @@ def progress_html(snap: JobSnapshot | None, message: str = "", roots: Iterable[s
     elif snap.status == "cancelled":
         parts.append(f"stopped after {done} layer(s); nothing was saved")
     text = " · ".join(html.escape(p) for p in parts)
-    error = f'<div class="vq-error">{html.escape(scrub_paths(snap.error, roots))}</div>' if snap.error else ""
+    error = (f'<div class="vq-error">{html.escape(scrub(snap.error, roots, [snap.owner, *hidden]))}</div>'
+             if snap.error else "")
     return (f'<div class="vq-progress-wrap" data-status="{snap.status}"><div class="vq-progress">'
             f'<div class="vq-progress-bar {snap.status}" style="width:{100 * fraction:.1f}%"></div></div>'
             f'<div class="vq-progress-text"><span class="vq-status">{snap.status}</span> '
@@ -218,7 +234,7 @@ def runs_view(snaps: Iterable[JobSnapshot]) -> tuple[list[list], list[dict], lis
             _round(ev.get("kl_divergence"), 4),
             _round(100 * ev["top1_agreement"], 1) if ev.get("top1_agreement") is not None else None,
         ])
-        points.append({"label": f"{label} ({snap.id[:4]})", "method": method,
+        points.append({"label": f"{label} ({snap.id[:4]})", "method": method, "model": result.get("source_model"),
                        "total_bits": s.get("total_bits_per_weight"), "perplexity": ev.get("perplexity"),
                        "reference_perplexity": ev.get("reference_perplexity")})
         kind = "uploaded" if snap.kind == "import" else (result.get("source_model") or "")
