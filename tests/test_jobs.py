@@ -198,19 +198,46 @@ def test_limits_per_owner_and_queue(tmp_path: Path):
     manager.shutdown(timeout=10)
 
 
-def test_old_runs_are_pruned_and_owner_cleanup(tmp_path: Path):
-    manager = JobManager(tmp_path, keep_per_owner=2)
+def test_runs_per_owner_are_capped_old_runs_expire_and_owner_cleanup(tmp_path: Path):
+    manager = JobManager(tmp_path, max_runs_per_owner=2, max_age_s=3600)
+    deleted: list[tuple[str, str]] = []
+    manager.on_delete(lambda job_id, owner: deleted.append((job_id, owner)))
 
     def write(ctx):
-        (ctx.out_dir / "weights.bin").write_bytes(b"x")
+        (ctx.out_dir / "weights.bin").write_bytes(b"x" * 10)
         return {}
 
     ids = []
-    for _ in range(3):
+    for _ in range(2):
         ids.append(manager.submit("alice", write).id)
         manager.wait(ids[-1], "alice", timeout=10)
-    assert [s.id for s in manager.jobs("alice")] == ids[1:]
-    assert not (tmp_path / "jobs" / ids[0]).exists() and (tmp_path / "jobs" / ids[2] / "weights.bin").is_file()
+    # A third run is refused (nothing is deleted behind the owner's back); another owner is not affected.
+    with pytest.raises(ValueError, match=r"you already have 2 runs kept or in progress \(limit 2 per browser\)"):
+        manager.submit("alice", write)
+    with pytest.raises(ValueError, match=r"limit 2 per browser"):
+        manager.import_run("alice", lambda out_dir: {})
+    bob = manager.submit("bob", write).id
+    manager.wait(bob, "bob", timeout=10)
+    assert [s.id for s in manager.jobs("alice")] == ids and manager.disk_usage("alice") == 20
+    assert manager.disk_usage() == 30
+    # Deleting one makes room; failed and cancelled jobs hold no files and do not count.
+    manager.delete(ids[0], "alice")
+    assert not (tmp_path / "jobs" / ids[0]).exists() and deleted == [(ids[0], "alice")]
+    failed = manager.submit("alice", lambda ctx: 1 / 0).id
+    assert manager.wait(failed, "alice", timeout=10).status == "failed"
+    ids.append(manager.submit("alice", write).id)
+    manager.wait(ids[-1], "alice", timeout=10)
+    # Runs expire max_age_s after they finish (the clock moved on by an hour and a second).
+    with manager._lock:
+        for job in manager._jobs.values():
+            if job.id in (ids[1], bob):
+                job.finished -= 3601
+    assert sorted(manager.prune()) == sorted([ids[1], bob])
+    assert not (tmp_path / "jobs" / ids[1]).exists() and (tmp_path / "jobs" / ids[2] / "weights.bin").is_file()
+    assert {s.id for s in manager.jobs("alice")} == {ids[2], failed} and manager.jobs("bob") == []
+    with pytest.raises(ValueError, match=rf"no job '{ids[1]}' in this session .*deleted 1 h after they finish"):
+        manager.get(ids[1], "alice")
+    # The owner is gone (an API session closed): every job is cancelled and its files deleted.
     gate = threading.Event()
     running = manager.submit("alice", _gated([], "r", gate))
     assert manager.forget_owner("alice") == 3
@@ -221,6 +248,16 @@ def test_old_runs_are_pruned_and_owner_cleanup(tmp_path: Path):
     while (tmp_path / "jobs" / running.id).exists() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not (tmp_path / "jobs" / running.id).exists()
+
+
+def test_reassign_moves_jobs_to_the_lasting_identity(tmp_path: Path):
+    manager = JobManager(tmp_path)
+    job = manager.submit("session-1", lambda ctx: {}).id
+    manager.wait(job, "session-1", timeout=10)
+    assert manager.reassign("session-1", "identity-A") == 1
+    assert manager.get(job, "identity-A").status == "done"
+    with pytest.raises(ValueError, match="no job"):
+        manager.get(job, "session-1")
 
 
 def test_stale_job_dirs_are_removed_on_start(tmp_path: Path):
