@@ -295,6 +295,7 @@ def save_quantized(
     out_dir: str | os.PathLike,
     report: dict | None = None,
     dtype: torch.dtype | None = None,
+    embedding: VQLayerState | ScalarLayerState | str | None = None,
 ) -> Path:
     """Write a packed checkpoint directory and return its path.
 
@@ -303,7 +304,9 @@ def save_quantized(
     module name -> layer state, all VPTQ or all scalar. ``tokenizer`` may be None. ``dtype`` (default: the
     model's float dtype) is the storage dtype of every float tensor. ``report`` must be JSON-serialisable; it
     is written to ``quant_report.json`` with a ``sizes`` entry added. Tensors are written one at a time
-    (``SafetensorsWriter``).
+    (``SafetensorsWriter``). The LM head may be one of the ``states`` (a tied head is untied); ``embedding``
+    (optional) is the input embedding's layer state, or the head's module name when it reads the head's
+    quantized rows (tied weights) — see ``storage.embedding``.
     """
     if not isinstance(states, Mapping) or not states:
         raise ValueError("states must be a non-empty dict of module name -> VQLayerState/ScalarLayerState")
@@ -318,7 +321,13 @@ def save_quantized(
     dtype = dtype_from_name(dtype, "save_quantized") if dtype is not None else _model_dtype(model)
     dims = {name: (state.in_features, state.out_features) for name, state in states.items()}
     layers = ((name, pack_layer(state, dtype)) for name, state in states.items())
-    return save_packed(model, tokenizer, quant_method, dims, layers, out_dir, report=report, dtype=dtype)
+    if embedding is not None and not isinstance(embedding, str):
+        if type(embedding) not in kinds:
+            raise ValueError(f"the embedding's state is a {type(embedding).__name__}, the layers' "
+                             f"{kinds.pop().__name__}: one checkpoint holds one kind")
+        embedding = pack_layer(embedding, dtype)
+    return save_packed(model, tokenizer, quant_method, dims, layers, out_dir, report=report, dtype=dtype,
+                       embedding=embedding)
 
 
 def save_packed(
@@ -330,6 +339,7 @@ def save_packed(
     out_dir: str | os.PathLike,
     report: dict | None = None,
     dtype: torch.dtype | None = None,
+    embedding: PackedLayer | str | None = None,
 ) -> Path:
     """``save_quantized`` for layers already packed: ``dims`` names every quantized linear with its (in, out)
     features (checked against ``model`` before anything is written), ``layers`` yields ``(name, PackedLayer)``
@@ -351,8 +361,11 @@ def save_packed(
         raise TypeError(f"model must be a transformers PreTrainedModel with a config, got {type(model).__name__}")
 
     tied = _tied_targets(model)
+    untied = {f"{name}.weight" for name in dims} & tied  # a quantized tied head: stored untied
+    tied -= untied
     _check_layers(model, dims, tied)
-    prefixes = tuple(f"{name}." for name in dims)
+    embedding_entry, embedding_prefix = _embedding_entry(model, embedding, dims, quant_method)
+    prefixes = tuple(f"{name}." for name in dims) + embedding_prefix
     plain = [(key, tensor) for key, tensor in model.state_dict().items()
              if key not in tied and not key.startswith(prefixes)]
     on_meta = [key for key, tensor in plain if tensor.is_meta]
@@ -382,6 +395,11 @@ def save_packed(
         missing = sorted(set(dims) - set(layer_configs))
         if missing:
             raise ValueError(f"no packed tensors for {missing[:4]}")
+        if isinstance(embedding, PackedLayer):
+            sizes["quantized_embedding_bytes"] = 0
+            for key, tensor in embedding.tensors.items():
+                sizes["quantized_embedding_bytes"] += tensor.numel() * tensor.element_size()
+                writer.add(f"{embedding_entry['module']}.linear.{key}", tensor)
         writer.close(metadata={"format": "pt"})
     _finish_sizes(sizes)
 
@@ -391,7 +409,11 @@ def save_packed(
     else:
         quantization_config = {"quant_method": SCALAR_METHOD, "format_version": SCALAR_FORMAT_VERSION,
                                "config_for_layers": layer_configs}
+    if embedding_entry is not None:
+        quantization_config["embedding"] = embedding_entry
     config_dict = config.to_dict()
+    if untied or embedding_entry is not None:
+        config_dict["tie_word_embeddings"] = False  # our loader rebuilds any sharing (``embedding.source``)
     config_dict["quantization_config"] = quantization_config
     config_dict["dtype"] = _DTYPE_NAMES[dtype]
     config_dict.pop("torch_dtype", None)
@@ -407,6 +429,29 @@ def save_packed(
     report_out["checkpoint"] = {"quant_method": quant_method, "dtype": _DTYPE_NAMES[dtype], "versions": _versions()}
     (out / REPORT_NAME).write_text(json.dumps(report_out, indent=2) + "\n", encoding="utf-8")
     return out
+
+
+def _embedding_entry(model: nn.Module, embedding, dims: Mapping, quant_method: str) -> tuple[dict | None, tuple]:
+    """The ``quantization_config["embedding"]`` entry and the state-dict prefix it replaces (or None, ())."""
+    if embedding is None:
+        return None, ()
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    name = next((n for n, m in model.named_modules() if m is embed), None)
+    if not isinstance(embed, nn.Module) or name is None:
+        raise ValueError(f"{type(model).__name__} has no input embedding to store quantized")
+    rows = (embed.weight.shape[1], embed.weight.shape[0])  # (in, out) of the [vocab, hidden] matrix
+    if isinstance(embedding, str):
+        if embedding not in dims:
+            raise ValueError(f"the embedding reads the rows of {embedding!r}, which is not a quantized layer here")
+        if tuple(dims[embedding]) != rows:
+            raise ValueError(f"{embedding!r} is {tuple(dims[embedding])} (in, out), the embedding {rows}")
+        return {"module": name, "source": embedding}, (f"{name}.",)
+    if not isinstance(embedding, PackedLayer):
+        raise TypeError(f"embedding must be a PackedLayer, a layer name or None, got {type(embedding).__name__}")
+    if (embedding.in_features, embedding.out_features) != rows:
+        raise ValueError(f"quantized embedding is {(embedding.in_features, embedding.out_features)} (in, out), the "
+                         f"model's embedding {rows}")
+    return {"module": name, "source": "own", "layer_config": embedding.layer_config}, (f"{name}.",)
 
 
 def _check_layers(model: nn.Module, dims: Mapping[str, tuple[int, int]], tied: set[str]) -> None:
@@ -500,7 +545,30 @@ def read_quantization_config(path: str | os.PathLike) -> tuple[dict, dict]:
                 scalar_config_from_dict(layer_config)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{config_path}: layer {name!r}: {exc}") from None
+    embedding = quantization_config.get("embedding")
+    if embedding is not None:
+        _check_embedding_entry(embedding, layers, method, config_path)
     return config, quantization_config
+
+
+def _check_embedding_entry(entry: object, layers: dict, method: str, config_path: Path) -> None:
+    where = f"{config_path}: quantization_config.embedding"
+    if not isinstance(entry, dict) or not isinstance(entry.get("module"), str):
+        raise ValueError(f"{where} must be an object naming its 'module'")
+    source = entry.get("source")
+    if source == "own":
+        layer_config = entry.get("layer_config")
+        if not isinstance(layer_config, dict):
+            raise ValueError(f"{where}.layer_config must be an object")
+        try:
+            if method == VQ_METHOD:
+                vq_spec_from_config(layer_config)
+            else:
+                scalar_config_from_dict(layer_config)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{where}: {exc}") from None
+    elif source not in layers:
+        raise ValueError(f"{where}.source must be 'own' or a quantized layer's name, got {source!r}")
 
 
 def _open_safetensors(path: Path):
@@ -562,6 +630,8 @@ def load_quantized(
         )
     except ValueError as exc:
         raise ValueError(f"{config_path}: {exc}") from None
+    if quantization_config.get("embedding") is not None:
+        modules.update(_swap_embedding(model, quantization_config, modules, target_dtype, config_path))
 
     tied = _tied_targets(model)
     expected = {k: t for k, t in model.state_dict().items() if k not in tied}
@@ -581,6 +651,35 @@ def load_quantized(
         except (ValueError, OSError, TypeError) as exc:
             raise ValueError(f"{root / 'generation_config.json'}: cannot read ({exc})") from None
     return model.to(device).eval(), _load_tokenizer(root)
+
+
+def _swap_embedding(model: nn.Module, quantization_config: dict, modules: dict, dtype: torch.dtype,
+                    config_path: Path) -> dict[str, nn.Module]:
+    """Replace the input embedding by a ``QuantizedEmbedding`` (its own quantized matrix, on meta until the
+    tensors are assigned, or the quantized head's); returns the new quantized module by name, for the checks."""
+    from .embedding import quantized_embedding_for
+
+    entry = quantization_config["embedding"]
+    name = entry["module"]
+    try:
+        original = model.get_submodule(name)
+    except AttributeError:
+        raise ValueError(f"{config_path}: quantization_config.embedding names {name!r}: no such module") from None
+    if not isinstance(original, nn.Embedding):
+        raise ValueError(f"{config_path}: quantization_config.embedding names {name!r}, a "
+                         f"{type(original).__name__}, not an nn.Embedding")
+    try:
+        if entry["source"] == "own":
+            linear = build_quantized_module(quantization_config["quant_method"], entry["layer_config"], dtype, "meta")
+            replacement = quantized_embedding_for(original, linear=linear)
+            new = {f"{name}.linear": linear}
+        else:
+            replacement = quantized_embedding_for(original, source=modules[entry["source"]])
+            new = {}
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{config_path}: quantization_config.embedding: {exc}") from None
+    set_submodule(model, name, replacement)
+    return new
 
 
 def _read_checked_tensors(
