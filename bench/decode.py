@@ -241,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loop", choices=sorted(LOOPS), default="cache", help="decode loop for both models")
     parser.add_argument("--backend", default=None, help="force a kernel backend: reference | native | cpu | triton")
     parser.add_argument("--anatomy", action="store_true", help="also split one decode step's time")
+    parser.add_argument("--device", default="cpu", help="run both models on this device (cuda: GPU comparison)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
+                        help="dtype of both models (float16 for the GPU comparison)")
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.threads < 1 or args.pairs < 1:
         parser.error("--tokens, --threads and --pairs must be >= 1")
@@ -264,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         module.backend = args.backend
     prompt_ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                          return_tensors="pt", return_dict=True)["input_ids"]
+    dtype = getattr(torch, args.dtype)
+    if args.device != "cpu" or dtype != torch.bfloat16:
+        original, quantized = original.to(args.device, dtype), quantized.to(args.device, dtype)
+        prompt_ids = prompt_ids.to(args.device)
     models = {"bf16 original": original, "quantized": quantized}
     loop = LOOPS[args.loop]
 
@@ -291,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {label}; {len(qmodules)} quantized linears ({type(qmodules[0]).__name__ if qmodules else '-'})")
     print(f"  prompt: {prompt_ids.shape[1]} tokens (chat template); greedy steps per run: {args.tokens}; batch 1; "
           f"loop: {args.loop}")
+    print(f"  device: {args.device}, dtype {args.dtype}")
     print(f"  threads: {args.threads}; kernel backend: {args.backend or 'auto'} -> {', '.join(chosen) or '-'} "
           f"(usable: {', '.join(usable)}); torch {torch.__version__}")
     print(f"  protocol: 1 warm-up run per model, {args.pairs} alternating pairs, medians; ratio = median of "

@@ -101,6 +101,7 @@ def main() -> None:
     parser.add_argument("--isa", default="auto", help="native kernels: auto, avx512, avx2 or scalar")
     parser.add_argument("--configs", default="", help="comma-separated subset of: " + "; ".join(CONFIGS))
     parser.add_argument("--no-overhead", action="store_true", help="skip the per-call overhead table")
+    parser.add_argument("--shapes", default="", help="comma-separated OUTxIN subset of the shapes, e.g. 4096x4096")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     usable, reason = native.status()
@@ -115,6 +116,11 @@ def main() -> None:
     tokens_list = [int(t) for t in args.tokens.split(",")]
     configs = [c.strip() for c in args.configs.split(",") if c.strip()] or list(CONFIGS)
     shapes = SMOL if args.quick else SHAPES
+    if args.shapes:
+        try:
+            shapes = [tuple(int(d) for d in item.lower().split("x")) for item in args.shapes.split(",")]
+        except ValueError:
+            parser.error(f"--shapes must be OUTxIN[,OUTxIN...], got {args.shapes!r}")
     print(f"Protocol: CPU ({native.isa()} kernels, prefill via {native.set_prefill()}), torch {torch.__version__}, "
           f"threads={torch.get_num_threads()}, "
           "x / weights / codebooks bf16 (fp32 accumulation in native and numba), perm on | per cell: 2 warm-up "
