@@ -24,8 +24,14 @@ at run time (``isa()``, ``set_isa()`` to force a lower one). Big layers run on A
 
 Build: ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja) into
 ``$VPTQ_NATIVE_CACHE`` or ``~/.cache/vptq_core/native/<hash of sources, flags, torch and python version>``; later
-processes import the built module directly. ``VPTQ_NATIVE=0`` disables the native kernels (``status()`` then
-reports why and every entry point raises ``RuntimeError``). Importing this module never raises.
+processes import the built module directly. The build runs in a background thread (``warm_up(background=True)``
+starts it; the app and the test session do so at start). One process builds at a time: ``build.lock`` in the build
+directory names its pid and host; a lock whose process is gone, or older than 20 min, is taken over, and a stale
+torch ``lock`` file of a killed build is removed. The automatic backend choice waits for a build in progress at
+most ``VPTQ_NATIVE_WAIT`` seconds (default 300), then reports unusable with the reason (the numba kernels run and
+``kernels`` logs one line); the build goes on and layers bound after it finishes use it. ``VPTQ_NATIVE=0``
+disables the native kernels (``status()`` then reports why and every entry point raises ``RuntimeError``).
+Importing this module never raises.
 """
 
 from __future__ import annotations
