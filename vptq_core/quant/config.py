@@ -113,6 +113,11 @@ class VPTQConfig(ConfigBase):
     distill_holdout: float = 0.125
     distill_eval_every: int = 0
     distill_checkpointing: bool = True
+    # Total bits per weight (codebooks, outliers and permutation included) no layer may exceed; 0 = off. A
+    # layer over it steps down the vector length at the same index bits per weight (v6 k4096 -> v5 k1024 ->
+    # v4 k256 ...: smaller codebooks) until it fits, so the model's total never exceeds it either
+    # (vptq.layer_config; allocate.cap_for_budget finds the loosest cap for a model-level budget).
+    layer_bits_cap: float = 0.0
     # Conjugate-gradient steps refitting every codebook of a layer after the sweep (indices fixed) on
     # tr(ΔW H ΔWᵀ); 0 = off. See quant/refit.py.
     refit_iters: int = 0
@@ -155,6 +160,7 @@ class VPTQConfig(ConfigBase):
         check_int("distill_topk", self.distill_topk, 1, 1 << 20)
         check_float("distill_holdout", self.distill_holdout, 0.0, 0.5)
         check_int("distill_eval_every", self.distill_eval_every, 0, 1000000)
+        check_float("layer_bits_cap", self.layer_bits_cap, 0.0, 64.0)
         check_int("seed", self.seed, 0)
         check_bools(self, ("enable_norm", "enable_perm", "second_order", "distill_checkpointing"))
 

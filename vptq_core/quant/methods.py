@@ -3,7 +3,8 @@
 A ``Method`` bundles everything the pipeline, the CLI, the app, the bits accounting and the checkpoint code
 need to know about one method: its name and config class, presets named by bits, how it quantizes a block
 (one linear at a time with ``quantize_linear``, or the whole block with ``quantize_block``), what runs after
-each block (``after_block`` hooks: fine-tuning, activation calibration), how many bits a layer will take,
+each block (``after_block`` hooks: fine-tuning, activation calibration) and after the last one
+(``after_model`` hooks: end-to-end distillation), how many bits a layer will take,
 and how to describe its settings in one line. Nobody branches on a method's name.
 
 The built-in methods register themselves in their own modules (``vptq``, ``gptq``, ``rtn``, ``lrq``); they
@@ -86,6 +87,34 @@ class BlockHook(NamedTuple):
     run: Callable[[BlockContext], dict | None]
 
 
+@dataclass
+class ModelContext:
+    """The whole quantized model after its last block: what an after-model hook (distillation) sees.
+
+    ``model`` is the fake-quantized model (its quantized linears hold the dequantized weights, on the work
+    device); ``reference`` the original; ``calib_ids`` the calibration token ids [n, seq]; ``states`` full
+    module name -> layer state (hooks update them in place). ``on_step(phase, step, steps, value)`` reports
+    training progress; ``should_stop()`` is polled between steps."""
+
+    model: nn.Module
+    reference: nn.Module
+    calib_ids: torch.Tensor
+    states: dict[str, Any]
+    config: Any
+    result: QuantizeResult
+    should_stop: Callable[[], bool]
+    on_step: Callable[[str, int, int, float], None]
+
+
+class ModelHook(NamedTuple):
+    """A step after every block is quantized (e.g. end-to-end distillation), for configs where
+    ``applies(config)``; ``run(ctx)`` returns metrics (``QuantizeResult.model_metrics[phase]``)."""
+
+    phase: str
+    applies: Callable[[Any], bool]
+    run: Callable[[ModelContext], dict | None]
+
+
 @dataclass(frozen=True)
 class Method:
     """One quantization method. Exactly one of ``quantize_linear`` / ``quantize_block`` is given.
@@ -107,6 +136,7 @@ class Method:
     quantize_linear: QuantizeLinear | None = None
     quantize_block: Callable[[BlockContext], None] | None = None
     after_block: tuple[BlockHook, ...] = ()
+    after_model: tuple[ModelHook, ...] = ()  # need the original model (``quantize_model(reference=...)``)
     block_phase: str = "quantize"  # the timing phase of ``quantize_block``
 
     def __post_init__(self) -> None:

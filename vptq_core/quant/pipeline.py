@@ -20,11 +20,12 @@ from . import methods
 from .bits import BitsInfo
 from .blocks import block_linears, blocks_prefix, check_linear_shapes, decoder_blocks
 from .hessian import HessianAccumulator
-from .methods import BlockContext, Cancelled, Method, QuantResult
+from .methods import BlockContext, Cancelled, Method, ModelContext, QuantResult
 from .source import BlockWeights
 from .timing import Timings
 
 OnLayer = Callable[["LayerReport"], None]
+OnStep = Callable[[str, int, int, float], None]  # (phase, step, steps, loss) of an after-model hook
 ShouldStop = Callable[[], bool]
 
 
@@ -68,6 +69,7 @@ class QuantizeResult:
     # the method's phases (VPTQ: kmeans, inverse_hessian, sweep; scalar: quantize; lrq: lrq_train), its
     # after-block hooks (finetune, act_calibration), block_outputs (quantized block forwards)
     timings: Timings = field(default_factory=Timings)
+    model_metrics: dict = field(default_factory=dict)  # after-model hook phase -> its metrics (distillation)
 
     def timed(self, phase: str):
         """``with result.timed(phase): ...`` adds the wall time to ``timings[phase]``."""
@@ -80,6 +82,7 @@ class QuantizeResult:
             "timings": {k: round(v, 2) for k, v in self.timings.items()},
             "index_bits_per_weight": self.bits.index_bits_per_weight if self.bits.weights else None,
             "total_bits_per_weight": self.bits.total_bits_per_weight if self.bits.weights else None,
+            **({"model_metrics": self.model_metrics} if self.model_metrics else {}),
         }
 
 
@@ -362,6 +365,8 @@ def quantize_model(
     on_block: Callable[[BlockDone], None] | None = None,
     resume: ResumePoint | None = None,
     keep_states: bool = True,
+    reference: nn.Module | None = None,
+    on_step: OnStep | None = None,
 ) -> tuple[nn.Module, QuantizeResult]:
     """Quantize every linear of every decoder block of ``model``.
 
@@ -390,6 +395,11 @@ def quantize_model(
             replayed through ``on_layer`` first. The returned model's finished blocks are left untouched.
         keep_states: False drops each block's states from ``result.states`` once ``on_block`` has them
             (bounded memory when the caller persists them).
+        reference: the original model, for the method's after-model hooks (end-to-end distillation); by
+            default ``model`` itself when it is not quantized in place. Those hooks run after the last block
+            on the whole model (not with ``weights``, a resume or ``keep_states=False``), on ``device`` in
+            float32, and report their steps through ``on_step(phase, step, steps, loss)``; stopping during
+            them keeps their best check so far and marks the result cancelled.
 
     Returns (fake-quantized model whose linears hold the dequantized weights, ``QuantizeResult`` with the
     per-layer states to pack and save). Only the blocks' linears are quantized; embeddings, norms and the
@@ -404,6 +414,15 @@ def quantize_model(
     on_layer = on_layer or (lambda _r: None)
     should_stop = should_stop or (lambda: False)
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model_hooks = [hook for hook in method.after_model if hook.applies(config)]
+    if model_hooks:
+        if reference is None and not inplace and weights is None:
+            reference = model
+        why = ("streamed weights" if weights is not None else "a resume" if resume is not None and resume.blocks_done
+               else "keep_states=False" if not keep_states else "no reference model" if reference is None else None)
+        if why:
+            raise ValueError(f"{', '.join(h.phase for h in model_hooks)} runs on the whole quantized model against "
+                             f"the original; not possible with {why}")
     if not inplace and weights is None:
         model = copy.deepcopy(model)
     model.eval()
@@ -479,8 +498,31 @@ def quantize_model(
             del ctx
     except Cancelled:
         result.cancelled = True
+    if model_hooks and not result.cancelled:
+        _run_model_hooks(model_hooks, model, reference, calib_ids, config, result, should_stop, on_step, dev)
     result.seconds = earlier_seconds + time.perf_counter() - start_time
     return model, result
+
+
+def _run_model_hooks(hooks, model: nn.Module, reference: nn.Module, calib_ids: torch.Tensor, config,
+                     result: QuantizeResult, should_stop: ShouldStop, on_step: OnStep | None,
+                     dev: torch.device) -> None:
+    """The after-model hooks on the whole fake-quantized model (float32 on ``dev``, put back after)."""
+    orig_device, orig_dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    model.to(dev, torch.float32)
+    try:
+        for hook in hooks:
+            ctx = ModelContext(model=model, reference=reference, calib_ids=calib_ids, states=result.states,
+                               config=config, result=result, should_stop=should_stop,
+                               on_step=on_step or (lambda _phase, _step, _steps, _loss: None))
+            with result.timed(hook.phase):
+                metrics = hook.run(ctx) or {}
+            result.model_metrics[hook.phase] = metrics
+            if metrics.get("cancelled"):
+                result.cancelled = True
+                break
+    finally:
+        model.to(orig_device, orig_dtype)
 
 
 def _apply_resume(resume: ResumePoint, result: QuantizeResult, inps: torch.Tensor, num_blocks: int,

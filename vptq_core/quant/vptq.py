@@ -9,6 +9,7 @@ Hessian's Cholesky factor (GPTQ-style, lazy block updates).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -17,10 +18,11 @@ import torch.nn.functional as F
 
 from .bits import BitsInfo, vq_bits
 from .config import VPTQConfig
+from .distill import distill
 from .finetune import finetune_block_centroids
 from .hessian import inverse_hessian_cholesky, prepare_hessian, proxy_loss
 from .kmeans import CodebookSearch, weighted_kmeans
-from .methods import BlockHook, Method, QuantResult, register
+from .methods import BlockHook, Method, ModelHook, QuantResult, register
 from .refit import CodebookUse, refit_codebooks
 from .states import VQLayerState
 from .sweep import error_feedback_sweep
@@ -217,6 +219,7 @@ def vptq_quantize(
     out_features, in_features = W.shape
     if H.shape != (in_features, in_features):
         raise ValueError(f"H must be [{in_features}, {in_features}], got {tuple(H.shape)}")
+    config = layer_config(config, out_features, in_features)
     timings = Timings(kmeans=0.0, inverse_hessian=0.0, sweep=0.0)
     W_orig = W.detach().float()
     Wd, Hd = prepare_hessian(W_orig, H.detach(), config.damp_percent)
@@ -266,6 +269,33 @@ def vptq_quantize(
 
 def config_bits(config: VPTQConfig, out_features: int, in_features: int) -> BitsInfo:
     """Bits a layer of this shape will take under ``config`` (what the app shows before a run)."""
+    return _shape_bits(layer_config(config, out_features, in_features), out_features, in_features)
+
+
+def layer_config(config: VPTQConfig, out_features: int, in_features: int) -> VPTQConfig:
+    """The settings a layer of this shape is quantized with: ``config`` itself, or with ``layer_bits_cap``
+    set and the layer's total bits above it, the same index bits per weight at the longest shorter vector
+    length that fits (k = 2^round(bits * v), residual likewise; v6 k4096 -> v5 k1024 -> v4 k256 -> ...).
+    ValueError when not even vector length 1 fits."""
+    cap = config.layer_bits_cap
+    if not cap or _shape_bits(config, out_features, in_features).total_bits_per_weight <= cap:
+        return config
+    bits = config.index_bits / config.vector_len
+    res_bits = config.res_bits / config.vector_len
+    tried = []
+    for v in range(config.vector_len - 1, 0, -1):
+        k = 2 ** min(16, max(1, round(bits * v)))
+        k_res = 2 ** min(16, max(1, round(res_bits * v))) if config.num_res_centroids else 0
+        candidate = dataclasses.replace(config, vector_len=v, num_centroids=k, num_res_centroids=min(k_res, k))
+        total = _shape_bits(candidate, out_features, in_features).total_bits_per_weight
+        if total <= cap:
+            return candidate
+        tried.append(f"v{v} k{k}: {total:.3f}")
+    raise ValueError(f"layer_bits_cap {cap}: no vector length fits a {out_features}x{in_features} layer "
+                     f"({'; '.join(tried[-2:])} total bits per weight)")
+
+
+def _shape_bits(config: VPTQConfig, out_features: int, in_features: int) -> BitsInfo:
     outliers = outlier_columns(in_features, config.outlier_percent, config.group_num)
     return vq_bits(
         out_features, in_features, config.vector_len, config.num_centroids, config.num_res_centroids, outliers,
@@ -285,13 +315,24 @@ def describe(settings) -> str:
         text += f" g{settings['group_num']}"
     if settings.get("enable_norm"):
         text += " norm"
+    if settings.get("layer_bits_cap"):
+        text += f" cap{settings['layer_bits_cap']:g}"
     if settings.get("finetune_iters"):
         text += f" ft{settings['finetune_iters']}"
+    if settings.get("distill_iters"):
+        text += f" kd{settings['distill_iters']}"
     return text
 
 
 def _finetune_hook(ctx) -> dict | None:
-    return finetune_block_centroids(ctx.block, ctx.states, ctx.inputs, ctx.targets, ctx.forward, ctx.config)
+    return finetune_block_centroids(ctx.block, ctx.states, ctx.inputs, ctx.targets, ctx.forward, ctx.config,
+                                    should_stop=ctx.should_stop)
+
+
+def _distill_hook(ctx) -> dict | None:
+    steps = ctx.config.distill_iters
+    return distill(ctx.model, ctx.reference, ctx.states, ctx.calib_ids, ctx.config,
+                   on_step=lambda step, kl: ctx.on_step("distill", step, steps, kl), should_stop=ctx.should_stop)
 
 
 # Presets sized for small models (SmolLM2-135M): per-layer codebooks must stay small next to the layer, so
@@ -307,4 +348,5 @@ METHOD = register(Method(
     description="vector quantization: Hessian-weighted k-means codebooks with second-order error feedback",
     quantize_linear=lambda W, H, config, bias, cache: vptq_quantize(W, H, config, bias, hessian_cache=cache),
     after_block=(BlockHook("finetune", lambda config: config.finetune_iters > 0, _finetune_hook),),
+    after_model=(ModelHook("distill", lambda config: config.distill_iters > 0, _distill_hook),),
 ))

@@ -1,0 +1,112 @@
+import dataclasses
+
+import pytest
+import torch
+
+from vptq_core.quant.config import VPTQConfig
+from vptq_core.quant.distill import bucket_kl, distill, teacher_topk
+from vptq_core.quant.pipeline import quantize_model
+from vptq_core.storage.checkpoint import load_quantized, save_quantized
+
+TINY = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=3, outlier_percent=0.0)
+
+
+@pytest.fixture(scope="module")
+def windows() -> torch.Tensor:
+    return torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(2))
+
+
+def _kl(qmodel, reference, ids) -> float:
+    """Mean full-vocabulary KL(P_ref || P_q) per predicted token."""
+    with torch.no_grad():
+        p = torch.log_softmax(reference(ids, use_cache=False).logits[:, :-1].float(), -1)
+        q = torch.log_softmax(qmodel(ids, use_cache=False).logits[:, :-1].float(), -1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def test_bucket_kl_is_the_full_kl_when_k_covers_the_vocabulary():
+    gen = torch.Generator().manual_seed(0)
+    t, s = torch.randn(5, 40, generator=gen), torch.randn(5, 40, generator=gen)
+    p, q = torch.log_softmax(t, -1), torch.log_softmax(s, -1)
+    full = float((p.exp() * (p - q)).sum())
+    top, index = p.topk(40, -1)
+    rest = torch.full((5,), float("-inf"))
+    assert float(bucket_kl(s, top, index, rest)) == pytest.approx(full, rel=1e-5)
+    # with k < V the bucket KL is a lower bound (data processing) and positive
+    top, index = p.topk(8, -1)
+    rest = p.scatter(-1, index, float("-inf")).logsumexp(-1)
+    assert 0 < float(bucket_kl(s, top, index, rest)) <= full + 1e-6
+
+
+def test_distillation_lowers_the_kl_on_its_training_windows(tiny_model, windows):
+    model, _ = tiny_model
+    qmodel, result = quantize_model(model, windows, "vptq", TINY)
+    before = _kl(qmodel, model, windows)
+    norms = {n: p.detach().clone() for n, p in qmodel.named_parameters() if p.dim() == 1}
+    cfg = dataclasses.replace(TINY, distill_iters=12, distill_lr=3e-3, distill_norm_lr=3e-3, distill_holdout=0.0,
+                              distill_topk=259, train_dtype="float32")
+    steps = []
+    metrics = distill(qmodel, model, result.states, windows, cfg, on_step=lambda i, kl: steps.append((i, kl)))
+    after = _kl(qmodel, model, windows)
+    assert [i for i, _ in steps] == list(range(1, 13)) and metrics["steps"] == 12
+    assert metrics["kl_after"] < metrics["kl_before"]
+    # top-259 of a 259-token vocabulary: the held-out (here: training) KL is the full KL, before and after
+    assert metrics["kl_before"] == pytest.approx(before, rel=1e-4)
+    assert metrics["kl_after"] == pytest.approx(after, rel=1e-4)
+    assert after < 0.9 * before
+    assert any(not torch.equal(p, norms[n]) for n, p in qmodel.named_parameters() if n in norms)
+    for name, st in result.states.items():  # the fake-quant weights are the states' dequantized weights
+        torch.testing.assert_close(qmodel.get_submodule(name).weight, st.dequantize())
+
+
+def test_pipeline_distillation_round_trips_through_the_packed_checkpoint(tmp_path, tiny_model, windows):
+    model, tok = tiny_model
+    cfg = dataclasses.replace(TINY, distill_iters=8, distill_lr=3e-3, distill_norm_lr=3e-3, distill_holdout=0.25,
+                              distill_eval_every=2, distill_topk=32)
+    seen = []
+    qmodel, result = quantize_model(model, windows, "vptq", cfg, on_step=lambda *a: seen.append(a))
+    metrics = result.model_metrics["distill"]
+    assert [a[:3] for a in seen] == [("distill", i, 8) for i in range(1, 9)]
+    assert metrics["heldout_windows"] == 2 and metrics["kl_after"] <= metrics["kl_before"]
+    assert "distill" in result.timings and result.summary()["model_metrics"]["distill"] is metrics
+    save_quantized(qmodel, tok, result.states, tmp_path / "ckpt", dtype=torch.float32)
+    loaded, _ = load_quantized(tmp_path / "ckpt", dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(windows, use_cache=False).logits, qmodel(windows, use_cache=False).logits,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_cancel_during_distillation_keeps_the_best_check_and_marks_the_run(tiny_model, windows):
+    model, _ = tiny_model
+    calls = []
+
+    def stop():  # polled between linears and blocks (14 + 2), then before each distillation step
+        calls.append(1)
+        return len(calls) > 40
+
+    cfg = dataclasses.replace(TINY, distill_iters=1000, distill_lr=1e-3)
+    qmodel, result = quantize_model(model, windows, "vptq", cfg, should_stop=stop)
+    metrics = result.model_metrics["distill"]
+    assert result.cancelled and metrics["cancelled"] and 0 < metrics["steps"] < 1000
+    assert metrics["kl_after"] <= metrics["kl_before"]
+    for name, st in result.states.items():
+        torch.testing.assert_close(qmodel.get_submodule(name).weight, st.dequantize())
+
+
+def test_distillation_needs_the_original_model(tiny_model, windows):
+    import copy
+
+    model, _ = tiny_model
+    cfg = dataclasses.replace(TINY, distill_iters=2)
+    with pytest.raises(ValueError, match="distill runs on the whole quantized model.*no reference model"):
+        quantize_model(copy.deepcopy(model), windows, "vptq", cfg, inplace=True)
+    with pytest.raises(ValueError, match="keep_states=False"):
+        quantize_model(model, windows, "vptq", cfg, keep_states=False)
+
+
+def test_teacher_topk_shapes_and_mass(tiny_model, windows):
+    model, _ = tiny_model
+    t = teacher_topk(model, windows[:2], 16, torch.device("cpu"))
+    assert t["logp"].shape == t["index"].shape == (2, 63, 16) and t["rest"].shape == (2, 63)
+    total = torch.logaddexp(t["logp"].logsumexp(-1), t["rest"])
+    torch.testing.assert_close(total, torch.zeros_like(total), atol=1e-5, rtol=0)
