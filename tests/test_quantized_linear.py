@@ -231,6 +231,26 @@ def test_scalar_linear_quantizes_activations(granularity):
     assert "act_bits=8" in repr(module)
 
 
+@pytest.mark.parametrize("granularity", ["token", "tensor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inference_activation_quant_equals_the_checked_one(granularity, dtype):
+    """The module's no-grad fake-quant (fewer ops) gives exactly quantize_activations' values, input untouched."""
+    from vptq_core.storage.modules import _fake_quant_inference
+
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(3, 4, 96, generator=gen) * torch.logspace(-3, 1, 96)).to(dtype)
+    x[0, 0] = 0  # an all-zero token: the EPS floor
+    scale = torch.tensor(0.01, dtype=dtype) if granularity == "tensor" else None
+    before = x.clone()
+    for bits in (4, 8):
+        fast = _fake_quant_inference(x, bits, granularity, scale)
+        assert torch.equal(fast, quantize_activations(x, bits, granularity, scale)), (bits, granularity, dtype)
+    assert torch.equal(x, before)
+    if granularity == "tensor":
+        with pytest.raises(ValueError, match="scale must be positive, got 0.0"):
+            _fake_quant_inference(x, 8, granularity, torch.tensor(0.0))
+
+
 def test_scalar_from_config_rejects_bad_values():
     with pytest.raises(ValueError, match="bits must be an int in 1..8"):
         ScalarQLinear.from_config({"bits": 9, "group_size": 8, "in_features": 16, "out_features": 4})

@@ -42,6 +42,7 @@ from kernels import (
     vq_linear,
 )
 
+from ..quant.act_quant import _EPS as _ACT_EPS
 from ..quant.act_quant import quantize_activations
 from ..quant.states import ScalarLayerState, VQLayerState
 
@@ -478,13 +479,30 @@ class ScalarQLinear(_BoundLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> y [..., out]."""
         if self.act_bits < 16:
-            x = quantize_activations(x, self.act_bits, self.act_granularity, self.act_scale)
+            if torch.is_grad_enabled() or torch.compiler.is_compiling() or x.ndim == 0:
+                x = quantize_activations(x, self.act_bits, self.act_granularity, self.act_scale)
+            else:
+                x = _fake_quant_inference(x, self.act_bits, self.act_granularity, self.act_scale)
         return self._linear(x)
 
     def extra_repr(self) -> str:
         act = f", act_bits={self.act_bits}({self.act_granularity})" if self.act_bits < 16 else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, method={self.method}, bias={self.bias is not None}{act}")
+
+
+def _fake_quant_inference(x: torch.Tensor, bits: int, granularity: str, scale: torch.Tensor | None) -> torch.Tensor:
+    """``quantize_activations`` without autograd and its argument checks (the module checked them at
+    construction): the same values with in-place ops, a third of the small ops per call."""
+    qmax = 2 ** (bits - 1) - 1
+    xf = x.to(torch.float32, copy=True)
+    if granularity == "token":
+        step = xf.abs().amax(dim=-1, keepdim=True).div_(qmax).clamp_(min=_ACT_EPS)
+        return xf.div_(step).round_().mul_(step).to(x.dtype)  # absmax steps: nothing to clip
+    if scale.device.type == "cpu" and not bool(scale.reshape(()) > 0):
+        raise ValueError(f"scale must be positive, got {float(scale)}")
+    step = scale.to(device=x.device, dtype=torch.float32).reshape(())
+    return xf.div_(step).round_().clamp_(-qmax, qmax).mul_(step).to(x.dtype)
 
 
 # ------------------------------------------------------------------------------------------- model surgery
