@@ -334,12 +334,12 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                        api_name="push", concurrency_limit=2)
 
         # Upload: checked and unpacked first (no outputs, so a refusal marks nothing), then shown.
-        archive_upload.upload(app.upload_run, inputs=archive_upload, outputs=upload_state, api_visibility="private",
-                              concurrency_limit=2, show_progress="hidden").success(
-            app.upload_view, inputs=upload_state,
-            outputs=[chat_run, models_box, runs_table, runs_plot, delete_pick, archive_upload, guard],
-            api_visibility="private", show_progress="hidden").failure(
-            lambda: None, outputs=archive_upload, api_visibility="private", show_progress="hidden")
+        uploaded = archive_upload.upload(app.upload_run, inputs=archive_upload, outputs=upload_state,
+                                         api_visibility="private", concurrency_limit=2, show_progress="hidden")
+        uploaded.success(app.upload_view, inputs=upload_state,
+                         outputs=[chat_run, models_box, runs_table, runs_plot, delete_pick, archive_upload, guard],
+                         api_visibility="private", show_progress="hidden")
+        uploaded.failure(lambda: None, outputs=archive_upload, api_visibility="private", show_progress="hidden")
         upload_api.click(app.upload, inputs=archive_upload, outputs=[chat_run, models_box, runs_table, runs_plot],
                          api_name="upload", concurrency_limit=2)
         chat_run.change(app.chat_load, inputs=chat_run,

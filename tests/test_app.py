@@ -30,6 +30,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig
 
 gradio_client = pytest.importorskip("gradio_client")
 import gradio as gr  # noqa: E402
@@ -48,9 +49,13 @@ from vptq_core.quant.methods import Method  # noqa: E402
 from vptq_core.quant.pipeline import LayerReport  # noqa: E402
 from vptq_core.storage.archive import pack_checkpoint  # noqa: E402
 from vptq_core.storage.checkpoint import load_quantized, save_quantized  # noqa: E402
-from vptq_core.studio import form, views  # noqa: E402
+from vptq_core.studio import (  # noqa: E402
+    form,
+    handlers,  # noqa: E402
+    views,
+)
 from vptq_core.studio.chat import ChatSession, GenerationStats  # noqa: E402
-from vptq_core.studio.estimate import model_info  # noqa: E402
+from vptq_core.studio.estimate import estimate, model_info  # noqa: E402
 from vptq_core.studio.queue import JobCancelled, JobSnapshot  # noqa: E402
 
 STATS = re.compile(r"(\d+) tokens · \*\*([\d.]+) tokens/s\*\*")
@@ -706,6 +711,69 @@ def test_uploads_are_limited_and_checked_before_they_become_runs(served, tiny_ch
                                        r"0.\d MB disk quota: delete a run"):
         client.predict(**job_kwargs(), api_name="/start")
     client.predict(picked, "", api_name="/delete_run")
+    client.close()
+
+
+def test_settings_follow_the_model(served, tmp_path):
+    keys = list(served.studio.field_keys)
+    preset, samples, seqlen, *values = served.studio.model_defaults(TINY, "", "vptq", "2 bits")
+    assert (preset, (samples, seqlen)) == (form.CUSTOM, form.SMALL_MODEL_CALIB)
+    small = {k: v for k, v in zip(keys, values) if v != gr.skip()}
+    assert small == form.SMALL_MODEL_VALUES
+    info = model_info(TINY)
+    two_bits = form.initial_values("2 bits")
+    assert estimate(info, "vptq", form.config_from("vptq", two_bits)).total_bits_per_weight > 50  # SmolLM2-sized
+    assert estimate(info, "vptq", form.config_from("vptq", {**two_bits, **small})).total_bits_per_weight < 2
+    # A wider model (read from its config alone) gets the chosen preset back, or the 2-bit one after "custom".
+    LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                num_key_value_heads=8, vocab_size=1000).save_pretrained(tmp_path / "wide")
+    for chosen, expected in (("3 bits", "3 bits"), (form.CUSTOM, "2 bits")):
+        preset, samples, seqlen, *values = served.studio.model_defaults(form.OTHER_MODEL, str(tmp_path / "wide"),
+                                                                        "vptq", chosen)
+        assert (preset, (samples, seqlen)) == (expected, form.MODEL_CALIB)
+        assert {k: v for k, v in zip(keys, values) if v != gr.skip()} == form.preset_values("vptq", expected, keys)
+    # A model that cannot be read changes nothing (its note says why).
+    assert all(v == gr.skip() for v in served.studio.model_defaults(form.OTHER_MODEL, "no such", "vptq", "2 bits"))
+
+
+def test_push_to_the_users_hub_repo(served, tiny_checkpoint, monkeypatch):
+    client = Client(served.url, verbose=False)
+    request = as_request(client)
+    run = client.predict(handle_file(str(pack_checkpoint(tiny_checkpoint, tiny_checkpoint.parent / "h.zip"))),
+                         api_name="/upload")[0]["value"]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    note, button = served.studio.hub_status()
+    assert "Pushing is disabled" in note and "HF_HUB_OFFLINE is set" in note and button.interactive is False
+    with pytest.raises(AppError, match=r"cannot reach the Hugging Face hub \(HF_HUB_OFFLINE is set\); pushing is "
+                                       r"disabled, download the zip instead"):
+        client.predict(run, "me/tiny-rtn", True, "hf_secret", api_name="/push")
+    monkeypatch.setattr(handlers, "hub_reachable", lambda: (True, ""))
+    calls = []
+
+    class FakeHub:
+        def __init__(self, token):
+            calls.append(("token", token))
+
+        def create_repo(self, repo_id, private, exist_ok, repo_type):
+            calls.append(("create", repo_id, private))
+
+        def upload_folder(self, folder_path, repo_id, repo_type, allow_patterns, commit_message):
+            calls.append(("upload", repo_id, sorted(allow_patterns)))
+            if repo_id == "me/refused":
+                raise RuntimeError("403 Forbidden: token hf_secret cannot write\nmore")
+
+    monkeypatch.setattr(served.studio, "hub_api", lambda token: FakeHub(token))
+    with pytest.raises(AppError, match=r"repo must be 'your-name/repo-name'"):
+        client.predict(run, "../etc", True, "hf_secret", api_name="/push")
+    with pytest.raises(AppError, match=r"sign in with Hugging Face \(on Spaces\) or paste a write token"):
+        client.predict(run, "me/tiny-rtn", True, "", api_name="/push")
+    message, guard = served.studio.push(run, "me/tiny-rtn", True, "hf_secret", request)
+    assert message.startswith("Pushed 8 files to [me/tiny-rtn](https://huggingface.co/me/tiny-rtn) (private)")
+    assert calls[:2] == [("token", "hf_secret"), ("create", "me/tiny-rtn", True)]
+    assert "README.md" in calls[2][2] and "model.safetensors" in calls[2][2] and 'data-unexported="0"' in guard
+    with pytest.raises(AppError, match=r"the hub refused the push: 403 Forbidden: token \*\*\* cannot write$"):
+        client.predict(run, "me/refused", False, "hf_secret", api_name="/push")
+    client.predict(run, "", api_name="/delete_run")
     client.close()
 
 

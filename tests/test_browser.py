@@ -1,15 +1,17 @@
 """The app in a real page: Debian's Chromium driven by Playwright clicks through quantize (with a cancel and
-a bad setting), live plots, evaluate, download, side-by-side chat and loading the archive back. Screenshots
-go to test-artifacts/."""
+bad settings), live plots, evaluate, download, a reload that keeps the runs, side-by-side chat, a refused and
+an accepted upload, and a stranger's browser that reaches none of it. Screenshots go to test-artifacts/."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 import zipfile
 from pathlib import Path
@@ -37,12 +39,12 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def app_url(tmp_path_factory):
-    """``python app.py --tiny`` in a subprocess, as a user would start it."""
+def app(tmp_path_factory):
+    """``python app.py --tiny`` in a subprocess, as a user would start it: (url, work directory)."""
     port = _free_port()
     workdir = tmp_path_factory.mktemp("browser-app")
     env = dict(os.environ, GRADIO_SERVER_PORT=str(port), GRADIO_SERVER_NAME="127.0.0.1",
-               GRADIO_ANALYTICS_ENABLED="False")
+               GRADIO_ANALYTICS_ENABLED="False", VPTQ_NATIVE=os.environ.get("VPTQ_NATIVE", "0"))
     log = open(workdir / "app.log", "w")  # noqa: SIM115 - closed at teardown
     proc = subprocess.Popen([sys.executable, "app.py", "--tiny", "--workdir", str(workdir / "runs")], cwd=ROOT,
                             env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -57,7 +59,7 @@ def app_url(tmp_path_factory):
                 log.close()
                 raise RuntimeError(f"app did not start:\n{(workdir / 'app.log').read_text()[-3000:]}") from None
             time.sleep(0.5)
-    yield url
+    yield url, (workdir / "runs").resolve()
     proc.terminate()
     try:
         proc.wait(timeout=20)
@@ -67,16 +69,21 @@ def app_url(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def page(app_url):
+def browser():
     with playwright_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        context = browser.new_context(viewport={"width": 1440, "height": 1000}, accept_downloads=True)
-        page = context.new_page()
-        page.set_default_timeout(60_000)
-        page.goto(app_url)
-        yield page
-        context.close()
+        yield browser
         browser.close()
+
+
+@pytest.fixture(scope="module")
+def page(app, browser):
+    context = browser.new_context(viewport={"width": 1440, "height": 1000}, accept_downloads=True)
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    page.goto(app[0])
+    yield page
+    context.close()
 
 
 def _status(page) -> str:
@@ -100,19 +107,46 @@ def _set_number(page, label: str, value: str) -> None:
     field.press("Tab")
 
 
-def test_quantize_evaluate_download_chat_in_the_browser(page, tmp_path):
+def _error_badges(page) -> int:
+    """Red "Error" marks on output components (not the toast that explains a refusal)."""
+    return page.locator('[data-testid="status-tracker"] .error:visible').count()
+
+
+def _guard(page) -> tuple[str, str]:
+    guard = page.locator("[data-guard]")
+    return guard.get_attribute("data-busy"), guard.get_attribute("data-unexported")
+
+
+def _http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_quantize_evaluate_download_reload_chat_in_the_browser(app, browser, page, tmp_path):
+    url, workdir = app
     expect = playwright_api.expect
     ARTIFACTS.mkdir(exist_ok=True)
     expect(page.locator("#estimate")).to_contain_text("index bits", timeout=60_000)
     expect(page.locator("#estimate")).to_contain_text("14 linears in 2 blocks")
+    expect(page.locator("#estimate")).to_contain_text("Takes ≈")  # the duration, before Start
+    expect(page.locator("#vq-header")).to_contain_text("12 h after they finish")
 
-    # A bad setting is refused with a visible reason and starts nothing.
+    # A bad setting: the estimate says why in the form's words, and Start is disabled until it is fixed.
     page.get_by_text("Advanced settings").click()
     _set_number(page, "centroids (power of 2)", "1000")
-    expect(page.locator("#estimate")).to_contain_text("num_centroids must be a power of two")
-    page.click("#start-btn")
-    expect(page.get_by_text("num_centroids must be a power of two in 2..65536, got 1000").first).to_be_visible()
-    assert page.locator("#job-progress [data-status]").count() == 0
+    expect(page.locator("#estimate")).to_contain_text("centroids must be a power of two in 2..65536, got 1000")
+    expect(page.locator("#start-btn")).to_be_disabled()
+    _set_number(page, "centroids (power of 2)", "16")
+    expect(page.locator("#start-btn")).to_be_enabled()
+    # A seed beyond 64 bits names the field, no overflow.
+    _set_number(page, "seed (0..2^64 - 1)", str(2**64))
+    expect(page.locator("#estimate")).to_contain_text("seed must be in 0..18446744073709551615")
+    expect(page.locator("#start-btn")).to_be_disabled()
+    _set_number(page, "seed (0..2^64 - 1)", "0")
+    expect(page.locator("#start-btn")).to_be_enabled()
 
     # A slower job, cancelled while it runs: the page reports it and stays usable.
     _set_number(page, "centroids (power of 2)", "64")
@@ -120,6 +154,7 @@ def test_quantize_evaluate_download_chat_in_the_browser(page, tmp_path):
     _set_number(page, "k-means iterations", "30")
     page.click("#start-btn")
     _wait_status(page, ("running",))
+    assert _guard(page)[0] == "1"  # leaving the page now asks first
     page.click("#cancel-btn")
     assert _wait_status(page, ("cancelled", "done")) == "cancelled"
     expect(page.locator("#job-progress")).to_contain_text("nothing was saved")
@@ -136,6 +171,7 @@ def test_quantize_evaluate_download_chat_in_the_browser(page, tmp_path):
     expect(page.locator("#plot-heatmap .hm, #plot-heatmap .heatmaplayer")).not_to_have_count(0)
     expect(page.locator("#layer-table")).to_contain_text("mlp.down_proj")
     expect(page.locator("#job-summary")).to_contain_text("Done:")
+    assert _guard(page) == ("0", "1")  # a result not taken home yet
     page.click("#eval-btn")
     expect(page.locator("#eval-result")).to_contain_text("Perplexity", timeout=120_000)
     expect(page.locator("#eval-result")).to_contain_text("top-1 agreement")
@@ -147,14 +183,32 @@ def test_quantize_evaluate_download_chat_in_the_browser(page, tmp_path):
         page.click("#download-btn")
     archive = tmp_path / "run.zip"
     download_info.value.save_as(archive)
+    assert job_id not in download_info.value.suggested_filename
     with zipfile.ZipFile(archive) as zf:
         names = {Path(n).name for n in zf.namelist()}
-    assert {"config.json", "model.safetensors", "quant_report.json", "tokenizer.json"} <= names
+    assert {"config.json", "model.safetensors", "quant_report.json", "tokenizer.json", "README.md"} <= names
+    expect(page.locator("[data-guard]")).to_have_attribute("data-unexported", "0")
 
-    # Chat: the finished run is already picked; both panes answer and show their speed and memory.
+    # Nothing on the page names the work directory; the raw job JSON has no owner and no server path.
+    page.get_by_text("Raw job status (JSON)").click()
+    expect(page.locator("#job-json")).to_contain_text("archive_name")
+    body = page.locator("body").inner_text()
+    assert str(workdir) not in body and '"owner"' not in body and "checkpoint_dir" not in body
+
+    # Reload: the runs, the finished job and its download come back.
+    page.reload()
+    expect(page.locator("#runs-table")).to_contain_text(job_id, timeout=60_000)
+    expect(page.locator("#job-summary")).to_contain_text("Done:")
+    expect(page.locator("#download-btn")).to_be_visible()
+    expect(page.locator("#eval-result")).to_contain_text("Perplexity")
+
+    # Chat: the finished run can be picked; both panes answer and show their speed and memory.
     page.get_by_role("tab", name="Chat").click()
+    page.locator("#chat-run input").click()
+    page.get_by_role("option", name=re.compile(job_id)).click()
     expect(page.locator("#chat-models")).to_contain_text("Quantized", timeout=60_000)
     expect(page.locator("#chat-models")).to_contain_text("Original")
+    expect(page.locator("#chat-speed-note")).to_contain_text("at the same time")
     page.locator("#chat-prompt textarea").fill("Hello there")
     page.click("#chat-send")
     expect(page.locator("#stats-quantized")).to_contain_text("tokens/s", timeout=120_000)
@@ -163,10 +217,20 @@ def test_quantize_evaluate_download_chat_in_the_browser(page, tmp_path):
     expect(page.locator("#chat-quantized")).to_contain_text("Hello there")
     page.screenshot(path=str(ARTIFACTS / "chat.png"), full_page=True)
 
+    # A refused upload explains itself in a toast and leaves no red marks on the outputs.
+    bad = tmp_path / "bad.zip"
+    with zipfile.ZipFile(bad, "w") as zf:
+        zf.writestr("config.json", "{}")
+        zf.writestr("../model.safetensors", b"x")
+    page.locator("#archive-upload input[type=file]").set_input_files(str(bad))
+    expect(page.get_by_text("path traversal").first).to_be_visible(timeout=30_000)
+    page.wait_for_timeout(500)
+    assert _error_badges(page) == 0
+
     # Load the downloaded archive back and chat with it; Clear empties both panes.
     page.locator("#archive-upload input[type=file]").set_input_files(str(archive))
     expect(page.locator("#chat-models")).to_contain_text("Quantized", timeout=60_000)
-    expect(page.locator("#chat-run input")).not_to_have_value(f"{job_id} ·", timeout=30_000)
+    expect(page.locator("#chat-run input")).not_to_have_value(re.compile(job_id), timeout=30_000)
     page.click("#chat-eval-btn")
     expect(page.locator("#chat-eval-result")).to_contain_text("Perplexity", timeout=120_000)
     page.click("#chat-clear")
@@ -176,3 +240,16 @@ def test_quantize_evaluate_download_chat_in_the_browser(page, tmp_path):
     expect(page.locator("#stats-quantized")).to_contain_text("tokens/s", timeout=120_000)
     expect(page.locator("#chat-quantized")).to_contain_text("Hi again")
     shutil.copyfile(archive, ARTIFACTS / "downloaded_run.zip")
+
+    # A stranger's browser: no runs, and no file of the work directory by path, knowing it and the job id.
+    stranger = browser.new_context(viewport={"width": 1200, "height": 900})
+    other = stranger.new_page()
+    other.goto(url)
+    expect(other.locator("#estimate")).to_contain_text("index bits", timeout=60_000)
+    assert job_id not in other.locator("#runs-table").inner_text()
+    files = [p for p in (workdir / "jobs" / job_id).rglob("*") if p.is_file()]
+    assert files
+    for path in files[:5]:
+        response = other.request.get(f"{url}gradio_api/file={path}")
+        assert response.status == 403, path
+    stranger.close()

@@ -166,6 +166,7 @@ _FORWARD_S = 60.1 / 106.2e6 / _REF_TOKENS  # per weight per calibration token (b
 _KMEANS_S = 160.7 / 106.2e6  # per weight at v6 k4096, 5 iterations
 _SWEEP_S = 122.5 / 106.2e6  # per weight at v6 k4096
 _IO_S = 9.0 / 135e6  # loading and saving, per parameter
+_START_S = 5.0  # starting a job whatever its size (imports, tokenizer, calibration text), seen on the tiny model
 _GPTQ_SWEEP_S = 0.3e-6  # per weight, a column sweep with one rounding per weight (not measured apart: rough)
 _ROUND_S = 0.02e-6  # per weight, rounding to a grid
 
@@ -178,7 +179,7 @@ def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
     GPTQ does). Fine-tuning steps are not counted."""
     weights, params = info.linear_weights, info.linear_weights + info.other_params
     tokens = max(int(samples), 1) * max(int(seqlen), 1)
-    seconds = _FORWARD_S * weights * tokens + _IO_S * params
+    seconds = _START_S + _FORWARD_S * weights * tokens + _IO_S * params
     settings = config.to_dict()
     if "num_centroids" in settings and "vector_len" in settings:
         bits = math.log2(max(settings["num_centroids"], 2))
