@@ -119,3 +119,33 @@ def test_bad_embedding_entries(tmp_path):
         quantize_embeddings(fake, None, methods.get("lrq"), None, EmbeddingParts(head=True))
     with pytest.raises(ValueError, match="head must be True or False"):
         EmbeddingParts(head="yes")
+
+
+def test_cli_quantizes_head_and_embedding_of_a_streamed_model(tmp_path, capsys):
+    """The CLI path: a streamed untied model, --quantize-head --quantize-embedding; the checkpoint loads and
+    its logits equal a model with the stored layers dequantized in place."""
+    from vptq_core.cli import main
+
+    model, tok = tiny_random_model("qwen2")
+    model.save_pretrained(str(tmp_path / "qwen2"))
+    tok.save_pretrained(str(tmp_path / "qwen2"))
+    text = tmp_path / "calib.txt"
+    text.write_text("Plain words for a small calibration text, repeated. " * 40, encoding="utf-8")
+    rc = main(["quantize", "--model", str(tmp_path / "qwen2"), "--method", "gptq", "--bits", "4", "--group-size",
+               "32", "--calib-text", str(text), "--calib-samples", "4", "--seqlen", "32", "--quiet", "--out",
+               str(tmp_path / "out"), "--quantize-head", "--quantize-embedding"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["streaming"] == "on" and summary["embeddings"]["embedding_source"] == "own"
+    assert 0 < summary["embeddings"]["lm_head"]["rel_proxy_loss"] < 0.05
+    loaded, _ = load_quantized(tmp_path / "out", dtype=torch.float32)
+    assert isinstance(loaded.lm_head, ScalarQLinear) and isinstance(loaded.model.embed_tokens, QuantizedEmbedding)
+    dense, _ = tiny_random_model("qwen2")
+    for name, module in loaded.named_modules():
+        if isinstance(module, ScalarQLinear) and not name.startswith("model.embed_tokens"):
+            dense.get_submodule(name).weight.data = module.dequantize().float()
+    dense.model.embed_tokens.weight.data = loaded.model.embed_tokens.weight.float()
+    for name, tensor in loaded.state_dict().items():  # norms and biases as stored (bf16)
+        if name in dense.state_dict() and tensor.is_floating_point():
+            dense.state_dict()[name].copy_(tensor)
+    torch.testing.assert_close(logits(loaded), logits(dense), rtol=1e-4, atol=1e-4)

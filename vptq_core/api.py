@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import platform
 import time
@@ -17,8 +18,9 @@ from .data import calibration_windows
 from .eval import EvalResult, evaluate
 from .models import BUNDLED, NotStreamable, load_model, model_directory, open_streaming
 from .quant import distributed, methods
-from .quant.blocks import decoder_blocks
+from .quant.blocks import blocks_prefix, decoder_blocks
 from .quant.config import CalibConfig
+from .quant.embedding import TIED, EmbeddingParts, head_and_embedding_names, normed_block_outputs, quantize_embeddings
 from .quant.pipeline import BlockDone, quantize_model, total_linear_shapes
 from .quant.source import SafetensorsWeights
 from .resume import PartialRun, tensor_digest
@@ -63,6 +65,8 @@ def quantize_to_dir(
     resume: bool = False,
     stream: bool | str = "auto",
     on_step: Callable[[str, int, int, float], None] | None = None,
+    head: bool = False,
+    embedding: bool = False,
 ) -> tuple[Path, dict]:
     """Load ``model_name``, quantize it with ``method``/``config`` on ``calib`` data, write the packed
     checkpoint to ``out_dir``. Returns (directory, summary).
@@ -85,6 +89,11 @@ def quantize_to_dir(
     streaming), a resume starts over (the finished blocks are quantized again), and ``on_step(phase, step,
     steps, loss)`` reports every training step; a cancel during it writes nothing, like any other.
 
+    ``head`` / ``embedding``: also quantize the LM head (its Hessian from the final-norm outputs of the
+    quantized blocks) and / or the input embedding, with the same method and settings
+    (``quant.embedding``); with tied weights either one quantizes the shared matrix, and ``embedding`` makes
+    the input embedding read its rows. Such checkpoints load with ``load_quantized``.
+
     Several ranks (``quant.distributed`` active, e.g. ``torchrun ... -m vptq_core quantize``): every rank calls
     this with the same arguments (``device``: its own, from ``distributed.init_from_env``); the linears of each
     block are split across the ranks, and rank 0 alone writes ``.partial`` and the checkpoint, which equals a
@@ -92,6 +101,10 @@ def quantize_to_dir(
     """
     method_obj = methods.get(method)
     method_obj.check_config(config)
+    parts = EmbeddingParts(head=head, embedding=embedding)
+    if parts.any and method_obj.quantize_linear is None:
+        raise ValueError(f"method {method!r} quantizes whole blocks; the LM head and embedding can be quantized "
+                         "with vptq, gptq or rtn")
     if stream not in ("auto", True, False):
         raise ValueError(f"stream must be 'auto', True or False, got {stream!r}")
     whole = [hook.phase for hook in method_obj.after_model if hook.applies(config)]
@@ -162,8 +175,18 @@ def quantize_to_dir(
     layers = partial.packed_layers()
     if whole:  # the blocks in .partial are from before the whole-model training: write the trained states
         layers = ((name, pack_layer(state, save_dtype)) for name, state in result.states.items())
+    stored_embedding = None
+    if parts.any:
+        # the head's inputs: the last block's outputs (kept in .partial), or after whole-model training a
+        # forward of the trained model
+        last = _last_block_outputs(model, calib_ids, dev) if whole else partial.block_outputs(blocks_total)
+        extra, stored_embedding, report["embeddings"] = _quantize_embeddings(
+            model, last, method_obj, config, parts, dev, save_dtype)
+        dims.update({name: (layer.in_features, layer.out_features) for name, layer in extra})
+        layers = itertools.chain(layers, extra)
+        summary["embeddings"] = report["embeddings"]
     out = save_packed(model, tok, partial.quant_method(), dims, layers, out_dir, report=report,
-                      dtype=save_dtype)
+                      dtype=save_dtype, embedding=stored_embedding)
     partial.remove()
     distributed.barrier()
     del model, source
@@ -173,6 +196,46 @@ def quantize_to_dir(
         summary["eval"] = ev.to_dict()
         _merge_report(out, {"eval": report["eval"]})
     return out, summary
+
+
+def _last_block_outputs(model, calib_ids: torch.Tensor, device, batch: int = 4) -> torch.Tensor:
+    """The last decoder block's outputs on the calibration windows, from a forward of the whole model."""
+    block = decoder_blocks(model)[-1]
+    seen: list[torch.Tensor] = []
+
+    def keep(module, args, output):
+        seen.append((output[0] if isinstance(output, tuple) else output).detach().float().cpu())
+
+    handle = block.register_forward_hook(keep)
+    moved = model.to(device)
+    try:
+        with torch.no_grad():
+            for i in range(0, calib_ids.shape[0], batch):
+                moved(calib_ids[i : i + batch].to(device), use_cache=False)
+    finally:
+        handle.remove()
+        model.to("cpu")
+    return torch.cat(seen)
+
+
+def _quantize_embeddings(model, last_outputs, method, config, parts, device, save_dtype):
+    """The packed LM head / input embedding (``quant.embedding``), what ``save_packed`` takes for the
+    embedding (a packed layer, the head's name, or None) and a report entry."""
+    head_name, embed_name, _ = head_and_embedding_names(model)
+    head_inputs = normed_block_outputs(model, blocks_prefix(model), last_outputs, device)
+    done = quantize_embeddings(model, head_inputs, method, config, parts, device)
+    extra, stored, entry = [], None, {**parts.to_dict(), "seconds": round(done.seconds, 2)}
+    for name, r in done.results.items():
+        if r == TIED:
+            stored, entry["embedding_source"] = head_name, head_name
+            continue
+        packed = pack_layer(r.state, save_dtype)
+        entry[name] = {"rel_proxy_loss": r.rel_proxy_loss, "rel_weight_error": r.rel_weight_error}
+        if name == embed_name:
+            stored, entry["embedding_source"] = packed, "own"
+        else:
+            extra.append((name, packed))
+    return extra, stored, entry
 
 
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "dtype", "torch_dtype", "name_or_path")

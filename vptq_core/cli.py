@@ -138,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
                    help="read each block from the model's safetensors files when it is quantized (bounded memory); "
                    "default: whenever the model is a safetensors directory, --no-stream loads it whole")
+    q.add_argument("--quantize-head", action="store_true", help="also quantize the LM head, same method and "
+                   "settings, its Hessian from its own calibration inputs (a tied head is untied, or shared with "
+                   "--quantize-embedding)")
+    q.add_argument("--quantize-embedding", action="store_true", help="also quantize the input embedding (tied "
+                   "weights: one quantized matrix serves the head and the embedding); loads with load_quantized")
     q.add_argument("--quiet", action="store_true", help="no progress bar")
 
     e = sub.add_parser("eval", help="perplexity (and KL / top-1 agreement vs the original)",
@@ -256,7 +261,8 @@ def _quantize(args, config, calib, device, main: bool) -> int:
     stream = "auto" if args.stream is None else args.stream
     out, summary = quantize_to_dir(args.model, args.method, config, calib, args.out, device=device,
                                    on_layer=on_layer, on_start=on_start, evaluate_after=args.eval,
-                                   resume=args.resume, stream=stream, on_step=on_step)
+                                   resume=args.resume, stream=stream, on_step=on_step,
+                                   head=args.quantize_head, embedding=args.quantize_embedding)
     if bar is not None:
         bar.close()
     if main:

@@ -184,6 +184,17 @@ class PartialRun:
             for name, layer_config in layers.items():
                 yield name, PackedLayer(layer_config, tensors[name])
 
+    def block_outputs(self, b: int) -> torch.Tensor:
+        """The calibration activations leaving block ``b - 1`` (entering block ``b``; ``b`` = the number of
+        blocks: the last block's outputs, kept until the checkpoint is written)."""
+        path = self._inputs_path(b)
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                return f.get_tensor("hidden")
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise ValueError(f"{path}: cannot read the activations entering block {b} ({exc}); remove "
+                             f"{self.dir} to start over") from None
+
     def quant_method(self) -> str:
         return self.manifest()["quant_method"]
 
