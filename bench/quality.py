@@ -14,6 +14,8 @@ so an interrupted run resumes; the table is printed from that file.
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import os
 import sys
@@ -27,8 +29,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vptq_core.data import calibration_windows  # noqa: E402
 from vptq_core.eval import evaluate  # noqa: E402
 from vptq_core.models import load_model  # noqa: E402
+from vptq_core.quant.allocate import cap_for_budget  # noqa: E402
 from vptq_core.quant.config import LRQConfig, ScalarConfig, VPTQConfig  # noqa: E402
+from vptq_core.quant.distill import distill  # noqa: E402
 from vptq_core.quant.pipeline import quantize_model  # noqa: E402
+
+# SmolLM2-135M's block linears (out, in), 30 blocks: q, k, v, o, gate, up, down
+SMOLLM2_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)] * 30
+
+
+def allocated(budget: float, **settings) -> VPTQConfig:
+    """``settings`` with the loosest per-layer cap that keeps SmolLM2's total bits within ``budget``."""
+    config = VPTQConfig(**settings)
+    cap, _ = cap_for_budget(config, SMOLLM2_SHAPES, budget)
+    return VPTQConfig(**{**settings, "layer_bits_cap": cap})
+
+
+KD = {"distill_iters": 32, "distill_lr": 2e-4, "distill_norm_lr": 2e-4, "distill_eval_every": 8}
 
 ROWS: dict[str, tuple[str, object, str]] = {
     "rtn-2": ("rtn", ScalarConfig(bits=2, group_size=64), "RTN 2-bit g64"),
@@ -45,10 +62,18 @@ ROWS: dict[str, tuple[str, object, str]] = {
                             "VPTQ v6 k4096 + centroid fine-tuning (64 steps/block)"),
     "vptq-2-v6k4096-refit5": ("vptq", VPTQConfig(vector_len=6, num_centroids=4096, refit_iters=5),
                               "VPTQ v6 k4096 + codebook refit (5 CG steps)"),
+    "vptq-2.5-alloc": ("vptq", allocated(2.5, vector_len=6, num_centroids=4096),
+                       "VPTQ 2.5 total bits: v6 k4096, per-layer cap (allocator)"),
+    "vptq-2.5-alloc-kd32": ("vptq", allocated(2.5, vector_len=6, num_centroids=4096, **KD),
+                            "VPTQ 2.5 total bits (allocator) + distillation 32 steps"),
+    "vptq-2-v6k4096-kd32": ("vptq", VPTQConfig(vector_len=6, num_centroids=4096, **KD),
+                            "VPTQ v6 k4096 + distillation 32 steps"),
     "vptq-1-v8k256": ("vptq", VPTQConfig(vector_len=8, num_centroids=256), "VPTQ v8 k256 (no residual)"),
     "rtn-3": ("rtn", ScalarConfig(bits=3, group_size=64), "RTN 3-bit g64"),
     "gptq-3": ("gptq", ScalarConfig(bits=3, group_size=64), "GPTQ 3-bit g64"),
     "vptq-3-v4k4096": ("vptq", VPTQConfig(vector_len=4, num_centroids=4096), "VPTQ v4 k4096"),
+    "vptq-3-v4k4096-kd32": ("vptq", VPTQConfig(vector_len=4, num_centroids=4096, **KD),
+                            "VPTQ v4 k4096 (3.58 total) + distillation 32 steps"),
     "vptq-3-v4k64r64": ("vptq", VPTQConfig(vector_len=4, num_centroids=64, num_res_centroids=64),
                         "VPTQ v4 k64 + residual k64"),
     "rtn-4": ("rtn", ScalarConfig(bits=4, group_size=64), "RTN 4-bit g64 (flattered: model was Q4_1)"),
@@ -82,8 +107,30 @@ ROWS: dict[str, tuple[str, object, str]] = {
 def run_row(key: str, model, tok, calib: torch.Tensor, args) -> dict:
     method, config, label = ROWS[key]
     t0 = time.perf_counter()
-    qmodel, result = quantize_model(model, calib, method, config, device="cpu")
-    seconds = time.perf_counter() - t0
+    kd_iters = getattr(config, "distill_iters", 0)
+    before_kd = None
+    if kd_iters:
+        # The same run as quantize_model with distillation (its after-model hook is this distill call), split
+        # so the model is also evaluated before distilling: one quantization gives both rows.
+        qmodel, result = quantize_model(model, calib, method, dataclasses.replace(config, distill_iters=0),
+                                        device="cpu")
+        quant_only = time.perf_counter() - t0
+        qb = copy.deepcopy(qmodel).to(torch.bfloat16)
+        before_kd = {"quant_seconds": quant_only}
+        for text, prefix in (("wiki", ""), ("pydocs", "ood_")):
+            ev = evaluate(qb, tok, text=text, seqlen=args.seqlen, max_windows=args.windows, reference=args.reference)
+            before_kd.update({f"{prefix}perplexity": ev.perplexity, f"{prefix}kl": ev.kl_divergence,
+                              f"{prefix}top1": ev.top1_agreement})
+        del qb
+        t1 = time.perf_counter()
+        with torch.enable_grad():
+            metrics = distill(qmodel, model, result.states, calib, config)
+        result.model_metrics["distill"] = metrics
+        result.timings["distill"] = time.perf_counter() - t1
+        seconds = quant_only + result.timings["distill"]
+    else:
+        qmodel, result = quantize_model(model, calib, method, config, device="cpu")
+        seconds = time.perf_counter() - t0
     if args.save_dir:
         from vptq_core.storage.checkpoint import save_quantized
 
@@ -102,6 +149,7 @@ def run_row(key: str, model, tok, calib: torch.Tensor, args) -> dict:
         "calib_perplexity": seen.perplexity, "calib_kl": seen.kl_divergence,
         "calib_bf16_perplexity": seen.reference_perplexity,
         "row": key, "label": label, "method": method, "config": config.to_dict(),
+        "before_distill": before_kd, "model_metrics": result.model_metrics, "load": os.getloadavg(),
         "index_bits": result.bits.index_bits_per_weight, "total_bits": result.bits.total_bits_per_weight,
         "perplexity": ev.perplexity, "kl": ev.kl_divergence, "top1": ev.top1_agreement,
         "bf16_perplexity": ev.reference_perplexity, "quant_seconds": seconds, "threads": torch.get_num_threads(),

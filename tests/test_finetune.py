@@ -173,3 +173,33 @@ def test_pipeline_finetune_round_trips_through_the_packed_checkpoint(tmp_path, t
 def test_finetune_settings_are_validated(field, value):
     with pytest.raises(ValueError, match=field):
         VPTQConfig(**{field: value})
+
+
+def test_fp_chain_targets_are_the_original_models_own_block_outputs(tiny_model, windows):
+    from vptq_core.quant import methods
+    from vptq_core.quant.methods import BlockHook, Method
+
+    model, _ = tiny_model
+    ids = windows[:4, :32]
+    with torch.no_grad():
+        hidden, kwargs = capture_block_inputs(model, ids)
+        fp_outputs = []
+        for b, block in enumerate(decoder_blocks(model)):
+            hidden = _run_batched(block, hidden, kwargs.at(b))
+            fp_outputs.append(hidden.clone())
+    seen: dict[str, list[torch.Tensor]] = {"fp": [], "quantized": []}
+    vptq = methods.get("vptq")
+    for chain in seen:
+        probe = Method(name="vptq_probe", label="probe", description="records the hooks' targets",
+                       config_class=VPTQConfig, bits=vptq.bits, describe=vptq.describe,
+                       quantize_linear=vptq.quantize_linear,
+                       after_block=(BlockHook("probe", lambda c: True,
+                                              lambda ctx, c=chain: seen[c].append(ctx.targets.clone())),))
+        quantize_model(model, ids, probe, dataclasses.replace(TINY, target_chain=chain))
+    for b, expected in enumerate(fp_outputs):
+        torch.testing.assert_close(seen["fp"][b], expected, rtol=1e-5, atol=1e-6)
+    # block 0 sees the same inputs either way; later blocks' quantized-chain targets differ
+    torch.testing.assert_close(seen["quantized"][0], fp_outputs[0], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(seen["quantized"][1], fp_outputs[1], rtol=1e-3, atol=1e-5)
+    with pytest.raises(ValueError, match="target_chain"):
+        VPTQConfig(target_chain="float")

@@ -100,6 +100,10 @@ class VPTQConfig(ConfigBase):
     finetune_batch: int = 2
     finetune_holdout: float = 0.125
     finetune_eval_every: int = 0
+    # What fine-tuning fits each block's outputs to: "quantized" = the original block applied to the inputs
+    # coming from the already quantized blocks; "fp" = the original model's own block outputs (its inputs come
+    # from the original blocks), so each block also corrects what the blocks before it got wrong.
+    target_chain: str = "quantized"
     # Autocast dtype of the training steps of fine-tuning and distillation (held-out checks run in float32).
     train_dtype: str = "bfloat16"
     # End-to-end distillation (quant/distill.py) after all blocks: every codebook and 1-D tensor (norms,
@@ -153,6 +157,7 @@ class VPTQConfig(ConfigBase):
         check_int("finetune_eval_every", self.finetune_eval_every, 0, 100000)
         if self.train_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"train_dtype must be 'bfloat16' or 'float32', got {self.train_dtype!r}")
+        check_target_chain(self.target_chain)
         check_int("distill_iters", self.distill_iters, 0, 1000000)
         check_float("distill_lr", self.distill_lr, 0.0, 1.0)
         check_float("distill_norm_lr", self.distill_norm_lr, 0.0, 1.0)
@@ -175,6 +180,12 @@ class VPTQConfig(ConfigBase):
     @property
     def bits_per_index_weight(self) -> float:
         return (self.index_bits + self.res_bits) / self.vector_len
+
+
+def check_target_chain(value) -> None:
+    if value not in ("quantized", "fp"):
+        raise ValueError(f"target_chain must be 'quantized' (original block on the quantized chain's inputs) or "
+                         f"'fp' (the original model's own block outputs), got {value!r}")
 
 
 def check_act(act_bits, act_granularity, act_clip: str = "absmax") -> None:
@@ -242,12 +253,15 @@ class LRQConfig(ConfigBase):
     # static per-tensor scales: "absmax" (nothing clipped) or "mse" (the clip that minimises each linear's
     # output error on the calibration inputs; act_quant.calibrate_static_scales)
     act_clip: str = "absmax"
+    # the block outputs the training fits: "quantized" chain or "fp" chain (see VPTQConfig.target_chain)
+    target_chain: str = "quantized"
     seed: int = 0
 
     def __post_init__(self) -> None:
         check_int("bits", self.bits, 2, 8)
         check_int("group_size", self.group_size, 0)
         check_int("rank", self.rank, 0, 8192)
+        check_target_chain(self.target_chain)
         check_int("iters", self.iters, 0, 100000)
         check_float("lr", self.lr, 0.0, 1.0, lo_open=True)
         check_int("batch_size", self.batch_size, 1, 1024)

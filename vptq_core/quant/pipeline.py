@@ -439,6 +439,12 @@ def quantize_model(
         kwargs = _kwargs_to(kwargs, dev, torch.float32)
     first = 0
     earlier_seconds = 0.0
+    # target_chain "fp": after-block hooks fit the original model's own block outputs (a second activation
+    # stream through the original blocks, run before each block is quantized)
+    fp_chain = getattr(config, "target_chain", "quantized") == "fp"
+    if fp_chain and resume is not None and resume.blocks_done:
+        raise ValueError("target_chain 'fp' cannot resume a run: the original blocks before the resume point are gone")
+    fp_inps = inps.clone() if fp_chain else None
     if resume is not None:
         first, inps, earlier_seconds = _apply_resume(resume, result, inps, len(blocks), on_layer)
     try:
@@ -456,9 +462,12 @@ def quantize_model(
             block_kwargs = kwargs.at(b)  # this block's own mask / rotary embeddings (they differ per layer type)
             with result.timed("hessians_targets"):
                 hessians, targets = _pass_a(block, linears, inps, block_kwargs)
+                if fp_chain:
+                    fp_inps = _run_batched(block, fp_inps, block_kwargs)  # the original model's block outputs
             ctx = BlockContext(
                 index=b, prefix=prefix, block=block, linears=linears, hessians=hessians, inputs=inps,
-                targets=targets, forward=lambda blk, x, kw=block_kwargs: run_block(blk, x, kw), config=config,
+                targets=fp_inps if fp_chain else targets,
+                forward=lambda blk, x, kw=block_kwargs: run_block(blk, x, kw), config=config,
                 method=method, result=result, should_stop=should_stop, publish=None,
             )
             ctx.publish = _publisher(ctx, on_layer)
