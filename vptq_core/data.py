@@ -111,8 +111,32 @@ def tokenize_text(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def calibration_windows(tokenizer, source: str, samples: int, seqlen: int, seed: int = 0) -> torch.Tensor:
-    """``samples`` random windows of ``seqlen`` tokens from the calibration split -> [samples, seqlen]."""
+def wants_bos(tokenizer, bos: bool | str = "auto") -> bool:
+    """Whether windows start with the tokenizer's BOS token: ``bos`` True/False, or "auto" = when the tokenizer
+    adds one to every text itself (``add_bos_token``, e.g. Gemma's: without it the model is far off)."""
+    if bos == "auto":
+        bos = bool(getattr(tokenizer, "add_bos_token", False))
+    if not isinstance(bos, bool):
+        raise ValueError(f"bos must be True, False or 'auto', got {bos!r}")
+    if bos and getattr(tokenizer, "bos_token_id", None) is None:
+        raise ValueError(f"{type(tokenizer).__name__} has no BOS token to start windows with")
+    return bos
+
+
+def _with_bos(windows: torch.Tensor, tokenizer, bos: bool) -> torch.Tensor:
+    """[n, seqlen] windows cut from seqlen - 1 tokens, with the BOS token in front when ``bos``."""
+    if not bos:
+        return windows
+    start = torch.full((windows.shape[0], 1), int(tokenizer.bos_token_id), dtype=windows.dtype)
+    return torch.cat([start, windows], dim=1)
+
+
+def calibration_windows(tokenizer, source: str, samples: int, seqlen: int, seed: int = 0,
+                        bos: bool | str = "auto") -> torch.Tensor:
+    """``samples`` random windows of ``seqlen`` tokens from the calibration split -> [samples, seqlen]
+    (with ``wants_bos``: the BOS token, then ``seqlen - 1`` text tokens)."""
+    bos = wants_bos(tokenizer, bos)
+    seqlen -= int(bos)
     ids = tokenize_text(tokenizer, load_text(source, "calib"))
     if ids.numel() <= seqlen:
         raise ValueError(
@@ -121,12 +145,16 @@ def calibration_windows(tokenizer, source: str, samples: int, seqlen: int, seed:
         )
     gen = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, ids.numel() - seqlen, (samples,), generator=gen)
-    return torch.stack([ids[s : s + seqlen] for s in starts.tolist()])
+    return _with_bos(torch.stack([ids[s : s + seqlen] for s in starts.tolist()]), tokenizer, bos)
 
 
-def eval_windows(tokenizer, source: str, seqlen: int, max_windows: int | None = None) -> torch.Tensor:
+def eval_windows(tokenizer, source: str, seqlen: int, max_windows: int | None = None,
+                 bos: bool | str = "auto") -> torch.Tensor:
     """Standard perplexity protocol: tokenize the evaluation split once, cut into non-overlapping windows
-    of ``seqlen`` tokens, drop the remainder -> [windows, seqlen]."""
+    of ``seqlen`` tokens, drop the remainder -> [windows, seqlen]. With ``wants_bos`` each window is the BOS
+    token and ``seqlen - 1`` text tokens (the BOS token is never a predicted target)."""
+    bos = wants_bos(tokenizer, bos)
+    seqlen -= int(bos)
     ids = tokenize_text(tokenizer, load_text(source, "eval"))
     n = ids.numel() // seqlen
     if n == 0:
@@ -135,4 +163,4 @@ def eval_windows(tokenizer, source: str, seqlen: int, max_windows: int | None = 
         if max_windows < 1:
             raise ValueError(f"max_windows must be >= 1, got {max_windows}")
         n = min(n, max_windows)
-    return ids[: n * seqlen].view(n, seqlen)
+    return _with_bos(ids[: n * seqlen].view(n, seqlen), tokenizer, bos)

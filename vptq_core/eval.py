@@ -51,6 +51,7 @@ def evaluate(
     on_window: Callable[[int, int], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     windows: torch.Tensor | None = None,
+    bos: bool | str = "auto",
 ) -> EvalResult:
     """Perplexity of ``model`` on the evaluation split of ``text`` ("wiki" or a file).
 
@@ -58,7 +59,8 @@ def evaluate(
     (dropping the remainder, at most ``max_windows``), ``ppl = exp(mean NLL)`` over every predicted token.
     With ``reference`` (the original model), also the mean KL divergence ``KL(P_ref || P_model)`` and the
     top-1 agreement on the same windows, plus the reference's own perplexity. ``windows`` (token ids
-    [n, seqlen]) replaces the text, e.g. to measure the calibration windows themselves.
+    [n, seqlen]) replaces the text, e.g. to measure the calibration windows themselves. ``bos``: each window
+    starts with the BOS token ("auto": when the tokenizer adds one itself, as Gemma's; ``data.wants_bos``).
     """
     if windows is not None:
         if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.shape[1] < 2:
@@ -68,7 +70,7 @@ def evaluate(
     elif seqlen < 2:
         raise ValueError(f"seqlen must be >= 2, got {seqlen}")
     else:
-        windows = eval_windows(tokenizer, text, seqlen, max_windows)
+        windows = eval_windows(tokenizer, text, seqlen, max_windows, bos=bos)
     should_stop = should_stop or (lambda: False)
     t0 = time.perf_counter()
     nll_sum = ref_nll_sum = kl_sum = 0.0
