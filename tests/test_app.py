@@ -532,7 +532,11 @@ def test_runs_survive_a_reload_and_api_sessions_are_cleaned_up(served, gated):
     downloaded = Path(reloaded.predict(job, api_name="/download"))
     assert downloaded.read_bytes() == archive.read_bytes()
     assert reloaded.predict(api_name="/runs")[0]["data"][0][0] == job
-    # The old page's session no longer acts for the browser; a malformed identity gets a new one.
+    # The unloaded page keeps acting for its browser (a user may choose to stay on the page) until the link
+    # expires with the runs; then the old session reaches nothing. A malformed identity gets a new one.
+    assert served.studio.owner(as_request(page)) == identity
+    assert served.studio.forget_pages(3600) == 0 and served.studio.forget_pages(0) >= 1
+    assert served.studio.owner(as_request(page)) == page.session_hash
     with pytest.raises(ValueError, match=rf"no job '{job}' in this session"):
         served.studio.manager.get(job, page.session_hash)
     stranger = Client(served.url, verbose=False)
@@ -694,7 +698,7 @@ def test_uploads_are_limited_and_checked_before_they_become_runs(served, tiny_ch
     settings = served.studio.settings
     monkeypatch.setattr(served.studio, "settings", dataclasses.replace(settings, user_quota_bytes=size // 2))
     refused(good, rf"archive expands to more than {size // 2} bytes .*\(what is left of your "
-                  rf"{size // 2 / 1e6:.1f} MB disk quota\)")
+                  rf"{re.escape(views.mb(size // 2))} disk quota\)")
     monkeypatch.setattr(served.studio, "settings", dataclasses.replace(settings, total_quota_bytes=size // 2))
     refused(good, r"what is left of the server's .* disk quota")
     monkeypatch.setattr(served.studio, "settings", settings)

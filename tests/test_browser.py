@@ -117,6 +117,12 @@ def _guard(page) -> tuple[str, str]:
     return guard.get_attribute("data-busy"), guard.get_attribute("data-unexported")
 
 
+def _leaving_asks(page) -> bool:
+    """Whether the page's beforeunload handler would ask before leaving now."""
+    return page.evaluate("() => { const e = new Event('beforeunload', {cancelable: true}); "
+                         "window.dispatchEvent(e); return e.defaultPrevented; }")
+
+
 def _http_status(url: str) -> int:
     try:
         with urllib.request.urlopen(url, timeout=10) as response:
@@ -154,7 +160,7 @@ def test_quantize_evaluate_download_reload_chat_in_the_browser(app, browser, pag
     _set_number(page, "k-means iterations", "30")
     page.click("#start-btn")
     _wait_status(page, ("running",))
-    assert _guard(page)[0] == "1"  # leaving the page now asks first
+    assert _guard(page)[0] == "1" and _leaving_asks(page)  # leaving the page now asks first
     page.click("#cancel-btn")
     assert _wait_status(page, ("cancelled", "done")) == "cancelled"
     expect(page.locator("#job-progress")).to_contain_text("nothing was saved")
@@ -171,7 +177,7 @@ def test_quantize_evaluate_download_reload_chat_in_the_browser(app, browser, pag
     expect(page.locator("#plot-heatmap .hm, #plot-heatmap .heatmaplayer")).not_to_have_count(0)
     expect(page.locator("#layer-table")).to_contain_text("mlp.down_proj")
     expect(page.locator("#job-summary")).to_contain_text("Done:")
-    assert _guard(page) == ("0", "1")  # a result not taken home yet
+    assert _guard(page) == ("0", "1") and _leaving_asks(page)  # a result not taken home yet
     page.click("#eval-btn")
     expect(page.locator("#eval-result")).to_contain_text("Perplexity", timeout=120_000)
     expect(page.locator("#eval-result")).to_contain_text("top-1 agreement")
@@ -188,6 +194,7 @@ def test_quantize_evaluate_download_reload_chat_in_the_browser(app, browser, pag
         names = {Path(n).name for n in zf.namelist()}
     assert {"config.json", "model.safetensors", "quant_report.json", "tokenizer.json", "README.md"} <= names
     expect(page.locator("[data-guard]")).to_have_attribute("data-unexported", "0")
+    assert not _leaving_asks(page)
 
     # Nothing on the page names the work directory; the raw job JSON has no owner and no server path.
     page.get_by_text("Raw job status (JSON)").click()

@@ -101,7 +101,7 @@ def _check_part(part: str, what: str) -> None:
 
 
 def _size(n: int) -> str:
-    return f"{n} bytes ({n / 1e6:.1f} MB)"
+    return f"{n} bytes ({n / 1e6:.3f} MB)" if n < 100_000 else f"{n} bytes ({n / 1e6:.1f} MB)"
 
 
 def _ratio_budget(compressed: int, max_ratio: float) -> float:

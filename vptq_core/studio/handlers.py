@@ -27,6 +27,7 @@ import secrets
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -120,6 +121,7 @@ class Studio:
         self.roots = tuple(str(Path(r).resolve()) for r in (settings.workdir, self.serve_dir, tempfile.gettempdir()))
         self._lock = threading.Lock()
         self._identities: dict[str, str] = {}  # page session -> browser identity
+        self._unloaded: dict[str, float] = {}  # page session -> when its page was last seen unloading
         self._served: dict[str, list[Path]] = {}  # job id -> download copies in Gradio's cache
         self._chats: dict[str, dict[str, tuple[ChatSession, threading.Event]]] = {}  # page session -> side -> ...
         self._speed: dict[tuple[str, str], float] = {}  # (device, method) -> measured / rough seconds, last run
@@ -279,6 +281,7 @@ class Studio:
             identity = secrets.token_urlsafe(32)
         with self._lock:
             self._identities[session] = identity
+            self._unloaded.pop(session, None)
         self.manager.reassign(session, identity)  # jobs started before the page attached
         snaps = self.manager.jobs(identity)
         watched = ([s for s in snaps if s.active] or snaps or [None])[-1]
@@ -292,8 +295,20 @@ class Studio:
         while not self._closed.wait(interval):
             try:
                 self.manager.prune()
+                self.forget_pages(self.settings.run_ttl_hours * 3600)
             except Exception:  # noqa: BLE001 - the janitor must keep running
                 pass
+
+    def forget_pages(self, older_than_s: float) -> int:
+        """Drop the identity of page sessions that unloaded more than ``older_than_s`` seconds ago (their browser
+        comes back through a new session; the runs stay with the identity). Returns how many."""
+        cutoff = time.time() - older_than_s
+        with self._lock:
+            gone = [session for session, when in self._unloaded.items() if when <= cutoff]
+            for session in gone:
+                self._unloaded.pop(session, None)
+                self._identities.pop(session, None)
+        return len(gone)
 
     def close(self) -> None:
         self._closed.set()
@@ -842,14 +857,18 @@ class Studio:
     # -------------------------------------------------------------------------------------- sessions
     def on_unload(self, request: gr.Request) -> None:
         """A page went away (closed or reloaded): its chats stop. A browser's runs stay (they expire
-        ``run_ttl_hours`` after they finish); an API session's jobs are cancelled and its runs deleted, since
-        nobody can come back to them."""
+        ``run_ttl_hours`` after they finish), and so does the page's link to its identity for as long: the page
+        may still be there (Gradio's client disconnects on ``beforeunload`` even when the user then chooses to
+        stay on the page). An API session's jobs are cancelled and its runs deleted, since nobody can come back
+        to them."""
         session = getattr(request, "session_hash", None)
         if not session:
             return
         with self._lock:
             chats = self._chats.pop(session, {})
-            identity = self._identities.pop(session, None)
+            identity = self._identities.get(session)
+            if identity is not None:
+                self._unloaded[session] = time.time()
         for chat_session, event in chats.values():
             event.set()
             chat_session.stop()

@@ -80,7 +80,10 @@ def retention_md(ttl_hours: float, max_runs: int, user_quota_bytes: int) -> str:
 
 # ------------------------------------------------------------------------------------------- numbers
 def mb(n: float | None) -> str:
-    return "?" if n is None else f"{n / 1e6:.1f} MB"
+    """Every size the app shows, in MB (10^6 bytes): one decimal, three below 0.1 MB."""
+    if n is None:
+        return "?"
+    return f"{n / 1e6:.3f} MB" if abs(n) < 100_000 else f"{n / 1e6:.1f} MB"
 
 
 def duration(seconds: float | None) -> str:
