@@ -403,7 +403,8 @@ def test_queue_progress_cancel_and_sessions(served, gated):
     assert not second_run.started.is_set()  # the cancelled queued job never ran
     assert final["meta"]["settings"] == run.config.to_dict()
     runs = client.predict(api_name="/runs")[0]["data"]
-    assert [row[:4] for row in runs] == [[first, TINY, "VPTQ", "v4 k16"]]
+    described = methods.get("vptq").describe(run.config.to_dict())
+    assert described.startswith("v4 k16") and [row[:4] for row in runs] == [[first, TINY, "VPTQ", described]]
     assert other.predict(api_name="/runs")[0]["data"] in ([], [[]])
     # The job JSON names the archive by its file name only: no server path, no owner, no job id in the name.
     assert "archive" not in final["result"] and "checkpoint_dir" not in final["result"] and "owner" not in final
