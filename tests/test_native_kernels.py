@@ -389,3 +389,46 @@ def test_bad_wait_setting(monkeypatch):
     monkeypatch.setenv("VPTQ_NATIVE_WAIT", "soon")
     with pytest.raises(ValueError, match="VPTQ_NATIVE_WAIT must be a number of seconds, got 'soon'"):
         native._wait_seconds()
+
+
+# --------------------------------------------------------------------------------------- a whole checkpoint
+@pytest.mark.parametrize("kind", ["vq", "scalar"])
+def test_checkpoint_logits_native_equal_reference(ext, tmp_path, kind):
+    """A saved and loaded checkpoint (every layout of tests/conftest.py's VQ_LAYOUTS, or 2/3/4-bit scalar codes
+    with 8-bit activations) gives the reference backend's logits with the native kernels, at prefill (brgemm /
+    tiles) and through greedy decode steps (GEMV); bf16 model, float32 logits."""
+    from conftest import VQ_LAYOUTS
+    from factories import random_scalar_state, random_vq_state
+    from torch import nn
+
+    from vptq_core import generation
+    from vptq_core.models import tiny_random_llama
+    from vptq_core.storage.checkpoint import load_quantized, save_quantized
+    from vptq_core.storage.modules import ScalarQLinear, VQLinear
+
+    model, tok = tiny_random_llama()
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in n}
+    if kind == "vq":
+        states = {n: random_vq_state(m.in_features, m.out_features, **VQ_LAYOUTS[n.rpartition(".")[2]], seed=i)
+                  for i, (n, m) in enumerate(linears.items())}
+    else:
+        states = {n: random_scalar_state(m.in_features, m.out_features, bits=(2, 3, 4)[i % 3], group_size=16,
+                                         method="rtn", seed=i, **({"act_bits": 8} if "mlp" in n else {}))
+                  for i, (n, m) in enumerate(linears.items())}
+    path = save_quantized(model, tok, states, tmp_path / "ckpt", report={"method": kind}, dtype=torch.bfloat16)
+    loaded = {name: load_quantized(path)[0].eval() for name in ("native", "reference")}
+    for name, m in loaded.items():
+        for module in m.modules():
+            if isinstance(module, (VQLinear, ScalarQLinear)):
+                module.backend = name
+    prompt = torch.randint(3, 250, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        out = {name: m(prompt).logits.float() for name, m in loaded.items()}
+    backends = {module._kernel.backend for module in loaded["native"].modules() if isinstance(module, (VQLinear,
+                ScalarQLinear))}
+    assert backends == {"native"}
+    torch.testing.assert_close(out["native"], out["reference"], rtol=0.05, atol=0.05 * out["reference"].abs().max())
+    for m in loaded.values():
+        m.generation_config.eos_token_id = None
+    greedy = {name: generation.decode_loop(m, prompt, 6) for name, m in loaded.items()}
+    assert greedy["native"] == greedy["reference"]
