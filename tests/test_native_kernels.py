@@ -312,7 +312,8 @@ print(('usable' if ok else 'fallback: ' + why) + ' | backend ' + k.backend + ' |
 
 
 def _fallback_run(**env: str) -> tuple[str, str]:
-    run = subprocess.run([sys.executable, "-c", _FALLBACK_CODE], cwd=ROOT, env=dict(os.environ, **env),
+    base = {k: v for k, v in os.environ.items() if k != "VPTQ_NATIVE"}  # the case under test decides
+    run = subprocess.run([sys.executable, "-c", _FALLBACK_CODE], cwd=ROOT, env=dict(base, **env),
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     return run.stdout.strip(), run.stderr
