@@ -84,7 +84,7 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
     """The Gradio Blocks of the studio (launch it with ``launch_options(settings)``)."""
     app = studio or Studio(settings)
     method_list = methods.all_methods()
-    initial = form.initial_values("2 bits")
+    initial = form.initial_values(form.DEFAULT_PRESET)
     known = settings.default_model in (BUNDLED, TINY)
     default_model = settings.default_model if known else form.OTHER_MODEL
     custom_default = "" if known else settings.default_model
@@ -122,8 +122,9 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                                                  elem_classes="vq-note")
                         method = gr.Radio([(m.label, m.name) for m in method_list], value=method_list[0].name,
                                           label="Method")
-                        preset = gr.Radio([*form.preset_names(), CUSTOM], value=CUSTOM if small else "2 bits",
-                                          label="Preset", elem_id="preset")
+                        preset = gr.Radio([*form.preset_names(), CUSTOM],
+                                          value=CUSTOM if small else form.DEFAULT_PRESET, label="Preset",
+                                          elem_id="preset")
                         with gr.Accordion("Advanced settings", open=False):
                             with gr.Group() as vptq_group:
                                 with gr.Row():
@@ -140,9 +141,12 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                                     fields["enable_perm"] = gr.Checkbox(
                                         initial["enable_perm"], label=labels["enable_perm"] + " (Hessian order)")
                                     fields["finetune_iters"] = number("finetune_iters")
+                                with gr.Row():
+                                    fields["layer_bits_cap"] = number("layer_bits_cap", " (0 = off)", integer=False)
+                                    fields["distill_iters"] = number("distill_iters")
                             groups[vptq_group] = ("vector_len", "num_centroids", "num_res_centroids",
                                                   "outlier_percent", "group_num", "kmeans_iters", "enable_norm",
-                                                  "enable_perm", "finetune_iters")
+                                                  "enable_perm", "finetune_iters", "layer_bits_cap", "distill_iters")
                             with gr.Group() as scalar_group, gr.Row():
                                 fields["bits"] = number("bits")
                                 fields["group_size"] = number("group_size", " (0 = per channel)")

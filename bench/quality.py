@@ -140,14 +140,14 @@ def run_row(key: str, model, tok, calib: torch.Tensor, args) -> dict:
     ev = evaluate(qmodel, tok, text="wiki", seqlen=args.seqlen, max_windows=args.windows, reference=args.reference)
     # The calibration windows themselves (seen while quantizing), against the original on the same windows:
     # the gap to the held-out numbers shows how much a method fitted its calibration text.
-    seen = evaluate(qmodel, tok, windows=calib, reference=args.reference)
+    seen = None if args.skip_calib_eval else evaluate(qmodel, tok, windows=calib, reference=args.reference)
     other = evaluate(qmodel, tok, text="pydocs", seqlen=args.seqlen, max_windows=args.windows,
                      reference=args.reference)
     return {
         "ood_text": "pydocs", "ood_perplexity": other.perplexity, "ood_bf16_perplexity": other.reference_perplexity,
         "ood_kl": other.kl_divergence, "ood_top1": other.top1_agreement, "timings": result.summary()["timings"],
-        "calib_perplexity": seen.perplexity, "calib_kl": seen.kl_divergence,
-        "calib_bf16_perplexity": seen.reference_perplexity,
+        "calib_perplexity": seen and seen.perplexity, "calib_kl": seen and seen.kl_divergence,
+        "calib_bf16_perplexity": seen and seen.reference_perplexity,
         "row": key, "label": label, "method": method, "config": config.to_dict(),
         "before_distill": before_kd, "model_metrics": result.model_metrics, "load": os.getloadavg(),
         "index_bits": result.bits.index_bits_per_weight, "total_bits": result.bits.total_bits_per_weight,
@@ -201,6 +201,8 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--table-only", action="store_true")
+    parser.add_argument("--skip-calib-eval", action="store_true",
+                        help="do not evaluate on the calibration windows themselves (saves time)")
     parser.add_argument("--save-dir", help="also write each row's packed checkpoint under DIR/ROW")
     args = parser.parse_args()
     if args.list:

@@ -160,7 +160,8 @@ def gated(served, monkeypatch):
 def job_kwargs(**overrides) -> dict:
     kwargs = dict(model=TINY, custom_model="", method="vptq", vector_len=4, num_centroids=16, num_res_centroids=0,
                   outlier_percent=0, group_num=1, enable_norm=False, enable_perm=True, kmeans_iters=2,
-                  finetune_iters=0, bits=2, group_size=32, act_order=True, rank=0, iters=5,
+                  finetune_iters=0, layer_bits_cap=0.0, distill_iters=0, bits=2, group_size=32, act_order=True,
+                  rank=0, iters=5,
                   activations=form.WEIGHT_ONLY, calib_source=form.WIKI_SOURCE, calib_file=None, calib_samples=4,
                   calib_seqlen=64, seed=0)
     kwargs.update(overrides)
@@ -253,7 +254,7 @@ def test_settings_groups_and_presets_in_the_page_config(tmp_path):
     demo = studio_app.build_app(studio_app.AppSettings(workdir=tmp_path))
     fields = demo.settings_form
     default = methods.all_methods()[0]
-    assert {k: fields[k].value for k in default.preset("2 bits")} == default.preset("2 bits")
+    assert {k: fields[k].value for k in default.preset("2.5 bits")} == default.preset("2.5 bits")
     shown = {k for k, c in fields.items() if _visible(c)}
     assert shown == {k for k in fields if form.uses(default.name, [k])}
 
@@ -352,7 +353,7 @@ def test_bad_settings_give_clear_errors(served, gated, monkeypatch):
 def test_presets_fill_exactly_what_they_fix(served):
     client = Client(served.url, verbose=False)
     keys = list(served.demo.settings_form)
-    for method, name in (("vptq", "3 bits"), ("lrq", "3 bits"), ("gptq", form.CUSTOM)):
+    for method, name in (("vptq", "3.5 bits"), ("lrq", "3.5 bits"), ("gptq", form.CUSTOM)):
         fixed = methods.get(method).presets.get(name, {})
         values = client.predict(method, name, api_name="/preset")
         assert dict(zip(keys, values)) == {k: fixed.get(k, gr.skip()) for k in keys}, (method, name)
@@ -721,24 +722,26 @@ def test_uploads_are_limited_and_checked_before_they_become_runs(served, tiny_ch
 
 def test_settings_follow_the_model(served, tmp_path):
     keys = list(served.studio.field_keys)
-    preset, samples, seqlen, *values = served.studio.model_defaults(TINY, "", "vptq", "2 bits")
+    preset, samples, seqlen, *values = served.studio.model_defaults(TINY, "", "vptq", "2.5 bits")
     assert (preset, (samples, seqlen)) == (form.CUSTOM, form.SMALL_MODEL_CALIB)
     small = {k: v for k, v in zip(keys, values) if v != gr.skip()}
     assert small == form.SMALL_MODEL_VALUES
     info = model_info(TINY)
-    two_bits = form.initial_values("2 bits")
-    assert estimate(info, "vptq", form.config_from("vptq", two_bits)).total_bits_per_weight > 50  # SmolLM2-sized
+    two_bits = form.initial_values("2.5 bits")
+    # SmolLM2-sized: the 2.5-bit preset's cap cannot be met on 64-wide layers (the codebook alone costs more)
+    with pytest.raises(ValueError, match="layer_bits_cap 2.5: no vector length fits a 64x64 layer"):
+        estimate(info, "vptq", form.config_from("vptq", two_bits))
     assert estimate(info, "vptq", form.config_from("vptq", {**two_bits, **small})).total_bits_per_weight < 2
     # A wider model (read from its config alone) gets the chosen preset back, or the 2-bit one after "custom".
     LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
                 num_key_value_heads=8, vocab_size=1000).save_pretrained(tmp_path / "wide")
-    for chosen, expected in (("3 bits", "3 bits"), (form.CUSTOM, "2 bits")):
+    for chosen, expected in (("3.5 bits", "3.5 bits"), (form.CUSTOM, "2.5 bits")):
         preset, samples, seqlen, *values = served.studio.model_defaults(form.OTHER_MODEL, str(tmp_path / "wide"),
                                                                         "vptq", chosen)
         assert (preset, (samples, seqlen)) == (expected, form.MODEL_CALIB)
         assert {k: v for k, v in zip(keys, values) if v != gr.skip()} == form.preset_values("vptq", expected, keys)
     # A model that cannot be read changes nothing (its note says why).
-    assert all(v == gr.skip() for v in served.studio.model_defaults(form.OTHER_MODEL, "no such", "vptq", "2 bits"))
+    assert all(v == gr.skip() for v in served.studio.model_defaults(form.OTHER_MODEL, "no such", "vptq", "2.5 bits"))
 
 
 def test_push_to_the_users_hub_repo(served, tiny_checkpoint, monkeypatch):

@@ -63,7 +63,7 @@ def sign_method():
 def test_registry_lists_builtins_in_order_and_refuses_duplicates():
     assert methods.names()[:4] == ("vptq", "gptq", "rtn", "lrq")
     for method in methods.all_methods():
-        assert set(method.presets) >= {"2 bits", "3 bits", "4 bits"}
+        assert set(method.presets) >= {"2.5 bits", "3.5 bits", "4.5 bits"}
         assert method.model_bits(method.make_config(), [(64, 64)]).weights == 64 * 64
     with pytest.raises(ValueError, match="a method named 'vptq' is already registered"):
         methods.register(Method(name="vptq", label="x", description="x", config_class=SignConfig,

@@ -116,8 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--method", required=True, choices=list(methods.names()),
                    help="; ".join(f"{m.name}: {m.description}" for m in methods.all_methods()))
     q.add_argument("--out", required=True, help="output directory for the checkpoint")
-    q.add_argument("--preset", help="a preset of the method, by name or bits: 2, 3 or 4 for the built-in ones "
-                   "(sized for small models); explicit flags override it")
+    q.add_argument("--preset", help="a preset of the method, by name or bits: 2.5, 3.5 or 4.5 for the built-in ones "
+                   "(TOTAL bits per weight, codebooks and scales included, on any model); explicit flags override it")
     for group_name, flags in METHOD_FLAGS.items():
         group = q.add_argument_group(group_name)
         for flag, (setting, kind, text) in flags.items():

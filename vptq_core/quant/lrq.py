@@ -461,8 +461,10 @@ def _quantize_block(ctx: BlockContext) -> None:
 
 # LRQ's presets keep one scale per output channel from 3 bits up: its learned scaling is what makes
 # per-channel grids work (SmolLM2 W3A16: ppl 71.7 vs RTN per-channel 597).
-PRESETS = {"2 bits": {"bits": 2, "group_size": 64}, "3 bits": {"bits": 3, "group_size": 0},
-           "4 bits": {"bits": 4, "group_size": 0}}
+# Named by total bits per weight, an upper bound: per-channel grids add 32 bits per output row (3.06 and
+# 4.06 total on SmolLM2).
+PRESETS = {"2.5 bits": {"bits": 2, "group_size": 64}, "3.5 bits": {"bits": 3, "group_size": 0},
+           "4.5 bits": {"bits": 4, "group_size": 0}}
 
 METHOD = register(Method(
     name="lrq", label="LRQ", config_class=LRQConfig, bits=scalar_config_bits, describe=describe_scalar,

@@ -123,8 +123,9 @@ def describe_scalar(settings) -> str:
     return text
 
 
-SCALAR_PRESETS = {"2 bits": {"bits": 2, "group_size": 64}, "3 bits": {"bits": 3, "group_size": 64},
-                  "4 bits": {"bits": 4, "group_size": 64}}
+# Named by total bits per weight: group 64 adds a 16-bit scale and zero point per 64 weights (0.5 bits).
+SCALAR_PRESETS = {"2.5 bits": {"bits": 2, "group_size": 64}, "3.5 bits": {"bits": 3, "group_size": 64},
+                  "4.5 bits": {"bits": 4, "group_size": 64}}
 
 METHOD = register(Method(
     name="rtn", label="RTN", config_class=ScalarConfig, bits=scalar_config_bits, describe=describe_scalar,

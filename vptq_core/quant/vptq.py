@@ -335,12 +335,14 @@ def _distill_hook(ctx) -> dict | None:
                    on_step=lambda step, kl: ctx.on_step("distill", step, steps, kl), should_stop=ctx.should_stop)
 
 
-# Presets sized for small models (SmolLM2-135M): per-layer codebooks must stay small next to the layer, so
-# the codebook overhead in total bits stays well below the index bits.
+# Presets are named by TOTAL bits per weight (codebooks, outliers, permutation included) and hold on any
+# model: no layer exceeds the cap, where a layer's codebook is expensive it gets a shorter vector at the same
+# index bits (SmolLM2-135M: "2.5 bits" is 2.37 total, "3.5 bits" 3.31, "4.5 bits" 4.11; allocate.cap_for_budget
+# finds a looser cap for one model's budget).
 PRESETS = {
-    "2 bits": {"vector_len": 6, "num_centroids": 4096, "num_res_centroids": 0},
-    "3 bits": {"vector_len": 4, "num_centroids": 4096, "num_res_centroids": 0},
-    "4 bits": {"vector_len": 4, "num_centroids": 256, "num_res_centroids": 256},
+    "2.5 bits": {"vector_len": 6, "num_centroids": 4096, "num_res_centroids": 0, "layer_bits_cap": 2.5},
+    "3.5 bits": {"vector_len": 4, "num_centroids": 4096, "num_res_centroids": 0, "layer_bits_cap": 3.5},
+    "4.5 bits": {"vector_len": 4, "num_centroids": 256, "num_res_centroids": 256, "layer_bits_cap": 4.5},
 }
 
 METHOD = register(Method(

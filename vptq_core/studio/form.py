@@ -36,6 +36,7 @@ FIELD_LABELS = {
     "vector_len": "vector length", "num_centroids": "centroids", "num_res_centroids": "residual centroids",
     "outlier_percent": "outlier columns %", "group_num": "groups", "kmeans_iters": "k-means iterations",
     "enable_norm": "normalize columns", "enable_perm": "permute columns", "finetune_iters": "fine-tune iterations",
+    "layer_bits_cap": "max total bits per layer", "distill_iters": "distillation steps",
     "bits": "bits", "group_size": "group size", "activations": "activations", "act_order": "act order",
     "rank": "LRQ rank", "iters": "LRQ iterations per block", "seed": "seed", "samples": "calibration samples",
     "seqlen": "tokens per sample",
@@ -146,8 +147,11 @@ def initial_values(preset: str | None = None) -> dict[str, Any]:
     return values
 
 
+DEFAULT_PRESET = "2.5 bits"  # the preset the page starts with (presets are named by total bits per weight)
+
+
 def preset_names() -> list[str]:
-    """Every preset name of the registered methods, first-seen order ("2 bits", "3 bits", "4 bits")."""
+    """Every preset name of the registered methods, first-seen order ("2.5 bits", "3.5 bits", "4.5 bits")."""
     return list(dict.fromkeys(p for m in methods.all_methods() for p in m.presets))
 
 

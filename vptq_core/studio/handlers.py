@@ -227,7 +227,7 @@ class Studio:
         if width <= form.SMALL_MODEL_WIDTH:
             samples, seqlen = form.SMALL_MODEL_CALIB
             return [form.CUSTOM, samples, seqlen, *(form.SMALL_MODEL_VALUES.get(k, gr.skip()) for k in keys)]
-        chosen = preset if preset in form.preset_names() else "2 bits"
+        chosen = preset if preset in form.preset_names() else form.DEFAULT_PRESET
         values = form.preset_values(method, chosen, keys)
         samples, seqlen = form.MODEL_CALIB
         return [chosen, samples, seqlen, *(values.get(k, gr.skip()) for k in keys)]
