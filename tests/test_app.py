@@ -977,3 +977,20 @@ def test_closing_the_session_deletes_its_runs(served, tmp_path, monkeypatch):
     while any(d.exists() for d in dirs) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(d.exists() for d in dirs)
+
+
+def test_sampled_replies_stay_reproducible_with_both_sides_at_once(served):
+    """Two sessions sampling at once (as the chat's two sides do) each give what their seed gives alone."""
+    model, tok = load_model(TINY)
+    alone = "".join(ChatSession(model, tok).stream("Hello", max_new_tokens=12, temperature=1.0, seed=3))
+    outs: dict[int, str] = {}
+
+    def side(i: int) -> None:
+        outs[i] = "".join(ChatSession(model, tok).stream("Hello", max_new_tokens=12, temperature=1.0, seed=3))
+
+    threads = [threading.Thread(target=side, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert alone and outs == {0: alone, 1: alone}

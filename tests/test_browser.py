@@ -215,7 +215,7 @@ def test_quantize_evaluate_download_reload_chat_in_the_browser(app, browser, pag
     page.get_by_role("option", name=re.compile(job_id)).click()
     expect(page.locator("#chat-models")).to_contain_text("Quantized", timeout=60_000)
     expect(page.locator("#chat-models")).to_contain_text("Original")
-    expect(page.locator("#chat-speed-note")).to_contain_text("at the same time")
+    expect(page.locator("#chat-speed-note")).to_contain_text("Greedy (temperature 0): at the same time")
     page.locator("#chat-prompt textarea").fill("Hello there")
     page.click("#chat-send")
     expect(page.locator("#stats-quantized")).to_contain_text("tokens/s", timeout=120_000)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStr
 
 from vptq_core import generation
 
+_SAMPLING = threading.Lock()  # held by a sampled generation (see ChatSession.stream)
 
 @dataclass
 class GenerationStats:
@@ -150,11 +152,16 @@ class ChatSession:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         errors: list[BaseException] = []
 
+        # Sampling draws from torch's one global generator: two sides sampling at once would take each other's
+        # numbers, so sampled replies take turns (each stays what its seed gives); greedy ones run at once.
+        sampling = _SAMPLING if temperature > 0 else contextlib.nullcontext()
+
         def run() -> None:
             try:
-                torch.manual_seed(seed)
-                with torch.no_grad():
-                    generation.generate(self.model, **kwargs)  # lean loop where it equals generate()
+                with sampling:
+                    torch.manual_seed(seed)
+                    with torch.no_grad():
+                        generation.generate(self.model, **kwargs)  # lean loop where it equals generate()
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
                 errors.append(exc)
                 streamer.end()
