@@ -69,7 +69,9 @@ def test_stopped_run_resumes_to_the_same_checkpoint(tmp_path, model_dir, calib, 
     full, summary = quantize_to_dir(str(model_dir), method, config, calib, tmp_path / "full")
     assert summary["resumed_from_block"] == 0 and not (full / ".partial").exists()
 
-    on_layer, should_stop = stop_after(7)  # stops when block 0 is done
+    # stops when block 0 is done; with fine-tuning (which polls should_stop too, after block 0's 7 linears) inside
+    # block 1, after its first linear
+    on_layer, should_stop = stop_after(8 if getattr(config, "finetune_iters", 0) else 7)
     out, summary = quantize_to_dir(str(model_dir), method, config, calib, tmp_path / "cut", on_layer=on_layer,
                                    should_stop=should_stop)
     assert summary["cancelled"] and summary["blocks_done"] == 1
