@@ -46,6 +46,7 @@ def allocated(budget: float, **settings) -> VPTQConfig:
 
 
 KD = {"distill_iters": 32, "distill_lr": 2e-4, "distill_norm_lr": 2e-4, "distill_eval_every": 8}
+KD16 = {**KD, "distill_iters": 16, "distill_eval_every": 4}
 
 ROWS: dict[str, tuple[str, object, str]] = {
     "rtn-2": ("rtn", ScalarConfig(bits=2, group_size=64), "RTN 2-bit g64"),
@@ -66,6 +67,8 @@ ROWS: dict[str, tuple[str, object, str]] = {
                        "VPTQ 2.5 total bits: v6 k4096, per-layer cap (allocator)"),
     "vptq-2.5-alloc-kd32": ("vptq", allocated(2.5, vector_len=6, num_centroids=4096, **KD),
                             "VPTQ 2.5 total bits (allocator) + distillation 32 steps"),
+    "vptq-2.5-alloc-kd16": ("vptq", allocated(2.5, vector_len=6, num_centroids=4096, **KD16),
+                            "VPTQ 2.5 total bits (allocator) + distillation 16 steps"),
     "vptq-2-v6k4096-kd32": ("vptq", VPTQConfig(vector_len=6, num_centroids=4096, **KD),
                             "VPTQ v6 k4096 + distillation 32 steps"),
     "vptq-1-v8k256": ("vptq", VPTQConfig(vector_len=8, num_centroids=256), "VPTQ v8 k256 (no residual)"),

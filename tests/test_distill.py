@@ -110,3 +110,23 @@ def test_teacher_topk_shapes_and_mass(tiny_model, windows):
     assert t["logp"].shape == t["index"].shape == (2, 63, 16) and t["rest"].shape == (2, 63)
     total = torch.logaddexp(t["logp"].logsumexp(-1), t["rest"])
     torch.testing.assert_close(total, torch.zeros_like(total), atol=1e-5, rtol=0)
+
+
+def test_quantize_to_dir_distils_and_writes_the_distilled_model(tmp_path, tiny_model):
+    from vptq_core.api import quantize_to_dir
+    from vptq_core.quant.config import CalibConfig
+
+    model, _ = tiny_model
+    cfg = dataclasses.replace(TINY, distill_iters=4, distill_lr=3e-3, distill_norm_lr=3e-3, distill_holdout=0.0,
+                              distill_eval_every=1, distill_topk=16)
+    steps = []
+    out, summary = quantize_to_dir("tiny-random-llama", "vptq", cfg, CalibConfig(samples=4, seqlen=32),
+                                   tmp_path / "ckpt", device="cpu", on_step=lambda *a: steps.append(a))
+    assert [s[:3] for s in steps] == [("distill", i, 4) for i in range(1, 5)]
+    assert summary["streaming"].startswith("off: distill") and "distill" in summary["model_metrics"]
+    loaded, _ = load_quantized(out, dtype=torch.float32)
+    metrics = summary["model_metrics"]["distill"]
+    assert metrics["best_step"] > 0 and metrics["kl_after"] < metrics["kl_before"]
+    # the distilled norm weights are what the checkpoint holds
+    assert [n for n, p in loaded.named_parameters() if "norm" in n and not torch.equal(p, model.get_parameter(n))]
+    assert not (tmp_path / "ckpt" / ".partial").exists()
