@@ -339,6 +339,11 @@ def test_bad_settings_give_clear_errors(served, gated, monkeypatch):
         text, start = served.studio.estimate_md(**estimate_kwargs(**bad))
         assert text.startswith("⚠️") and start.interactive is False, bad
     assert "seed must be in 0..18446744073709551615" in served.studio.estimate_md(**estimate_kwargs(seed=2**64))[0]
+    # A setting that this model's layers cannot meet is refused the same way (no error mark, Start disabled).
+    text, start = served.studio.estimate_md(**estimate_kwargs(layer_bits_cap=0.5))
+    assert text.startswith("⚠️ max total bits per layer 0.5: no vector length fits a ") and not start.interactive
+    with pytest.raises(AppError, match=r"^max total bits per layer 0\.5: no vector length fits"):
+        client.predict(**job_kwargs(layer_bits_cap=0.5), api_name="/start")
     good = client.predict(**estimate_kwargs(), api_name="/estimate")
     assert "**1.000 index bits**" in good and "14 linears in 2 blocks" in good
     assert served.studio.estimate_md(**estimate_kwargs())[1].interactive is True

@@ -154,7 +154,8 @@ class Studio:
         return views.progress_html(snap, message, roots=self.roots, hidden=self.hidden())
 
     def error(self, exc) -> gr.Error:
-        return user_error(self.public(exc))
+        """A refusal for the user: the form's words for settings, no server paths or session ids."""
+        return user_error(self.public(form.readable(exc)))
 
     def job_json(self, snap, reports: bool = False) -> dict:
         return views.public_job(snap, reports=reports, roots=self.roots, hidden=self.hidden())
@@ -191,11 +192,11 @@ class Studio:
             config = form.config_from(method, settings)
             samples, seqlen = _calib_size(calib_samples, calib_seqlen)
             info = model_info(name)
+            est = estimate(info, method, config)  # (a setting may not fit this model's layers)
+            seconds, basis = self.predicted_seconds(info, method, config, samples, seqlen)
         except ValueError as exc:
             return f"⚠️ {self.public(form.readable(exc))}", gr.Button(interactive=False)
-        seconds, basis = self.predicted_seconds(info, method, config, samples, seqlen)
-        return (views.estimate_md(info, estimate(info, method, config), seconds, basis),
-                gr.Button(interactive=True))
+        return views.estimate_md(info, est, seconds, basis), gr.Button(interactive=True)
 
     def predicted_seconds(self, info, method: str, config, samples: int, seqlen: int) -> tuple[float | None, str]:
         """(seconds a run should take here, what that rests on): ``estimate.time_estimate`` (a 2-core CPU) times
