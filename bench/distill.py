@@ -1,23 +1,17 @@
-"""Fine-tuning and distillation of 2-bit VPTQ on SmolLM2-135M-Instruct: what each piece buys.
-
-Two experiments:
+"""Layer-wise fine-tuning of 2-bit VPTQ on SmolLM2-135M-Instruct: what each piece buys.
 
 ``blocks``: layer-wise fine-tuning variants on real blocks. Protocol: SmolLM2 blocks ``--blocks`` with
-inputs from the original blocks before them, VPTQ ``--preset`` (default v6 k4096) quantization of the block
+inputs from the original blocks before them, VPTQ ``--preset`` (default "2.5 bits") quantization of the block
 on ``--calib`` wiki calibration windows x 512 tokens (even articles, seed 0); each variant fine-tunes a copy
 of the quantized block; error = relative block-output error ||Y_q - Y||^2 / ||Y||^2 on ``--held`` windows of
 the held-out wiki split (odd articles) and of Python's docs (pydocs, odd topics), and on the training
 windows ("fit"). ``legacy`` is the fine-tuning of the previous version (centroids only, random batches of 2
 with replacement, constant lr, accepted on the first 2 training windows).
 
-``model``: the whole recipe. Quantize (pipeline, ``--calib`` windows; layer-wise fine-tuning when
-``--finetune-iters``), then end-to-end distillation (``--distill-iters``) on the same calibration windows,
-then evaluate in bf16 against the bf16 original on ``--windows`` held-out wiki and pydocs windows:
-perplexity, KL, top-1, bits and wall time of each phase. The quantized states are cached under
-``--cache`` so the distillation settings can be compared on the same quantization.
+The whole recipe (quantization, then end-to-end distillation, evaluated before and after distilling on
+held-out wiki and pydocs) is measured by ``bench/quality.py`` rows ``*-kd*``.
 
     python bench/distill.py blocks [--blocks 3 15 27] [--iters 32]
-    python bench/distill.py model --finetune-iters 0 --distill-iters 64
 """
 
 from __future__ import annotations
@@ -189,7 +183,7 @@ def main() -> None:
     p.add_argument("--calib", type=int, default=16)
     p.add_argument("--held", type=int, default=4)
     p.add_argument("--iters", type=int, default=32)
-    p.add_argument("--preset", default="2 bits", choices=list(PRESETS))
+    p.add_argument("--preset", default="2.5 bits", choices=list(PRESETS))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--only", nargs="*", help="run only variants whose label contains one of these strings")
     p.add_argument("--out", help="write the records as JSON lines")
