@@ -96,6 +96,7 @@ def test_finetune_trains_norms_and_keeps_the_best_heldout_check(tiny_model, wind
                               finetune_eval_every=4, finetune_holdout=0.25, train_dtype="float32")
     metrics = finetune_block_centroids(block, states, inps, targets, forward, cfg)
     assert metrics["finetune_heldout"] == 4 and metrics["finetune_best_step"] in (4, 8, 12, 16)
+    assert len(metrics["finetune_curve"]) == 16 and all(v > 0 for v in metrics["finetune_curve"])
     assert metrics["finetune_loss_after"] < metrics["finetune_loss_before"]
     # the reported held-out loss is the block's (windows 12-15, never trained on), as the pipeline will use it
     assert _heldout_mse(block, inps, targets, forward, HELD) == pytest.approx(metrics["finetune_loss_after"], rel=1e-5)

@@ -241,7 +241,8 @@ def finetune_block_centroids(
 
     Returns metrics for the block's reports: ``finetune_loss_before`` / ``finetune_loss_after`` (held-out
     MSE; after <= before), ``finetune_rel_before`` / ``finetune_rel_after`` (held-out relative output
-    error), ``finetune_best_step`` (0 = rejected), ``finetune_heldout`` (windows held out).
+    error), ``finetune_best_step`` (0 = rejected), ``finetune_heldout`` (windows held out), ``finetune_curve``
+    (the training minibatch loss of every step, for the live plots).
     """
     n = inputs.shape[0]
     n_val = holdout_count(n, config.finetune_holdout)
@@ -285,6 +286,7 @@ def finetune_block_centroids(
             iters = config.finetune_iters
             every = config.finetune_eval_every or iters
             batches = minibatches(n_train, batch, config.seed)
+            curve: list[float] = []
             try:
                 for step in range(iters):
                     if should_stop():
@@ -299,6 +301,7 @@ def finetune_block_centroids(
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                     optimizer.step()
+                    curve.append(float(loss.detach()))
                     if (step + 1) % every == 0 or step + 1 == iters:
                         loss_now, rel_now = heldout()
                         if loss_now < best_loss:
@@ -310,4 +313,5 @@ def finetune_block_centroids(
             best.restore()
         write_back(linears, trainables, states)
     return {"finetune_loss_before": before, "finetune_loss_after": best_loss, "finetune_rel_before": rel_before,
-            "finetune_rel_after": best_rel, "finetune_best_step": best_step, "finetune_heldout": n_val}
+            "finetune_rel_after": best_rel, "finetune_best_step": best_step, "finetune_heldout": n_val,
+            "finetune_curve": curve}
