@@ -86,6 +86,7 @@ def test_stopped_run_resumes_to_the_same_checkpoint(tmp_path, model_dir, calib, 
     assert_identical(full, out)
 
 
+@pytest.mark.slow  # two CLI subprocesses; the in-process stop-and-resume tests above stay in the fast suite
 def test_killed_process_resumes_from_the_last_finished_block(tmp_path, model_dir, text_file):
     flags = ["quantize", "--model", str(model_dir), "--method", "vptq", "--vector-len", "4", "--centroids", "16",
              "--kmeans-iters", "2", "--outlier-percent", "0", "--calib-text", text_file, "--calib-samples", "4",
