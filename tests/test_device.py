@@ -189,14 +189,8 @@ TINY_CONFIGS = {
     "rtn": ScalarConfig(bits=3, group_size=32, act_bits=8, act_granularity="tensor"),
     "lrq": LRQConfig(bits=3, iters=3, act_bits=8, act_granularity="tensor"),
 }
-NEEDS_DEVICE_FIXES = pytest.mark.xfail(
-    strict=True, reason="vptq.py / gptq.py / refit.py create index tensors on the CPU (torch.zeros / torch.arange "
-    "without device=): the diffs are in the GPU-quantization report; remove this mark when they are applied")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("method", [pytest.param("vptq", marks=NEEDS_DEVICE_FIXES),
-                                    pytest.param("gptq", marks=NEEDS_DEVICE_FIXES), "rtn", "lrq"])
+@pytest.mark.parametrize("method", ["vptq", "gptq", "rtn", "lrq"])
 def test_quantize_model_on_a_device_equals_the_cpu_run(method, monkeypatch):
     """Every phase of every method (Hessians, k-means, sweep, refit, fine-tuning, LRQ training, activation
     calibration) on the emulated device: the same states as on the CPU, bit for bit, and a bounded number of

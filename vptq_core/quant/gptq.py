@@ -33,9 +33,12 @@ def gptq_layer(
         scales.append(s)
         zeros.append(z)
     scales_t, zeros_t = torch.cat(scales, 1), torch.cat(zeros, 1)  # [out, n_groups]
-    col_group = torch.arange(in_features) // gs
+    col_group = torch.arange(in_features, device=Wd.device) // gs
 
-    perm = torch.argsort(torch.diag(Hd), descending=True) if config.act_order else torch.arange(in_features)
+    if config.act_order:
+        perm = torch.argsort(torch.diag(Hd), descending=True)
+    else:
+        perm = torch.arange(in_features, device=Wd.device)
     Wp, Hp = Wd[:, perm], Hd[perm][:, perm]
     col_scale = scales_t[:, col_group[perm]]  # [out, in] in permuted order
     col_zero = zeros_t[:, col_group[perm]]

@@ -42,14 +42,14 @@ def _scatter(use: CodebookUse, grad_block: torch.Tensor) -> torch.Tensor:
     """Adjoint of ``_gather``: a block [out, columns] -> its sum into codebook entries [k, v]."""
     rows, columns = use.indices.shape
     v = use.vector_len
-    padded = torch.zeros(rows * v, columns, dtype=grad_block.dtype)
+    padded = torch.zeros(rows * v, columns, dtype=grad_block.dtype, device=grad_block.device)
     padded[: grad_block.shape[0]] = grad_block
     per_vector = padded.view(rows, v, columns).permute(0, 2, 1).reshape(-1, v)  # [rows*columns, v]
     return torch.zeros_like(use.centroids).index_add_(0, use.indices.reshape(-1), per_vector)
 
 
 def _weight(uses: list[CodebookUse], codebooks: list[torch.Tensor], out_features: int, in_features: int):
-    W = torch.zeros(out_features, in_features)
+    W = torch.zeros(out_features, in_features, dtype=codebooks[0].dtype, device=codebooks[0].device)
     for use, codebook in zip(uses, codebooks):
         columns = use.indices.shape[1]
         W[:, use.start : use.start + columns] += _gather(use, codebook, out_features)

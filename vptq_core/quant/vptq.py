@@ -87,7 +87,8 @@ def _sweep(
     segment_of: list[int] = []
     for s, seg in enumerate(segments):
         segment_of += [s] * (seg.end - seg.start)
-        seg.indices = torch.zeros(math.ceil(out / seg.vector_len), seg.end - seg.start, dtype=torch.long)
+        seg.indices = torch.zeros(math.ceil(out / seg.vector_len), seg.end - seg.start, dtype=torch.long,
+                                  device=W.device)
         seg.res_indices = torch.zeros_like(seg.indices) if seg.res_centroids is not None else None
     searches = [CodebookSearch(seg.centroids) for seg in segments]
     res_searches = [None if seg.res_centroids is None else CodebookSearch(seg.res_centroids) for seg in segments]
@@ -141,9 +142,9 @@ def column_layout(diag: torch.Tensor, config: VPTQConfig) -> ColumnLayout:
     elif outlier_size:
         # Outlier columns must come first in stored order; the rest keep their natural order.
         outliers = by_importance[:outlier_size]
-        rest = torch.ones(in_features, dtype=torch.bool)
+        rest = torch.ones(in_features, dtype=torch.bool, device=diag.device)
         rest[outliers] = False
-        perm = torch.cat([outliers, torch.arange(in_features)[rest]])
+        perm = torch.cat([outliers, torch.arange(in_features, device=diag.device)[rest]])
     else:
         perm = None
     group_size = (in_features - outlier_size) // config.group_num
