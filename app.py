@@ -176,6 +176,7 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                         with gr.Row():
                             start_btn = gr.Button("Start", variant="primary", elem_id="start-btn")
                             cancel_btn = gr.Button("Cancel", variant="stop", elem_id="cancel-btn")
+                            resume_btn = gr.Button("Resume", elem_id="resume-btn")  # a run a restart cut off
                     with gr.Column(scale=2, min_width=480):
                         job_id = gr.Textbox(label="Job", interactive=False, max_lines=1, elem_id="job-id")
                         progress = gr.HTML(views.progress_html(None), elem_id="job-progress")
@@ -313,6 +314,8 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                         api_visibility="private", show_progress="hidden", concurrency_limit=4).success(
             app.start, inputs=[*model_inputs, *calib_inputs], inputs_kwargs=fields, outputs=live_outputs,
             api_name="start", concurrency_limit=4, show_progress="hidden")
+        resume_btn.click(app.resume, inputs=job_id, outputs=live_outputs, api_name="resume", concurrency_limit=4,
+                         show_progress="hidden")
         cancel_btn.click(app.cancel, inputs=job_id, outputs=[progress, job_json], api_name="cancel",
                          concurrency_limit=None, show_progress="hidden")
         timer.tick(app.poll, inputs=[job_id, poll_state],

@@ -999,3 +999,108 @@ def test_sampled_replies_stay_reproducible_with_both_sides_at_once(served):
     for t in threads:
         t.join(60)
     assert alone and outs == {0: alone, 1: alone}
+
+
+# ------------------------------------------------------------------------------------ restarts
+class Killed(BaseException):
+    """Stands in for the process dying: not an Exception, so the job thread ends without any cleanup."""
+
+
+def killed_after(layers: int):
+    """A ``make_task`` whose real quantization dies right after ``layers`` layers were published."""
+    def make(*args, **kwargs):
+        real = handlers.quantization_task(*args, **kwargs)
+
+        def task(ctx):
+            publish, seen = ctx.on_layer, []
+
+            def on_layer(report):
+                seen.append(report)
+                if len(seen) > layers:
+                    raise Killed
+                publish(report)
+
+            ctx.on_layer = on_layer
+            return real(ctx)
+
+        return task
+
+    return make
+
+
+def _page(session: str) -> SimpleNamespace:
+    return SimpleNamespace(session_hash=session)
+
+
+# Real quantizations (rtn: about 5 s, vptq: about 25 s on 2 cores); the queue's side is tested fast in test_jobs.
+RESTART_CASES = [pytest.param("rtn", id="rtn", marks=pytest.mark.slow),
+                 pytest.param("vptq", id="vptq", marks=pytest.mark.slow)]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("method", RESTART_CASES)
+def test_a_run_cut_off_by_a_restart_resumes_to_the_same_checkpoint(tmp_path, method):
+    settings = studio_app.AppSettings(workdir=tmp_path / "work", default_model=TINY)
+    calib_file = tmp_path / "calib.txt"  # (short: tokenizing the bundled Wikipedia text takes seconds)
+    calib_file.write_text("A small corpus of plain English words for calibration and evaluation. " * 60,
+                          encoding="utf-8")
+    kwargs = job_kwargs(method=method, calib_source=form.FILE_SOURCE, calib_file=str(calib_file))
+    before = handlers.Studio(settings, make_task=killed_after(LAYERS // 2))
+    identity = before.attach(None, _page("page-1"))[0]
+    job = before.start(**kwargs, request=_page("page-1"))[0]
+    before.manager._threads[job].join(120)  # the "process" died in block 1, after block 0 was written
+    before.close()
+    job_dir = settings.workdir / "jobs" / job
+    text = (job_dir / "job.json").read_text(encoding="utf-8")
+    description = json.loads(text)
+    assert description["owner_sha256"] == hashlib.sha256(identity.encode()).hexdigest()
+    assert identity not in text and "page-1" not in text
+    assert (description["model"], description["method"], description["state"]) == (TINY, method, "started")
+    assert description["calib"] == {"text": "uploaded file", "samples": 4, "seqlen": 64, "seed": 0}
+    calib_file.unlink()  # the upload is gone after the restart: the job directory keeps its own copy
+    assert description["settings"] == form.config_from(method, kwargs).to_dict()
+
+    # The restart: a new Studio (and JobManager) on the same work directory.
+    after = handlers.Studio(settings)
+    try:
+        stranger = after.attach(None, _page("page-3"))
+        assert stranger[1] == "" and after.manager.jobs(stranger[0]) == []
+        with pytest.raises(gr.Error, match=rf"no job '{job}' in this session"):
+            after.resume(job, _page("page-3"))
+        ident, watched, poll_state, timer, *_rest = after.attach(identity, _page("page-2"))
+        assert (ident, watched) == (identity, job)
+        snap = after.manager.get(job, identity)
+        assert snap.status == "interrupted" and snap.extras["interrupted"] == {"blocks_done": 1, "blocks_total": 2}
+        tick = after.poll(job, poll_state, _page("page-2"))
+        assert "interrupted" in tick[0] and "1 of 2 blocks done" in tick[0] and not tick[-1].active
+        calib_file.write_text("A small corpus of plain English words for calibration and evaluation. " * 60,
+                              encoding="utf-8")  # the uninterrupted run to compare with, on the same text
+        with pytest.raises(gr.Error, match="was not interrupted"):  # (only an interrupted run resumes)
+            after.resume(after.start(**kwargs, request=_page("page-2"))[0], _page("page-2"))
+        reference = _done(SimpleNamespace(studio=after), identity, after.manager.jobs(identity)[-1].id)
+        out = after.resume(job, _page("page-2"))
+        assert out[0] == job and out[9].active
+        resumed = after.manager.wait(job, identity, timeout=300)
+        assert resumed.status == "done", resumed.error
+        assert resumed.result["summary"]["resumed_from_block"] == 1 and resumed.layers_done == LAYERS
+        full = load_file(Path(reference.result["checkpoint_dir"]) / "model.safetensors")
+        cont = load_file(Path(resumed.result["checkpoint_dir"]) / "model.safetensors")
+        assert full.keys() == cont.keys()
+        for name, tensor in full.items():
+            assert torch.equal(tensor, cont[name]), name
+        assert not (job_dir / "checkpoint" / ".partial").exists()
+    finally:
+        after.manager.wait(job, identity, timeout=300)
+        after.close()
+
+    # Another restart: the finished runs come back with their results for their browser only.
+    again = handlers.Studio(settings)
+    try:
+        assert again.manager.jobs(_page("page-3").session_hash) == []
+        rows = again.attach(identity, _page("page-4"))[5]
+        assert sorted(r[0] for r in rows) == sorted([job, reference.id])
+        back = again.manager.get(job, identity)
+        assert back.status == "done" and back.result == resumed.result and back.layers_done == LAYERS
+        assert Path(again.download(job, _page("page-4"))).read_bytes() == Path(resumed.result["archive"]).read_bytes()
+    finally:
+        again.close()

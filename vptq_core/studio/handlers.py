@@ -7,6 +7,11 @@ to that identity, so runs survive a reload and come back in every tab of the sam
 never attach own their runs by their session id, and lose them when they disconnect. Finished runs are deleted
 ``AppSettings.run_ttl_hours`` after they finish.
 
+Restarts: finished runs come back after the app restarts, and so does a run the restart cut off, as
+"interrupted" with the blocks it had finished (``queue``: the job's description is kept in its directory, its
+owner as a hash of the identity); ``resume`` queues it again with the same settings and it continues from its
+last finished block (``api.quantize_to_dir(resume=True)``: the same checkpoint as an uninterrupted run).
+
 Downloads: the work directory is never served. A download is a fresh copy (a hard link where possible) of the
 run's archive in a directory with a random name inside Gradio's cache, made for the request that asked;
 those copies are deleted with their run. Messages and the job JSON name files, never server paths or ids of
@@ -39,6 +44,7 @@ from gradio.utils import get_upload_folder
 from ..api import source_model_of
 from ..eval import evaluate
 from ..models import BUNDLED, TINY, load_model
+from ..quant import methods
 from ..quant.config import CalibConfig
 from ..storage.archive import (
     DEFAULT_MAX_BYTES,
@@ -285,7 +291,8 @@ class Studio:
             self._unloaded.pop(session, None)
         self.manager.reassign(session, identity)  # jobs started before the page attached
         snaps = self.manager.jobs(identity)
-        watched = ([s for s in snaps if s.active] or snaps or [None])[-1]
+        interrupted = [s for s in snaps if s.status == "interrupted"]  # cut off by a restart: shown to resume
+        watched = ([s for s in snaps if s.active] or interrupted or snaps or [None])[-1]
         rows, fig, choices = self.runs_view(identity)
         job = watched.id if watched else ""
         ev = views.eval_md(watched.extras.get("eval")) if watched else ""
@@ -363,12 +370,51 @@ class Studio:
                                            "model": name, "method": method, "settings": config.to_dict(),
                                            "num_blocks": info.num_blocks, "modules": list(info.modules),
                                            "estimate": asdict(est), "reserve_bytes": reserve,
+                                           "calib": {**calib.to_dict(), **({"text": "uploaded file"} if calib_text
+                                                                            is not None else {})},
+                                           "calib_uploaded": calib_text is not None,
                                            "rough_seconds": time_estimate(info, config, calib.samples,
                                                                           calib.seqlen)})
         except ValueError as exc:
             raise self.error(exc) from None
         return (snap.id, self.progress(snap), plots.proxy_error_figure([], info.num_blocks),
                 plots.error_heatmap_figure([], info.num_blocks, info.modules), [], "",
+                gr.DownloadButton(value=None, visible=False), "", {"job": snap.id, "version": None, "status": None},
+                gr.Timer(active=True), self.job_json(snap), self._guard(owner))
+
+    def resume(self, job_id: str, request: gr.Request):
+        """Queue a run that a restart cut off again, with the settings it was started with: it continues from
+        its last finished block. The same limits as ``start`` apply (jobs queued or running, the queue, the disk
+        quotas). Returns what ``start`` returns."""
+        owner = self.owner(request)
+        try:
+            if not job_id:
+                raise ValueError("no run to resume: a run interrupted by a restart is shown under Job after the "
+                                 "page loads")
+            snap = self.manager.get(job_id, owner, reports=False)
+            if snap.status != "interrupted":
+                raise ValueError(f"job {job_id} was not interrupted, it cannot be resumed (status: {snap.status})")
+            meta = snap.meta
+            if not isinstance(meta.get("calib"), dict) or meta.get("method") not in methods.names():
+                raise ValueError(f"job {job_id} does not say how it was started; start it again")
+            config = methods.make_config(meta["method"], meta.get("settings") or {})
+            calib = CalibConfig.from_dict(meta["calib"])
+            calib_text = None
+            if meta.get("calib_uploaded"):
+                path = self.manager.jobs_dir / snap.id / "calibration.txt"
+                if not path.is_file():
+                    raise ValueError(f"job {job_id} lost its uploaded calibration text; start it again")
+                calib_text = path.read_text(encoding="utf-8")
+            reserve = int(meta.get("reserve_bytes") or 0)
+            self._check_disk(owner, max(reserve - self.manager.job_bytes(snap.id, owner), 0), "resuming this run")
+            task = self.make_task(meta["model"], meta["method"], config, calib, device=self.settings.device,
+                                  calib_text=calib_text, resume=True)
+            snap = self.manager.resume(snap.id, owner, task, device=self.settings.device)
+        except ValueError as exc:
+            raise self.error(exc) from None
+        num_blocks, modules = meta.get("num_blocks"), meta.get("modules")
+        return (snap.id, self.progress(snap), plots.proxy_error_figure([], num_blocks),
+                plots.error_heatmap_figure([], num_blocks, modules), [], "",
                 gr.DownloadButton(value=None, visible=False), "", {"job": snap.id, "version": None, "status": None},
                 gr.Timer(active=True), self.job_json(snap), self._guard(owner))
 

@@ -3,6 +3,15 @@ per-layer reports published while they run, cancellation between layers, failure
 a limit on the runs one owner keeps, finished runs deleted from disk once they are older than ``max_age_s``,
 and listeners told about every deleted job (e.g. to drop copies served for download).
 
+Runs survive a restart of the process: a job that starts writes its description (``job.json``: the owner's
+identity as a SHA-256 hash, never the identity itself, the title, kind, device, times and ``meta``) into its
+directory, and a finished one adds its result (paths relative to the job directory), extras and layer reports.
+A new ``JobManager`` on the same work directory reloads every job directory with a valid description: finished
+runs come back as they were, a run that was cut off (no result, but an unfinished run in
+``<job dir>/checkpoint/.partial``, ``api.partial_status``) comes back as "interrupted" with the blocks it had
+finished, and ``resume`` queues it again. Reloaded jobs belong to nobody until a caller presents the identity
+whose hash they hold. Anything else there (no or a malformed description, expired) is deleted.
+
 A task is ``task(ctx: JobContext) -> dict``: it writes under ``ctx.out_dir``, reports through
 ``ctx.on_start`` / ``ctx.on_layer`` / ``ctx.set_phase``, polls ``ctx.should_stop()`` and raises
 ``JobCancelled`` to end as cancelled. Its returned dict becomes the job's ``result``.
@@ -11,6 +20,8 @@ A task is ``task(ctx: JobContext) -> dict``: it writes under ``ctx.out_dir``, re
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import os
 import re
@@ -25,11 +36,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-STATUSES = ("queued", "running", "done", "failed", "cancelled")
+STATUSES = ("queued", "running", "done", "failed", "cancelled", "interrupted")
 ACTIVE = ("queued", "running")
-FINISHED = ("done", "failed", "cancelled")
+FINISHED = ("done", "failed", "cancelled", "interrupted")  # interrupted: cut off by a restart, can be resumed
+KEPT = ("done", "interrupted")  # statuses that hold files and count against the runs an owner may keep
 DEFAULT_LIMITS = {"cpu": 1, "cuda": 1}
 _JOB_ID = re.compile(r"^[0-9a-f]{12}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+DESCRIPTION = "job.json"
+DESCRIPTION_FORMAT = 1
+MAX_DESCRIPTION_BYTES = 16_000_000
+RESULT_PATHS = ("checkpoint_dir", "archive")  # result fields that are paths inside the job directory
 _log = logging.getLogger(__name__)
 
 
@@ -122,6 +139,7 @@ class Job:
         self.layers_started: float | None = None
         self.finished: float | None = None
         self.forgotten = False  # owner gone: delete the outputs as soon as the job ends
+        self.owner_hash: str | None = None  # reloaded after a restart: owned by whoever's identity hashes to this
 
     def snapshot(self, position: int = 0, running_ahead: int = 0, reports: bool = True) -> JobSnapshot:
         with self.lock:
@@ -188,7 +206,8 @@ class JobManager:
     served. Every call that reads or changes a job names its owner; other owners' jobs are invisible.
 
     Args:
-        workdir: jobs write under ``workdir/jobs/<job id>/``; leftovers of earlier processes there are removed.
+        workdir: jobs write under ``workdir/jobs/<job id>/``; what earlier processes left there is reloaded when
+            it has a valid description (finished and interrupted runs), else removed (see the module docstring).
         limits: concurrent jobs per device, e.g. {"cpu": 1, "cuda": 1}.
         max_active_per_owner: queued + running jobs one owner may have.
         max_queued: jobs waiting in all queues together; beyond it ``submit`` refuses.
@@ -215,9 +234,6 @@ class JobManager:
         self.workdir = Path(workdir)
         self.jobs_dir = self.workdir / "jobs"
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.jobs_dir.iterdir():
-            if stale.is_dir() and not stale.is_symlink() and _JOB_ID.match(stale.name):
-                shutil.rmtree(stale, ignore_errors=True)
         self.limits = limits
         self.max_active_per_owner = max_active_per_owner
         self.max_queued = max_queued
@@ -230,6 +246,123 @@ class JobManager:
         self._running: dict[str, int] = dict.fromkeys(limits, 0)
         self._threads: dict[str, threading.Thread] = {}
         self._listeners: list[Callable[[str, str], None]] = []
+        self._restore()
+
+    # ------------------------------------------------------------------------------ restart: descriptions
+    def _restore(self) -> None:
+        """Reload the job directories of an earlier process that have a valid description; remove the rest."""
+        now = time.time()
+        for path in sorted(self.jobs_dir.iterdir()):
+            if not path.is_dir() or path.is_symlink() or not _JOB_ID.match(path.name):
+                continue
+            try:
+                job = self._restored_job(path, now)
+            except Exception as exc:  # noqa: BLE001 - whatever is wrong with a leftover, it is removed
+                _log.info("removing job directory %s: %s", path.name, exc)
+                job = None
+            if job is None:
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                self._jobs[job.id] = job
+
+    def _restored_job(self, path: Path, now: float) -> Job | None:
+        """The job described in ``path`` (None, or ValueError why, when it cannot come back)."""
+        file = path / DESCRIPTION
+        if not file.is_file() or file.is_symlink():
+            return None
+        if file.stat().st_size > MAX_DESCRIPTION_BYTES:
+            raise ValueError(f"{DESCRIPTION} is larger than {MAX_DESCRIPTION_BYTES} bytes")
+        data = json.loads(file.read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or data.get("format") != DESCRIPTION_FORMAT:
+            raise ValueError(f"{DESCRIPTION} is not a job description of format {DESCRIPTION_FORMAT}")
+        _expect(data.get("id") == path.name, "its id is not its directory's name")
+        _expect(isinstance(data.get("owner_sha256"), str) and _SHA256.match(data["owner_sha256"]),
+                "owner_sha256 is not a SHA-256 hex digest")
+        for key in ("title", "kind", "device", "state"):
+            _expect(isinstance(data.get(key), str), f"{key} is not a string")
+        for key in ("created", "started", "finished"):
+            _expect(data.get(key) is None or _number(data[key]), f"{key} is not a time")
+        _expect(_number(data.get("created")), "created is not a time")
+        for key in ("meta", "extras"):
+            _expect(isinstance(data.get(key), dict), f"{key} is not an object")
+        reports = data.get("reports", [])
+        _expect(isinstance(reports, list) and all(_report_ok(r) for r in reports), "reports are malformed")
+        job = Job(path.name, "", _not_resumed, data["title"], data["kind"], data["device"], data["meta"], path)
+        job.owner_hash = data["owner_sha256"]
+        job.created, job.started, job.extras = float(data["created"]), data.get("started"), dict(data["extras"])
+        if data["state"] == "done":
+            result = data.get("result")
+            _expect(isinstance(result, dict), "a finished job has no result")
+            result = dict(result)
+            for key in RESULT_PATHS:
+                rel = result.get(key)
+                if rel is None:
+                    continue
+                _expect(isinstance(rel, str), f"result {key} is not a path")
+                target = (path / rel).resolve()
+                _expect(target.is_relative_to(path.resolve()) and target.exists(),
+                        f"result {key} {rel!r} is not inside the job directory")
+                result[key] = str(path / rel)
+            _expect(_number(data.get("finished")), "a finished job has no finish time")
+            job.status, job.phase, job.result, job.finished = "done", "done", result, float(data["finished"])
+            job.reports = [_StoredReport(r) for r in reports]
+            job.total_layers = len(job.reports) or None
+        elif data["state"] == "started":
+            status = _partial_status(path)
+            if status is None:
+                return None  # cut off before it had written anything worth keeping
+            run_file = Path(status["dir"]) / "run.json"
+            job.finished = run_file.stat().st_mtime  # when it last finished a block
+            job.status = "interrupted"
+            job.phase = (f"interrupted by a restart after {status['blocks_done']} of {status['blocks_total']} "
+                         "blocks")
+            job.extras["interrupted"] = {"blocks_done": int(status["blocks_done"]),
+                                         "blocks_total": int(status["blocks_total"])}
+        else:
+            raise ValueError(f"state must be 'started' or 'done', got {data['state']!r}")
+        if self.max_age_s is not None and now - job.finished > self.max_age_s:
+            return None
+        return job
+
+    def _describe_locked(self, job: Job) -> None:
+        """Write ``job``'s description into its directory (atomic; the directory must exist). Jobs that did not
+        finish well write none (their directory goes)."""
+        with job.lock:
+            if job.status not in ("running", "done", "interrupted") or job.forgotten or not job.out_dir.is_dir():
+                return
+            owner_hash = job.owner_hash or owner_digest(job.owner)
+            data = {"format": DESCRIPTION_FORMAT, "id": job.id, "owner_sha256": owner_hash, "title": job.title,
+                    "kind": job.kind, "device": job.device, "created": job.created, "started": job.started,
+                    "finished": job.finished, "state": "done" if job.status == "done" else "started",
+                    "model": job.meta.get("model"), "method": job.meta.get("method"),
+                    "settings": job.meta.get("settings"), "calib": job.meta.get("calib"),
+                    "meta": job.meta, "extras": {k: v for k, v in job.extras.items() if k != "interrupted"}}
+            if job.status == "done":
+                result = dict(job.result or {})
+                for key in RESULT_PATHS:
+                    if result.get(key) is not None:
+                        result[key] = os.path.relpath(result[key], job.out_dir)
+                data["result"] = result
+                data["reports"] = [r.to_dict() for r in job.reports]
+        try:
+            text = json.dumps(data, default=_plain)
+            tmp = job.out_dir / f".{DESCRIPTION}.tmp"
+            with tmp.open("w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, job.out_dir / DESCRIPTION)
+        except (OSError, TypeError, ValueError):  # the run goes on; it only would not come back after a restart
+            _log.warning("cannot write the description of job %s", job.id, exc_info=True)
+
+    def _adopt_locked(self, owner: str) -> None:
+        """Reloaded jobs whose owner hash is ``owner``'s become ``owner``'s."""
+        if not any(j.owner_hash for j in self._jobs.values()):
+            return
+        digest = owner_digest(owner)
+        for job in self._jobs.values():
+            if job.owner_hash == digest:
+                job.owner, job.owner_hash = owner, None
 
     def on_delete(self, listener: Callable[[str, str], None]) -> None:
         """Call ``listener(job_id, owner)`` after a job and its files are deleted (pruned, deleted by its owner,
@@ -272,14 +405,16 @@ class JobManager:
                 job.status, job.phase, job.result = "done", "done", dict(result or {})
                 job.started = job.finished = now
                 self._jobs[job_id] = job
+                self._describe_locked(job)
                 return self._snapshot_locked(job)
         except BaseException:
             shutil.rmtree(out_dir, ignore_errors=True)
             raise
 
     def _check_runs_locked(self, owner: str) -> None:
+        self._adopt_locked(owner)
         kept = [j for j in self._jobs.values()
-                if j.owner == owner and not j.forgotten and j.status in ("done", *ACTIVE)]
+                if j.owner == owner and not j.forgotten and j.status in (*KEPT, *ACTIVE)]
         if len(kept) >= self.max_runs_per_owner:
             raise ValueError(f"you already have {len(kept)} runs kept or in progress (limit {self.max_runs_per_owner} "
                              f"per browser); delete one under 'Your runs' first")
@@ -307,6 +442,8 @@ class JobManager:
             job.out_dir.mkdir(parents=True, exist_ok=True)
             if job.cancel_event.is_set():
                 raise JobCancelled
+            with self._lock:
+                self._describe_locked(job)  # from here on a restart finds it (and resumes it, see the docstring)
             result = job.task(JobContext(job))
             if result is not None and not isinstance(result, dict):
                 raise TypeError(f"a job task must return a dict or None, got {type(result).__name__}")
@@ -325,6 +462,7 @@ class JobManager:
                 job.result = dict(result) if status == "done" and result is not None else None
                 job.finished = time.time()
                 job.phase = {"done": "done", "failed": "failed", "cancelled": "cancelled"}[status]
+            self._describe_locked(job)
             self._running[job.device] -= 1
             self._threads.pop(job.id, None)
             if job.forgotten:
@@ -335,6 +473,7 @@ class JobManager:
     # ------------------------------------------------------------------------------------- queries
     def _owned(self, job_id: str, owner: str) -> Job:
         _check_owner(owner)
+        self._adopt_locked(owner)
         job = self._jobs.get(job_id) if isinstance(job_id, str) else None
         if job is None or job.owner != owner or job.forgotten:
             kept = f", and are deleted {self.max_age_s / 3600:g} h after they finish" if self.max_age_s else ""
@@ -361,23 +500,34 @@ class JobManager:
         _check_owner(owner)
         with self._lock:
             self._prune_locked()
+            self._adopt_locked(owner)
             found = [self._snapshot_locked(j, reports) for j in self._jobs.values()
                      if j.owner == owner and not j.forgotten]
         return [s for s in found if statuses is None or s.status in statuses]
 
     def disk_usage(self, owner: str | None = None) -> int:
-        """Bytes on disk under the job directories of ``owner`` (None: of every job). A queued or running job
-        counts at least its ``meta["reserve_bytes"]`` (what it will write), so quotas hold while it runs."""
+        """Bytes on disk under the job directories of ``owner`` (None: of every job), their descriptions not
+        counted. A queued or running job counts at least its ``meta["reserve_bytes"]`` (what it will write), so
+        quotas hold while it runs."""
         with self._lock:
+            if owner is not None:
+                self._adopt_locked(owner)
             jobs = [(j.out_dir, j.status in ACTIVE, j.meta.get("reserve_bytes") or 0)
                     for j in self._jobs.values() if owner is None or j.owner == owner]
-        return sum(max(_tree_bytes(d), int(reserve) if active else 0) for d, active, reserve in jobs)
+        return sum(max(_run_bytes(d), int(reserve) if active else 0) for d, active, reserve in jobs)
+
+    def job_bytes(self, job_id: str, owner: str) -> int:
+        """Bytes on disk under the directory of the job ``job_id`` of ``owner``."""
+        with self._lock:
+            job = self._owned(job_id, owner)
+        return _run_bytes(job.out_dir)
 
     def check_submit(self, owner: str) -> None:
         """Raise the ValueError ``submit`` would raise for ``owner`` now (limits per owner, a full queue)."""
         _check_owner(owner)
         with self._lock:
             self._prune_locked()
+            self._adopt_locked(owner)
             mine = [j for j in self._jobs.values() if j.owner == owner and j.status in ACTIVE]
             if len(mine) >= self.max_active_per_owner:
                 raise ValueError(f"you already have {len(mine)} job(s) queued or running (limit "
@@ -395,6 +545,7 @@ class JobManager:
                 if job.result is None:
                     raise ValueError(f"job {job_id} has no result (status: {job.status})")
                 job.result.update(fields)
+            self._describe_locked(job)
             return self._snapshot_locked(job)
 
     def reassign(self, old_owner: str, new_owner: str) -> int:
@@ -403,9 +554,11 @@ class JobManager:
         _check_owner(old_owner)
         _check_owner(new_owner)
         with self._lock:
+            self._adopt_locked(old_owner)
             mine = [j for j in self._jobs.values() if j.owner == old_owner and not j.forgotten]
             for job in mine:
                 job.owner = new_owner
+                self._describe_locked(job)
             return len(mine)
 
     def checkpoint_dir(self, job_id: str, owner: str) -> Path:
@@ -421,6 +574,7 @@ class JobManager:
             job = self._owned(job_id, owner)
             with job.lock:
                 job.extras[key] = value
+            self._describe_locked(job)
             return self._snapshot_locked(job)
 
     def wait(self, job_id: str, owner: str, timeout: float | None = None) -> JobSnapshot:
@@ -431,6 +585,39 @@ class JobManager:
             if not snap.active or (deadline is not None and time.monotonic() >= deadline):
                 return self.get(job_id, owner)
             time.sleep(0.05)
+
+    def resume(self, job_id: str, owner: str, task: Callable[[JobContext], dict],
+               device: str | None = None) -> JobSnapshot:
+        """Queue an interrupted job of ``owner`` again, in its own directory, with ``task`` (one that continues
+        the unfinished run there). The limits on queued and running jobs apply as for ``submit``; the run already
+        counts among those the owner keeps."""
+        with self._lock:
+            job = self._owned(job_id, owner)
+            device = job.device if device is None else device
+            if device not in self.limits:
+                raise ValueError(f"device must be one of {sorted(self.limits)}, got {device!r}")
+            with job.lock:
+                status = job.status
+            if status != "interrupted":
+                raise ValueError(f"job {job_id} was not interrupted, it cannot be resumed (status: {status})")
+            self._prune_locked()
+            mine = [j for j in self._jobs.values() if j.owner == owner and j.status in ACTIVE]
+            if len(mine) >= self.max_active_per_owner:
+                raise ValueError(f"you already have {len(mine)} job(s) queued or running (limit "
+                                 f"{self.max_active_per_owner}); wait for one to finish or cancel it")
+            waiting = sum(len(q) for q in self._queues.values())
+            if waiting >= self.max_queued:
+                raise ValueError(f"the queue is full ({waiting} jobs waiting); try again in a few minutes")
+            with job.lock:
+                job.task, job.device, job.cancel_event = task, device, threading.Event()
+                job.status, job.phase, job.error, job.error_detail, job.result = (
+                    "queued", "waiting in the queue", None, None, None)
+                job.reports, job.total_layers, job.finished = [], None, None
+                job.started = job.layers_started = None
+                job.extras.pop("interrupted", None)
+            self._queues[device].append(job.id)
+            self._dispatch_locked()
+            return self._snapshot_locked(job)
 
     # ---------------------------------------------------------------------------------- cancel / cleanup
     def cancel(self, job_id: str, owner: str) -> JobSnapshot:
@@ -475,6 +662,7 @@ class JobManager:
         """The owner is gone (tab closed): cancel their jobs and delete their files. Returns how many jobs."""
         _check_owner(owner)
         with self._lock:
+            self._adopt_locked(owner)
             mine = [j for j in self._jobs.values() if j.owner == owner]
             for job in mine:
                 with job.lock:
@@ -531,6 +719,15 @@ class JobManager:
             thread.join(max(deadline - time.monotonic(), 0))
 
 
+def _run_bytes(job_dir: Path) -> int:
+    """What a job's files take on disk, without its description (the manager's own, a few kB)."""
+    try:
+        own = (job_dir / DESCRIPTION).stat().st_size
+    except OSError:
+        own = 0
+    return _tree_bytes(job_dir) - own
+
+
 def _tree_bytes(path: Path) -> int:
     total = 0
     try:
@@ -546,6 +743,56 @@ def _tree_bytes(path: Path) -> int:
         except OSError:
             continue
     return total
+
+
+def owner_digest(owner: str) -> str:
+    """What a job's description stores of its owner: the SHA-256 hex digest of the identity."""
+    return hashlib.sha256(owner.encode("utf-8")).hexdigest()
+
+
+class _StoredReport:
+    """A layer report read back from a job's description (what snapshots read of a ``LayerReport``)."""
+
+    def __init__(self, data: dict) -> None:
+        self._data = dict(data)
+        self.block, self.module = data["block"], data["module"]
+        self.rel_output_error = data.get("rel_output_error")
+
+    def to_dict(self) -> dict:
+        return dict(self._data)
+
+
+def _report_ok(data) -> bool:
+    return (isinstance(data, dict) and isinstance(data.get("block"), int) and isinstance(data.get("module"), str)
+            and (data.get("rel_output_error") is None or _number(data["rel_output_error"])))
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _expect(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"{DESCRIPTION}: {what}")
+
+
+def _plain(value):
+    """JSON for values of a result or report that are not plain (numpy or torch scalars, paths)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _not_resumed(ctx: JobContext) -> dict:
+    raise ValueError("this run was interrupted by a restart; resume it to continue")
+
+
+def _partial_status(job_dir: Path) -> dict | None:
+    """The unfinished run in ``<job dir>/checkpoint`` (``api.partial_status``), or None."""
+    from ..api import partial_status  # only here: the queue itself is torch-free
+
+    return partial_status(job_dir / "checkpoint")
 
 
 def _check_owner(owner: str) -> None:

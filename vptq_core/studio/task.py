@@ -17,12 +17,15 @@ from .queue import JobCancelled, JobContext
 
 
 def quantization_task(model_name: str, method: str, config, calib, device: str = "cpu",
-                      calib_text: str | None = None, archive_name: str | None = None) -> Callable[[JobContext], dict]:
+                      calib_text: str | None = None, archive_name: str | None = None,
+                      resume: bool = False) -> Callable[[JobContext], dict]:
     """A task that quantizes ``model_name`` into ``<job dir>/checkpoint`` (``api.quantize_to_dir``), writes its
     model card (``card.write_model_card``) and packs it into ``<job dir>/<archive_name>.zip`` (default:
     ``<model>-<method>-<bits>bit-<UTC date-time>.zip``: no job or session id, no server path). ``calib_text``: text
     to calibrate on instead of ``calib.text`` (written into the job directory first, so an uploaded file may
-    disappear meanwhile).
+    disappear meanwhile). ``resume``: continue the unfinished run in ``<job dir>/checkpoint/.partial`` from its last
+    finished block (a run cut off by a restart; ``api.quantize_to_dir(resume=True)``: the same checkpoint as an
+    uninterrupted run, ValueError when the settings differ); on ZeroGPU the run starts over.
 
     Result: ``summary`` (the pipeline's), ``checkpoint_dir``, ``archive``, ``checkpoint_bytes``,
     ``archive_bytes``, ``source_model``, ``method``, ``config``, ``calib``.
@@ -41,7 +44,7 @@ def quantization_task(model_name: str, method: str, config, calib, device: str =
         else:
             out, summary = quantize_to_dir(
                 model_name, method, config, used_calib, ctx.out_dir / "checkpoint", device=device,
-                on_layer=ctx.on_layer, should_stop=ctx.should_stop, on_start=ctx.on_start,
+                on_layer=ctx.on_layer, should_stop=ctx.should_stop, on_start=ctx.on_start, resume=resume,
             )
         if summary.get("cancelled"):
             raise JobCancelled

@@ -162,6 +162,9 @@ def progress_html(snap: JobSnapshot | None, message: str = "", roots: Iterable[s
     fraction = (done / total) if total else 0.0
     if snap.status == "done":
         fraction = 1.0
+    cut = snap.extras.get("interrupted") or {}
+    if snap.status == "interrupted" and cut.get("blocks_total"):
+        fraction = cut["blocks_done"] / cut["blocks_total"]
     parts = []
     if snap.status == "queued":
         parts.append(f"position {snap.position} in the {snap.device} queue ({snap.running_ahead} job(s) running "
@@ -179,6 +182,9 @@ def progress_html(snap: JobSnapshot | None, message: str = "", roots: Iterable[s
         parts.append(f"{done} layers in {duration(snap.elapsed)} on {snap.device}")
     elif snap.status == "cancelled":
         parts.append(f"stopped after {done} layer(s); nothing was saved")
+    elif snap.status == "interrupted":
+        parts.append(f"{cut.get('blocks_done', '?')} of {cut.get('blocks_total', '?')} blocks done when the app "
+                     "restarted; press Resume to continue from the last finished block")
     text = " · ".join(html.escape(p) for p in parts)
     error = (f'<div class="vq-error">{html.escape(scrub(snap.error, roots, [snap.owner, *hidden]))}</div>'
              if snap.error else "")
