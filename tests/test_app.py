@@ -365,6 +365,7 @@ def test_presets_fill_exactly_what_they_fix(served):
     client.close()
 
 
+@pytest.mark.slow  # subprocesses or a served app: seconds each
 def test_queue_progress_cancel_and_sessions(served, gated):
     client = Client(served.url, verbose=False)
     other = Client(served.url, verbose=False)
@@ -515,6 +516,7 @@ def _done(served, owner: str, job_id: str) -> JobSnapshot:
     return snap
 
 
+@pytest.mark.slow  # subprocesses or a served app: seconds each
 def test_runs_survive_a_reload_and_api_sessions_are_cleaned_up(served, gated):
     # A page: the browser's lasting identity comes from attach (kept in the browser's local storage).
     page = Client(served.url, verbose=False)
@@ -585,6 +587,7 @@ def _http_status(url: str) -> int:
         return exc.code
 
 
+@pytest.mark.slow  # subprocesses or a served app: seconds each
 def test_another_session_reaches_no_file_and_no_endpoint(served, gated, monkeypatch):
     owner = Client(served.url, verbose=False)
     identity = served.studio.attach(None, as_request(owner))[0]

@@ -281,6 +281,7 @@ def test_scalar_1bit_threads_and_isas(ext, threads):
 
 
 # --------------------------------------------------------------------------------------- status / fallback
+@pytest.mark.slow  # subprocesses or a served app: seconds each
 def test_disabled_by_environment(monkeypatch):
     """VPTQ_NATIVE=0 forces the fallback: status() says why, entry points raise, importing never does."""
     monkeypatch.setenv("VPTQ_NATIVE", "0")
@@ -319,6 +320,7 @@ def _fallback_run(**env: str) -> tuple[str, str]:
     return run.stdout.strip(), run.stderr
 
 
+@pytest.mark.slow  # subprocesses or a served app: seconds each
 def test_no_compiler_falls_back_to_numba(tmp_path):
     """An empty build cache and no compiler (a Space without one): numba kernels, same outputs, one line."""
     out, err = _fallback_run(VPTQ_NATIVE_CACHE=str(tmp_path), CXX=str(tmp_path / "no-such-c++"))
@@ -337,6 +339,7 @@ def test_failed_build_falls_back_to_numba(tmp_path):
     assert out.startswith("fallback: native kernels unavailable: build failed") and "backend cpu" in out
 
 
+@pytest.mark.slow  # subprocesses or a served app: seconds each
 def test_build_in_progress_elsewhere_times_out_to_numba(tmp_path, monkeypatch):
     """Another live process holds the build lock: after VPTQ_NATIVE_WAIT seconds the fallback runs (no hang)."""
     monkeypatch.setenv("VPTQ_NATIVE_CACHE", str(tmp_path))
