@@ -538,17 +538,22 @@ def read_quantization_config(path: str | os.PathLike) -> tuple[dict, dict]:
         raise ValueError(f"{config_path}: unsupported scalar format_version "
                          f"{quantization_config.get('format_version')!r} (expected {SCALAR_FORMAT_VERSION})")
     for name, layer_config in layers.items():
-        try:
-            if method == VQ_METHOD:
-                vq_spec_from_config(layer_config)
-            else:
-                scalar_config_from_dict(layer_config)
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"{config_path}: layer {name!r}: {exc}") from None
+        _check_layer_config(layer_config, method, f"{config_path}: layer {name!r}")
     embedding = quantization_config.get("embedding")
     if embedding is not None:
         _check_embedding_entry(embedding, layers, method, config_path)
     return config, quantization_config
+
+
+def _check_layer_config(layer_config: object, method: str, where: str) -> None:
+    """One layer's entry of ``config_for_layers`` must parse for the checkpoint's method."""
+    try:
+        if method == VQ_METHOD:
+            vq_spec_from_config(layer_config)
+        else:
+            scalar_config_from_dict(layer_config)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def _check_embedding_entry(entry: object, layers: dict, method: str, config_path: Path) -> None:
@@ -560,13 +565,7 @@ def _check_embedding_entry(entry: object, layers: dict, method: str, config_path
         layer_config = entry.get("layer_config")
         if not isinstance(layer_config, dict):
             raise ValueError(f"{where}.layer_config must be an object")
-        try:
-            if method == VQ_METHOD:
-                vq_spec_from_config(layer_config)
-            else:
-                scalar_config_from_dict(layer_config)
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"{where}: {exc}") from None
+        _check_layer_config(layer_config, method, where)
     elif source not in layers:
         raise ValueError(f"{where}.source must be 'own' or a quantized layer's name, got {source!r}")
 

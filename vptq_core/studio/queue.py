@@ -641,17 +641,7 @@ class JobManager:
     def delete(self, job_id: str, owner: str) -> None:
         """Delete a job of ``owner`` with its files; an active one is cancelled and deleted when it stops."""
         with self._lock:
-            job = self._owned(job_id, owner)
-            with job.lock:
-                status = job.status
-            if status in ACTIVE:
-                self.cancel(job.id, owner)
-            with job.lock:
-                running = job.status == "running"
-            if running:
-                job.forgotten = True
-            else:
-                self._delete_locked(job)
+            self._cancel_and_delete_locked(self._owned(job_id, owner), owner)
 
     def prune(self) -> list[str]:
         """Delete finished jobs older than ``max_age_s``; returns their ids."""
@@ -665,17 +655,21 @@ class JobManager:
             self._adopt_locked(owner)
             mine = [j for j in self._jobs.values() if j.owner == owner]
             for job in mine:
-                with job.lock:
-                    status = job.status
-                if status in ACTIVE:
-                    self.cancel(job.id, owner)
-                with job.lock:
-                    running = job.status == "running"
-                if running:
-                    job.forgotten = True
-                else:
-                    self._delete_locked(job)
+                self._cancel_and_delete_locked(job, owner)
             return len(mine)
+
+    def _cancel_and_delete_locked(self, job: Job, owner: str) -> None:
+        """Cancel ``job`` if active; delete it now, or when it stops if it is still running."""
+        with job.lock:
+            status = job.status
+        if status in ACTIVE:
+            self.cancel(job.id, owner)
+        with job.lock:
+            running = job.status == "running"
+        if running:
+            job.forgotten = True
+        else:
+            self._delete_locked(job)
 
     def _delete_locked(self, job: Job) -> None:
         if self._jobs.pop(job.id, None) is None:
