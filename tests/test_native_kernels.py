@@ -436,3 +436,44 @@ def test_checkpoint_logits_native_equal_reference(ext, tmp_path, kind):
         m.generation_config.eos_token_id = None
     greedy = {name: generation.decode_loop(m, prompt, 6) for name, m in loaded.items()}
     assert greedy["native"] == greedy["reference"]
+
+
+# --------------------------------------------------------------------------------------- bf16 pair kernels
+PAIR_VQ = [  # v4, bf16 codebook (k 4096), no norm: the 1-token bf16 GEMV takes the pair kernel
+    ("v4-k4096-perm", _spec(96, 70, 4, 4096), True),
+    ("v4-k4096-odd-groups", _spec(75, 33, 4, 4096, group_num=3), False),  # 3 groups of 25 columns
+    ("v4-k4096-outl-gs1", _spec(12, 9, 4, 4096, group_num=7, outliers=(5, 4, 16)), True),  # 1-column groups
+    ("v4-k4096-big", _spec(576, 600, 4, 4096), True),
+]
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_pair_kernels(ext, threads, num_threads):
+    """The AVX-512 BF16 pair kernels (1 token, bf16 x) against the reference, and the calls that take them."""
+    if native.cpu_isa() != "avx512":
+        pytest.skip("the pair kernels need AVX-512 BF16")
+    threads(num_threads)
+    tuning = native._ext()
+    tuning.set_pair_kernels(True, 0)  # also the scalar one at every size
+    try:
+        for name, spec, perm in PAIR_VQ:
+            layer = synthetic.random_vq_layer(spec, seed=7, dtype=torch.bfloat16, perm=perm, bias=True)
+            prepared = native.prepare_vq(spec, **_vq_fields(layer))
+            x = torch.randn(1, spec.in_features).to(torch.bfloat16)
+            before = tuning.pair_calls()
+            _close(native.vq_linear(x, prepared), _ref_vq(x, spec, layer), f"pair {name}")
+            assert tuning.pair_calls() == before + 1, f"{name} did not take the pair kernel"
+        for bits, group_size, in_f in ((4, 128, 576), (4, 96, 200), (3, 32, 100), (2, 48, 97), (8, 64, 128)):
+            made, kwargs = _scalar_layer(45, in_f, bits, group_size, torch.bfloat16, seed=bits)
+            prepared = native.prepare_scalar(**kwargs)
+            x = torch.randn(1, in_f).to(torch.bfloat16)
+            before = tuning.pair_calls()
+            _close(native.scalar_linear(x, prepared), _ref_scalar(x, made), f"pair scalar {bits} g{group_size}")
+            assert tuning.pair_calls() == before + (1 if bits <= 4 else 0), f"scalar {bits} bits g{group_size}"
+        fp32 = torch.randn(1, 96)
+        before = tuning.pair_calls()
+        layer = synthetic.random_vq_layer(PAIR_VQ[0][1], seed=7, dtype=torch.float32)
+        native.vq_linear(fp32, native.prepare_vq(PAIR_VQ[0][1], **_vq_fields(layer)))
+        assert tuning.pair_calls() == before, "fp32 x must not take a bf16 kernel"
+    finally:
+        tuning.set_pair_kernels(True, 1 << 22)
