@@ -56,10 +56,6 @@ struct VQCall {
   float* y = nullptr;  // y[n][o], token stride ys; only outputs of the given rows are written
   int64_t ys = 0;
   bool use_cb16 = false;  // GEMV reads the bf16 codebooks
-  // 1 token, vp 4, bf16 codebook exact, no residual, uint16 offsets, x exact in bf16 (AVX-512 only): x as bf16
-  // pairs of stored columns per group, xp[g * ceil(gs / 2) + j] = x[c] | x[c + 1] << 16 (c = osz + g * gs + 2j;
-  // high half 0 past the group). Null = not available.
-  const uint32_t* xp = nullptr;
 };
 
 // Scalar (RTN/GPTQ/LRQ) codes, prepared: each group of gs columns is padded to gsp (multiple of 32) codes;
@@ -77,9 +73,6 @@ struct ScalarArgs {
 // Input for scalar GEMV: xg[n][kp] (group-padded, zeros in padding), token stride kp; xsum[n][Gn].
 struct ScalarCall {
   const float* xg = nullptr;
-  // 1 token, nibble codes, x exact in bf16 (AVX-512 only): xg in bf16, each 64-code step of a group as
-  // [x 0..15, x 32..47, x 16..31, x 48..63] (a trailing 32-code step: x 0..31), zeros in padding. Null = unused.
-  const uint16_t* xb = nullptr;
   const float* xsum = nullptr;
   float* y = nullptr;
   int64_t ys = 0;

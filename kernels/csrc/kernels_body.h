@@ -239,71 +239,6 @@ constexpr int vq_nr() {
 #endif
 }
 
-// The NR offsets of one column step (rows r < 8 from p, r >= 8 from p2), read as 64-bit words (a quarter or half of
-// the loads of one read per offset: the GEMV's loads are its limit) and taken apart with shifts.
-template <int NR, typename IT>
-struct Offsets {
-  static constexpr int PER = 8 / int(sizeof(IT));  // offsets per word
-  static constexpr bool WORDS = NR % PER == 0;       // else one read per offset (never past the rows asked for)
-  static constexpr int NW = WORDS ? NR / PER : 1;
-  uint64_t w[NW];
-  const IT* p = nullptr;
-  const IT* p2 = nullptr;
-  VN_FI void load(const IT* a, const IT* a2) {
-    if constexpr (WORDS) {
-      VN_UNROLL for (int i = 0; i < NW; ++i) {
-        const int r = i * PER;
-        std::memcpy(&w[i], r < NR_LAYOUT ? a + r : a2 + r, 8);
-      }
-    } else {
-      p = a;
-      p2 = a2;
-    }
-  }
-  VN_FI int64_t operator[](int r) const {
-    if constexpr (WORDS)
-      return int64_t((w[r / PER] >> (8 * sizeof(IT) * (r % PER))) & ((uint64_t(1) << (8 * sizeof(IT))) - 1));
-    else
-      return int64_t(r < NR_LAYOUT ? p[r] : p2[r]);
-  }
-};
-
-// Index streams run far ahead of the hardware prefetcher in the GEMV (one cache line every 2-4 column steps,
-// one or two streams): ask for the line kAhead bytes ahead.
-constexpr int kAhead = 1024;
-template <typename IT>
-static VN_FI void prefetch_ahead(const IT* p, const IT* p2, bool two) {
-#if VN_LEVEL >= 1
-  _mm_prefetch(reinterpret_cast<const char*>(p) + kAhead, _MM_HINT_T0);
-  if (two) _mm_prefetch(reinterpret_cast<const char*>(p2 + NR_LAYOUT) + kAhead, _MM_HINT_T0);
-#else
-  (void)p;
-  (void)p2;
-  (void)two;
-#endif
-}
-
-// Writes the accumulators of NR vector rows (rb*8 + roff ..; rows >= 8 belong to block rb + 1, present when
-// has2) for TT tokens into y.
-template <int VP, int NR, int TT>
-static VN_FI void vq_store(const VQArgs& A, const VQCall& C, int64_t rb, int roff, int64_t t0, bool has2,
-                           typename VT<VP>::T (&acc)[NR][TT]) {
-  using W = VT<VP>;
-  const int64_t v = A.v;
-  VN_UNROLL for (int t = 0; t < TT; ++t) {
-    float* yrow = C.y + (t0 + t) * C.ys;
-    VN_UNROLL for (int r = 0; r < NR; ++r) {
-      const int64_t row = rb * NR_LAYOUT + roff + r;
-      if (row >= A.R || (r >= NR_LAYOUT && !has2)) break;
-      const int64_t o = row * v;
-      if (r == NR - 1 || row == A.R - 1 || (r == NR_LAYOUT - 1 && !has2))
-        W::stn(yrow + o, acc[r][t], int(std::min<int64_t>(v, A.out - o)));
-      else
-        W::st(yrow + o, acc[r][t]);  // the spill past v lanes is overwritten by the next row
-    }
-  }
-}
-
 // NR rows (rb*8 + roff ..) x TT tokens (t0 ..) over all groups of the main columns. NR = 16 reads blocks rb
 // and rb + 1 (the second only when rb + 1 < rb_end).
 template <int VP, int TT, bool C16, typename IT, bool RES>
@@ -330,14 +265,9 @@ static void vq_rows(const VQArgs& A, const VQCall& C, int64_t rb, int roff, int6
       for (int64_t c = 0; c < gs; ++c) {
         typename W::B xb[TT];
         VN_UNROLL for (int t = 0; t < TT; ++t) xb[t] = W::bc(xg[t]);
-        Offsets<NR, IT> op;
-        op.load(p, p2);
-        prefetch_ahead(p, p2, NR > NR_LAYOUT);
-        [[maybe_unused]] Offsets<NR, IT> oq;
-        if (RES) oq.load(q, q2);
         VN_UNROLL for (int r = 0; r < NR; ++r) {
-          T w = W::ld16(cb + op[r]);
-          if (RES) w = W::add(w, W::ld16(rcb + oq[r]));
+          T w = W::ld16(cb + (r < NR_LAYOUT ? p[r] : p2[r]));
+          if (RES) w = W::add(w, W::ld16(rcb + (r < NR_LAYOUT ? q[r] : q2[r])));
           VN_UNROLL for (int t = 0; t < TT; ++t) acc[r][t] = W::fma(w, xb[t], acc[r][t]);
         }
         p += NR_LAYOUT;
@@ -356,14 +286,9 @@ static void vq_rows(const VQArgs& A, const VQCall& C, int64_t rb, int roff, int6
       for (int64_t c = 0; c < gs; ++c) {
         typename W::B xb[TT];
         VN_UNROLL for (int t = 0; t < TT; ++t) xb[t] = W::bc(xg[t]);
-        Offsets<NR, IT> op;
-        op.load(p, p2);
-        prefetch_ahead(p, p2, NR > NR_LAYOUT);
-        [[maybe_unused]] Offsets<NR, IT> oq;
-        if (RES) oq.load(q, q2);
         VN_UNROLL for (int r = 0; r < NR; ++r) {
-          T w = W::ld32(cb + op[r]);
-          if (RES) w = W::add(w, W::ld32(rcb + oq[r]));
+          T w = W::ld32(cb + (r < NR_LAYOUT ? p[r] : p2[r]));
+          if (RES) w = W::add(w, W::ld32(rcb + (r < NR_LAYOUT ? q[r] : q2[r])));
           VN_UNROLL for (int t = 0; t < TT; ++t) acc[r][t] = W::fma(w, xb[t], acc[r][t]);
         }
         p += NR_LAYOUT;
@@ -376,52 +301,20 @@ static void vq_rows(const VQArgs& A, const VQCall& C, int64_t rb, int roff, int6
       }
     }
   }
-  vq_store<VP, NR, TT>(A, C, rb, roff, t0, has2, acc);
-}
-
-#if VN_LEVEL >= 2
-// vp 4, 1 token, bf16 codebook and x (VQCall::xp): two stored columns per step; their centroids are interleaved
-// into bf16 pairs and multiplied by (x_c, x_c+1) with one bf16 dot product (products exact, fp32 sums): 6
-// instructions for two lookups where the fp32 path needs 10. NR = 16 rows = blocks rb and rb + 1 as in vq_rows.
-static void vq_rows_v4pair(const VQArgs& A, const VQCall& C, int64_t rb, int64_t t0, int64_t rb_end) {
-  constexpr int NR = 16;
-  const bool has2 = rb + 1 < rb_end;
-  __m128 acc[NR][1];
-  VN_UNROLL for (int r = 0; r < NR; ++r) acc[r][0] = _mm_setzero_ps();
-  const int64_t gs = A.gs, hp = (gs + 1) / 2;
-  const int64_t d2 = has2 ? gs * NR_LAYOUT - NR_LAYOUT : -NR_LAYOUT;
-  for (int64_t g = 0; g < A.G; ++g) {
-    const uint16_t* p = static_cast<const uint16_t*>(A.idx) + ((g * A.RB + rb) * gs) * NR_LAYOUT;
-    const uint16_t* p2 = p + d2;
-    const uint16_t* cb = opaque(A.cb16 + g * A.cb_gs);
-    const uint32_t* xg = C.xp + g * hp;
-    int64_t c = 0;
-    for (; c + 2 <= gs; c += 2) {
-      const __m128bh xb = (__m128bh)_mm_set1_epi32(int(*xg++));
-      Offsets<NR, uint16_t> oa, ob;
-      oa.load(p, p2);
-      prefetch_ahead(p, p2, has2);
-      ob.load(p + NR_LAYOUT, p2 + NR_LAYOUT);
-      VN_UNROLL for (int r = 0; r < NR; ++r) {
-        const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(cb + oa[r]));
-        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(cb + ob[r]));
-        acc[r][0] = _mm_dpbf16_ps(acc[r][0], (__m128bh)_mm_unpacklo_epi16(a, b), xb);
-      }
-      p += 2 * NR_LAYOUT;
-      p2 += 2 * NR_LAYOUT;
-    }
-    if (c < gs) {  // odd group size: the last column alone (its pair's x half is 0)
-      const __m128bh xb = (__m128bh)_mm_set1_epi32(int(*xg));
-      VN_UNROLL for (int r = 0; r < NR; ++r) {
-        const uint16_t* pr = r < NR_LAYOUT ? p + r : p2 + r;
-        const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(cb + pr[0]));
-        acc[r][0] = _mm_dpbf16_ps(acc[r][0], (__m128bh)_mm_unpacklo_epi16(a, _mm_setzero_si128()), xb);
-      }
+  const int64_t v = A.v;
+  VN_UNROLL for (int t = 0; t < TT; ++t) {
+    float* yrow = C.y + (t0 + t) * C.ys;
+    VN_UNROLL for (int r = 0; r < NR; ++r) {
+      const int64_t row = rb * NR_LAYOUT + roff + r;
+      if (row >= A.R || (r >= NR_LAYOUT && !has2)) break;
+      const int64_t o = row * v;
+      if (r == NR - 1 || row == A.R - 1 || (r == NR_LAYOUT - 1 && !has2))
+        W::stn(yrow + o, acc[r][t], int(std::min<int64_t>(v, A.out - o)));
+      else
+        W::st(yrow + o, acc[r][t]);  // the spill past v lanes is overwritten by the next row
     }
   }
-  vq_store<4, NR, 1>(A, C, rb, 0, t0, has2, acc);
 }
-#endif
 
 #if VN_LEVEL >= 2
 // AVX-512, VP 4 or 8, 2..8 tokens: G = 16 / VP tokens share one zmm (the centroid broadcast to every
@@ -559,10 +452,6 @@ static int rows_per_call(int vp, int tt) {
 
 static void vq_main(const VQArgs& A, const VQCall& C, int64_t rb0, int64_t rb1, int64_t t0, int64_t nt) {
 #if VN_LEVEL >= 2
-  if (nt == 1 && C.xp && A.vp == 4 && !A.res && !A.idx32) {
-    for (int64_t rb = rb0; rb < rb1; rb += 2) vq_rows_v4pair(A, C, rb, t0, rb1);
-    return;
-  }
   if (nt >= 2 && nt <= 8 && A.vp <= 8 && !A.idx32) {
     int nr = 8;
     const int G = int(16 / A.vp);
@@ -1061,59 +950,6 @@ static void sc_rows1(const ScalarArgs& S, const ScalarCall& C, int64_t o, int nr
   for (int r = 0; r < nrows; ++r) C.y[o + r] = SC::hsum(tot[r]) - zt[r];
 }
 
-#if VN_LEVEL >= 2
-// One token, nibble codes, bf16 x (ScalarCall::xb): 64 codes of a row per step; the code bytes widened to words
-// become the bf16 of their low / high nibble by one word permute of a constant table each, multiplied with x
-// by bf16 dot products (integer codes times bf16 x: exact products, fp32 sums).
-template <int NR>
-static void sc_rows1_bf(const ScalarArgs& S, const ScalarCall& C, int64_t o, int nrows) {
-  alignas(64) static const uint16_t kTbl[32] = {  // kTbl[n] = bf16(n & 15)
-      0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120,
-      0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0,
-      0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
-  const __m512i tbl = _mm512_load_si512(kTbl);
-  const uint8_t* rows[NR];
-  const float* sc[NR];
-  const float* zs[NR];
-  VN_UNROLL for (int r = 0; r < NR; ++r) {
-    const int64_t rr = std::min<int64_t>(o + r, S.out - 1);
-    rows[r] = S.codes + rr * S.row_bytes;
-    sc[r] = S.scales + rr * S.Gn;
-    zs[r] = S.zs + rr * S.Gn;
-  }
-  __m512 tot[NR];
-  float zt[NR];
-  VN_UNROLL for (int r = 0; r < NR; ++r) {
-    tot[r] = _mm512_setzero_ps();
-    zt[r] = 0.f;
-  }
-  const int64_t nch = S.gsp / 32;
-  for (int64_t g = 0; g < S.Gn; ++g) {
-    __m512 a0[NR], a1[NR];
-    VN_UNROLL for (int r = 0; r < NR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
-    const uint16_t* xg = C.xb + g * S.gsp;
-    const int64_t cb0 = g * nch * 16;
-    for (int64_t k = 0; k < nch; k += 2) {
-      const bool two = k + 2 <= nch;  // else one 32-code chunk: the upper 16 words of each operand are 0
-      const __mmask32 m = two ? ~__mmask32(0) : __mmask32(0xffff);
-      const __m512bh xlo = (__m512bh)_mm512_maskz_loadu_epi16(m, xg + 32 * k);
-      const __m512bh xhi = (__m512bh)_mm512_maskz_loadu_epi16(m, xg + 32 * k + (two ? 32 : 16));
-      VN_UNROLL for (int r = 0; r < NR; ++r) {
-        const __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, rows[r] + cb0 + k * 16));
-        a0[r] = _mm512_dpbf16_ps(a0[r], (__m512bh)_mm512_permutexvar_epi16(w, tbl), xlo);
-        a1[r] = _mm512_dpbf16_ps(a1[r], (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), tbl), xhi);
-      }
-    }
-    const float xsum = C.xsum[g];
-    VN_UNROLL for (int r = 0; r < NR; ++r) {
-      tot[r] = _mm512_fmadd_ps(_mm512_add_ps(a0[r], a1[r]), _mm512_set1_ps(sc[r][g]), tot[r]);
-      zt[r] += zs[r][g] * xsum;
-    }
-  }
-  for (int r = 0; r < nrows; ++r) C.y[o + r] = _mm512_reduce_add_ps(tot[r]) - zt[r];
-}
-#endif
-
 // TT tokens, NR rows, dequantize-on-the-fly: w = (q - z) * s, acc[r][t] += w * x_t.
 template <bool NIB, int NR, int TT>
 static void sc_rowsT(const ScalarArgs& S, const ScalarCall& C, int64_t o, int nrows) {
@@ -1203,12 +1039,6 @@ static void sc_gemv(const ScalarArgs& S, const ScalarCall& C, int64_t o0, int64_
 #if VN_LEVEL >= 1
   if (nt == 1) {
     constexpr int NR = 4;
-#if VN_LEVEL >= 2
-    if (C.xb && S.nibble) {
-      for (int64_t o = o0; o < o1; o += NR) sc_rows1_bf<NR>(S, C, o, int(std::min<int64_t>(NR, o1 - o)));
-      return;
-    }
-#endif
     for (int64_t o = o0; o < o1; o += NR) {
       int nr = int(std::min<int64_t>(NR, o1 - o));
       S.nibble ? sc_rows1<true, NR>(S, C, o, nr) : sc_rows1<false, NR>(S, C, o, nr);

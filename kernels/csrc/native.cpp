@@ -81,13 +81,7 @@ struct Scratch {
   }
   ~Scratch() { std::free(p); }
 };
-thread_local Scratch t_x, t_y, t_tile, t_misc, t_pair;
-// bf16 pair kernels for 1-token GEMVs with bf16 x (set_pair_kernels: off for measurements and tests)
-bool g_pair = true;
-// the scalar pair kernel wins only once the codes outgrow L2 (measured: slower at SmolLM2's sizes, faster from
-// 4096 x 4096); set_pair_kernels(on, min_weights) moves the bound (0: always, for tests)
-int64_t g_pair_min_scalar = int64_t(1) << 22;
-std::atomic<int64_t> g_pair_calls{0};  // calls that took a pair kernel (pair_calls(), for tests)
+thread_local Scratch t_x, t_y, t_tile, t_misc;
 
 inline float bf16f(uint16_t h) {
   uint32_t u = uint32_t(h) << 16;
@@ -446,21 +440,6 @@ Tensor vq_gemv(const VQLayer& L, const IO& io) {
   c.ys = ys;
   c.use_cb16 = L.gemv_cb16 && N == 1;
   const vn::VQArgs& A = L.a;
-  if (g_pair && N == 1 && io.kind == 1 && A.vp == 4 && !A.res && !A.idx32 && !L.has_norm && L.cb_exact_bf16 && A.G * A.gs > 0 && L.gemv_cb16 &&
-      std::strcmp(T->name, "avx512") == 0) {
-    // x is bf16 and neither perm nor the codebooks round it: the pair kernel multiplies in bf16 exactly
-    const int64_t hp = (A.gs + 1) / 2;
-    uint32_t* xp = static_cast<uint32_t*>(t_pair.get(size_t(A.G * hp + 16) * 4));
-    for (int64_t g = 0; g < A.G; ++g) {
-      const float* xc = xq + A.osz + g * A.gs;
-      for (int64_t j = 0; j < hp; ++j) {
-        const uint32_t lo = f2bf(xc[2 * j]), hi = 2 * j + 1 < A.gs ? f2bf(xc[2 * j + 1]) : 0u;
-        xp[g * hp + j] = lo | (hi << 16);
-      }
-    }
-    c.xp = xp;
-    g_pair_calls.fetch_add(1, std::memory_order_relaxed);
-  }
   const float* bias = L.has_bias ? L.bias.data_ptr<float>() : nullptr;
   void* yp = y.data_ptr();
   const int64_t chunks = threads_for(A.R * A.v * in * N, A.RB);
@@ -740,32 +719,6 @@ Tensor scalar_gemv(const ScalarLayer& L, const IO& io) {
   vn::ScalarCall c;
   c.xg = xg;
   c.xsum = xsum;
-  if (g_pair && N == 1 && io.kind == 1 && L.nibble && L.out * L.in >= g_pair_min_scalar &&
-      std::strcmp(T->name, "avx512") == 0) {
-    // bf16 x in the order of the codes' nibbles: per 64-code step [0..15, 32..47, 16..31, 48..63]
-    uint16_t* xb = static_cast<uint16_t*>(t_pair.get(size_t(kp + 64) * 2));
-    const int64_t nch = L.gsp / 32;
-    for (int64_t g = 0; g < L.Gn; ++g) {
-      const float* src = xg + g * L.gsp;
-      uint16_t* dst = xb + g * L.gsp;
-      for (int64_t k = 0; k < nch; k += 2) {
-        const float* s0 = src + 32 * k;
-        uint16_t* d0 = dst + 32 * k;
-        if (k + 2 <= nch) {
-          for (int i = 0; i < 16; ++i) {
-            d0[i] = f2bf(s0[i]);
-            d0[16 + i] = f2bf(s0[32 + i]);
-            d0[32 + i] = f2bf(s0[16 + i]);
-            d0[48 + i] = f2bf(s0[48 + i]);
-          }
-        } else {
-          for (int i = 0; i < 32; ++i) d0[i] = f2bf(s0[i]);
-        }
-      }
-    }
-    c.xb = xb;
-    g_pair_calls.fetch_add(1, std::memory_order_relaxed);
-  }
   c.y = yacc;
   c.ys = ys;
   const float* bias = L.has_bias ? L.bias.data_ptr<float>() : nullptr;
@@ -939,14 +892,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_scalar_gemv_max_tokens", [](int64_t n) { g_scalar_gemv_max_mk = std::max<int64_t>(0, n); });
   m.def("set_gather", [](int64_t g) { g_gather = int(g); });
   m.def("set_nb", [](int64_t n) { g_nb = std::max<int64_t>(1, n); });
-  m.def(
-      "set_pair_kernels",
-      [](bool on, int64_t min_scalar_weights) {
-        g_pair = on;
-        if (min_scalar_weights >= 0) g_pair_min_scalar = min_scalar_weights;
-      },
-      py::arg("on"), py::arg("min_scalar_weights") = -1);
-  m.def("pair_calls", [] { return g_pair_calls.load(); });
   m.def("set_tile", [](int64_t n) { g_tile_outputs = std::max<int64_t>(16, n); });
   m.def("set_prefill", [](const std::string& mode) {
     TORCH_CHECK(mode == "auto" || mode == "mm" || mode == "brgemm", "prefill mode must be auto, mm or brgemm");
