@@ -7,7 +7,8 @@ Two sources:
   --shape 0.5b|smollm2  random weights of a model shape (speed does not depend on the values): a bf16 model
                         and the same model with every block linear replaced by a random packed layer of
                         --layout (vptq2 = VPTQ v6 k4096 + 0.5% outliers v4 k256 + perm, the 2-bit default;
-                        vptq3 = v4 k4096; scalar4 = 4-bit codes, groups of 128).
+                        vptq3 = v4 k4096; scalar4 = 4-bit codes, groups of 128); --quantize-head also
+                        replaces the LM head (untied from the bf16 embedding), as the CLI's --quantize-head.
 
 Protocol: both models in the same process; a fixed chat prompt; one warm-up run per model; then --pairs pairs of
 timed runs, alternating which model goes first; each run = one prefill plus --tokens greedy single-token steps
@@ -45,6 +46,7 @@ from kernels import VQSpec, available_backends  # noqa: E402
 from kernels.synthetic import random_scalar_layer, random_vq_layer  # noqa: E402
 from vptq_core.models import byte_tokenizer, load_model  # noqa: E402
 from vptq_core.quant.blocks import block_linears, decoder_blocks  # noqa: E402
+from vptq_core.quant.embedding import module_name  # noqa: E402
 from vptq_core.quant.vptq import outlier_columns  # noqa: E402
 from vptq_core.storage.checkpoint import load_quantized  # noqa: E402
 from vptq_core.storage.modules import ScalarQLinear, VQLinear, set_submodule  # noqa: E402
@@ -196,33 +198,40 @@ def random_dense(shape: str) -> nn.Module:
     return model.eval()
 
 
-def random_quantized(dense: nn.Module, layout: str) -> nn.Module:
-    """A copy of ``dense`` whose block linears are random packed layers of ``layout`` (bf16 tensors)."""
+def random_packed(layout: str, out_f: int, in_f: int, bias: bool, seed: int) -> nn.Module:
+    """A random packed layer of ``layout`` (bf16 tensors) in place of a [out_f, in_f] linear."""
+    if layout == "scalar4":
+        spec, w = random_scalar_layer(out_f, in_f, 4, 128, seed=seed, dtype=torch.bfloat16, bias=bias)
+        module = ScalarQLinear(in_f, out_f, 4, 128, bias=bias, dtype=torch.bfloat16)
+        tensors = {"codes": w.codes, "scales": w.scales, "zeros": w.zeros, "bias": w.bias}
+    else:
+        v, k = (6, 4096) if layout == "vptq2" else (4, 4096)
+        outliers = outlier_columns(in_f, 0.5, 1)
+        spec = VQSpec(in_f, out_f, v, k, outlier_vector_len=4, num_outlier_centroids=256, outlier_size=outliers)
+        w = random_vq_layer(spec, seed=seed, dtype=torch.bfloat16, perm=True, bias=bias)
+        module = VQLinear.from_config(spec.layer_config(bias=bias, enable_perm=True), dtype=torch.bfloat16)
+        tensors = {"indices": w.indices, "centroids.weight": w.centroids, "perm": w.perm,
+                   "outlier_indices": w.outlier_indices, "outlier_centroids.weight": w.outlier_centroids,
+                   "bias": w.bias}
+    module.load_state_dict({k: t for k, t in tensors.items() if t is not None}, strict=True)
+    return module
+
+
+def random_quantized(dense: nn.Module, layout: str, head: bool = False) -> nn.Module:
+    """A copy of ``dense`` whose block linears (and, with ``head``, the LM head, as ``--quantize-head`` does) are
+    random packed layers of ``layout``; the input embedding stays bf16."""
     import copy
 
     model = copy.deepcopy(dense)
     for b, block in enumerate(decoder_blocks(model)):
         for i, (name, linear) in enumerate(block_linears(block).items()):
-            seed = b * 16 + i
-            out_f, in_f = linear.out_features, linear.in_features
-            if layout == "scalar4":
-                spec, w = random_scalar_layer(out_f, in_f, 4, 128, seed=seed, dtype=torch.bfloat16,
-                                              bias=linear.bias is not None)
-                module = ScalarQLinear(in_f, out_f, 4, 128, bias=linear.bias is not None, dtype=torch.bfloat16)
-                tensors = {"codes": w.codes, "scales": w.scales, "zeros": w.zeros, "bias": w.bias}
-            else:
-                v, k = (6, 4096) if layout == "vptq2" else (4, 4096)
-                outliers = outlier_columns(in_f, 0.5, 1)
-                spec = VQSpec(in_f, out_f, v, k, outlier_vector_len=4, num_outlier_centroids=256,
-                              outlier_size=outliers)
-                w = random_vq_layer(spec, seed=seed, dtype=torch.bfloat16, perm=True, bias=linear.bias is not None)
-                module = VQLinear.from_config(spec.layer_config(bias=linear.bias is not None, enable_perm=True),
-                                              dtype=torch.bfloat16)
-                tensors = {"indices": w.indices, "centroids.weight": w.centroids, "perm": w.perm,
-                           "outlier_indices": w.outlier_indices, "outlier_centroids.weight": w.outlier_centroids,
-                           "bias": w.bias}
-            module.load_state_dict({k: t for k, t in tensors.items() if t is not None}, strict=True)
+            module = random_packed(layout, linear.out_features, linear.in_features, linear.bias is not None, b * 16 + i)
             set_submodule(block, name, module)
+    if head:
+        lm_head = model.get_output_embeddings()
+        packed = random_packed(layout, lm_head.out_features, lm_head.in_features, lm_head.bias is not None, 9999)
+        set_submodule(model, module_name(model, lm_head), packed)
+        model.config.tie_word_embeddings = False
     return model
 
 
@@ -232,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="packed checkpoint directory (save_quantized)")
     source.add_argument("--shape", choices=sorted(SHAPES), help="random weights of this model shape")
+    parser.add_argument("--quantize-head", action="store_true",
+                        help="with --shape: the LM head is a packed layer of --layout too (as --quantize-head)")
     parser.add_argument("--layout", choices=["vptq2", "vptq3", "scalar4"], default="vptq2",
                         help="with --shape: the quantized layers")
     parser.add_argument("--original", default="smollm2-135m-instruct", help="with --checkpoint: model or dense dir")
@@ -259,8 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         original, tok = random_dense(args.shape), byte_tokenizer()
         rss1 = rss_bytes()
-        quantized = random_quantized(original, args.layout)
-        label = f"random weights, shape {args.shape} ({SHAPES[args.shape]}), quantized layout {args.layout}"
+        quantized = random_quantized(original, args.layout, head=args.quantize_head)
+        label = (f"random weights, shape {args.shape} ({SHAPES[args.shape]}), quantized layout {args.layout}"
+                 + (", LM head quantized too (untied; embedding bf16)" if args.quantize_head else ""))
     rss2 = rss_bytes()
     qmodules = [m for m in quantized.modules() if isinstance(m, QUANTIZED)]
     for module in qmodules:
