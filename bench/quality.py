@@ -47,6 +47,7 @@ def allocated(budget: float, **settings) -> VPTQConfig:
 
 KD = {"distill_iters": 32, "distill_lr": 2e-4, "distill_norm_lr": 2e-4, "distill_eval_every": 8}
 KD16 = {**KD, "distill_iters": 16, "distill_eval_every": 4}
+KD64 = {**KD, "distill_iters": 64, "distill_eval_every": 16}
 
 ROWS: dict[str, tuple[str, object, str]] = {
     "rtn-2": ("rtn", ScalarConfig(bits=2, group_size=64), "RTN 2-bit g64"),
@@ -67,6 +68,8 @@ ROWS: dict[str, tuple[str, object, str]] = {
                        "VPTQ 2.5 total bits: v6 k4096, per-layer cap (allocator)"),
     "vptq-2.5-alloc-kd32": ("vptq", allocated(2.5, vector_len=6, num_centroids=4096, **KD),
                             "VPTQ 2.5 total bits (allocator) + distillation 32 steps"),
+    "vptq-2.5-alloc-kd64": ("vptq", allocated(2.5, vector_len=6, num_centroids=4096, **KD64),
+                            "VPTQ 2.5 total bits (allocator) + distillation 64 steps"),
     "vptq-2.5-alloc-kd16": ("vptq", allocated(2.5, vector_len=6, num_centroids=4096, **KD16),
                             "VPTQ 2.5 total bits (allocator) + distillation 16 steps"),
     "vptq-2-v6k4096-kd32": ("vptq", VPTQConfig(vector_len=6, num_centroids=4096, **KD),
@@ -138,7 +141,7 @@ def run_row(key: str, model, tok, calib: torch.Tensor, args) -> dict:
         from vptq_core.storage.checkpoint import save_quantized
 
         save_quantized(model, tok, result.states, Path(args.save_dir) / key, dtype=torch.bfloat16,
-                       report={"model": {"source": "smollm2-135m-instruct"}, "summary": result.summary()})
+                       report={"model": {"source": args.model}, "summary": result.summary()})
     qmodel = qmodel.to(torch.bfloat16)
     ev = evaluate(qmodel, tok, text="wiki", seqlen=args.seqlen, max_windows=args.windows, reference=args.reference)
     # The calibration windows themselves (seen while quantizing), against the original on the same windows:
@@ -151,7 +154,7 @@ def run_row(key: str, model, tok, calib: torch.Tensor, args) -> dict:
         "ood_kl": other.kl_divergence, "ood_top1": other.top1_agreement, "timings": result.summary()["timings"],
         "calib_perplexity": seen and seen.perplexity, "calib_kl": seen and seen.kl_divergence,
         "calib_bf16_perplexity": seen and seen.reference_perplexity,
-        "row": key, "label": label, "method": method, "config": config.to_dict(),
+        "model": args.model, "row": key, "label": label, "method": method, "config": config.to_dict(),
         "before_distill": before_kd, "model_metrics": result.model_metrics, "load": os.getloadavg(),
         "index_bits": result.bits.index_bits_per_weight, "total_bits": result.bits.total_bits_per_weight,
         "perplexity": ev.perplexity, "kl": ev.kl_divergence, "top1": ev.top1_agreement,
@@ -164,8 +167,8 @@ def run_row(key: str, model, tok, calib: torch.Tensor, args) -> dict:
     }
 
 
-def print_table(results: list[dict], bf16_ppl: float | None) -> None:
-    print("\nSmolLM2-135M-Instruct, bundled wiki text. Protocol: calibration = even articles, "
+def print_table(results: list[dict], bf16_ppl: float | None, model: str) -> None:
+    print(f"\n{model}, bundled wiki text. Protocol: calibration = even articles, "
           "random windows; evaluation = odd articles, non-overlapping windows; quantized and original both bf16.")
     if results:
         print(f"evaluation: {results[0]['protocol']}; calibration: {results[0]['calib']}; "
@@ -192,6 +195,9 @@ def print_table(results: list[dict], bf16_ppl: float | None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="model to quantize (a built-in name such as gemma3-270m, a directory or a .gguf file); "
+                             "keep one results file per model")
     parser.add_argument("--rows", nargs="*", default=list(ROWS), help="rows to run (default: all)")
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--results", nargs="+", default=["bench/results/quality.jsonl"],
@@ -226,8 +232,8 @@ def main() -> None:
                 rec = json.loads(line)
                 done[rec["row"]] = rec
     if not args.table_only:
-        model, tok = load_model("smollm2-135m-instruct", dtype=torch.float32)
-        args.reference, _ = load_model("smollm2-135m-instruct", dtype=torch.bfloat16)
+        model, tok = load_model(args.model, dtype=torch.float32)
+        args.reference, _ = load_model(args.model, dtype=torch.bfloat16)
         calib = calibration_windows(tok, "wiki", args.calib_samples, args.calib_seqlen, seed=0)
         for key in args.rows:
             if key in done and not args.rerun:
@@ -239,7 +245,7 @@ def main() -> None:
             print(f"{key}: ppl {rec['perplexity']:.2f} (bf16 {rec['bf16_perplexity']:.2f}) "
                   f"bits {rec['index_bits']:.2f}/{rec['total_bits']:.2f} in {rec['quant_seconds']:.0f}s", flush=True)
     rows = [done[k] for k in ROWS if k in done and k in args.rows]
-    print_table(rows, rows[0]["bf16_perplexity"] if rows else None)
+    print_table(rows, rows[0]["bf16_perplexity"] if rows else None, args.model)
     if os.environ.get("QUALITY_JSON"):
         print(json.dumps(rows))
 

@@ -95,6 +95,22 @@ def test_cancelling_reaches_the_gpu_worker(fake_spaces, tmp_path: Path):
     assert {p.name for p in (tmp_path / "checkpoint").iterdir()} <= {".partial"}
 
 
+@pytest.mark.slow
+def test_a_resume_continues_in_the_gpu_call(fake_spaces, tmp_path: Path):
+    """Cancelled after 2 of 14 linears (its finished block kept), then resumed through the GPU worker: the same
+    checkpoint, byte for byte, as an uninterrupted ZeroGPU run, and the resumed run says where it started."""
+    whole = quantization_task(TINY, "rtn", ScalarConfig(bits=4), CALIB)(Ctx(tmp_path / "whole"))
+    stopped = tmp_path / "stopped"
+    with pytest.raises(JobCancelled):
+        quantization_task(TINY, "rtn", ScalarConfig(bits=4), CALIB)(Ctx(stopped, stop_after=8))
+    assert (stopped / "checkpoint" / ".partial").is_dir()
+    resumed = quantization_task(TINY, "rtn", ScalarConfig(bits=4), CALIB, resume=True)(Ctx(stopped))
+    assert resumed["summary"]["resumed_from_block"] >= 1
+    assert (Path(resumed["checkpoint_dir"], "model.safetensors").read_bytes()
+            == Path(whole["checkpoint_dir"], "model.safetensors").read_bytes())
+    assert len(fake_spaces.calls) == 3
+
+
 def test_errors_cross_with_their_message(fake_spaces, tmp_path: Path):
     with pytest.raises(ValueError, match="no such model"):
         quantization_task(str(tmp_path / "no such model"), "rtn", ScalarConfig(bits=4), CALIB)(Ctx(tmp_path))

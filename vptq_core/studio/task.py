@@ -40,7 +40,7 @@ def quantization_task(model_name: str, method: str, config, calib, device: str =
         spaces = zerogpu.zero_gpu()
         if spaces is not None:  # ZeroGPU: the GPU exists only inside a spaces.GPU call; the job runs as one
             out, summary = zerogpu.quantize_job(spaces, ctx, model_name, method, config, used_calib,
-                                                ctx.out_dir / "checkpoint")
+                                                ctx.out_dir / "checkpoint", resume=resume)
         else:
             out, summary = quantize_to_dir(
                 model_name, method, config, used_calib, ctx.out_dir / "checkpoint", device=device,

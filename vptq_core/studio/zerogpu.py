@@ -54,11 +54,12 @@ def duration_for(model_name: str) -> int:
     return int(max(60, min(seconds, maximum)))
 
 
-def _duration(model_name, method, config, calib, out_dir, cancel_path, duration) -> int:
+def _duration(model_name, method, config, calib, out_dir, cancel_path, duration, resume=False) -> int:
     return duration  # spaces.GPU calls this with the job's arguments: the duration computed before the call
 
 
-def _worker(model_name: str, method: str, config, calib, out_dir: str, cancel_path: str, duration: int):
+def _worker(model_name: str, method: str, config, calib, out_dir: str, cancel_path: str, duration: int,
+            resume: bool = False):
     """Runs inside the ZeroGPU worker: quantize on CUDA, yield events (see the module docstring)."""
     import torch
 
@@ -75,7 +76,7 @@ def _worker(model_name: str, method: str, config, calib, out_dir: str, cancel_pa
                 model_name, method, config, calib, out_dir, device=device,
                 on_layer=lambda r: (reports.append(r), events.put(("layer", len(reports) - 1))),
                 should_stop=lambda: os.path.exists(cancel_path),
-                on_start=lambda total: events.put(("start", total)),
+                on_start=lambda total: events.put(("start", total)), resume=resume,
             )
             outcome["done"] = (str(out), summary)
         except BaseException as exc:  # noqa: BLE001 - reported to the job, which raises it there
@@ -122,9 +123,10 @@ def _gpu_worker(spaces):
     return _decorated[id(spaces)]
 
 
-def quantize_job(spaces, ctx, model_name: str, method: str, config, calib, out_dir: Path):
+def quantize_job(spaces, ctx, model_name: str, method: str, config, calib, out_dir: Path, resume: bool = False):
     """``api.quantize_to_dir`` in one ``spaces.GPU`` call, with the job's progress and cancellation
-    (``ctx``: the task's ``JobContext``). Returns (checkpoint directory, summary)."""
+    (``ctx``: the task's ``JobContext``); ``resume`` continues an interrupted run from its last finished block, as
+    ``quantize_to_dir(resume=True)`` does. Returns (checkpoint directory, summary)."""
     cancel_path = Path(ctx.out_dir) / CANCEL_FILE
     cancel_path.unlink(missing_ok=True)
     duration = duration_for(model_name)
@@ -132,7 +134,7 @@ def quantize_job(spaces, ctx, model_name: str, method: str, config, calib, out_d
     reports: list[LayerReport] = []
     result = None
     for kind, payload in _gpu_worker(spaces)(model_name, method, config, calib, str(out_dir), str(cancel_path),
-                                              duration):
+                                              duration, resume):
         if ctx.should_stop() and not cancel_path.exists():
             cancel_path.touch()
         if kind == "start":
