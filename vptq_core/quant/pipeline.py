@@ -19,6 +19,7 @@ from torch import nn
 from . import methods
 from .bits import BitsInfo
 from .blocks import block_linears, blocks_prefix, check_linear_shapes, decoder_blocks
+from .device import return_freed_memory
 from .hessian import HessianAccumulator
 from .methods import BlockContext, Cancelled, Method, ModelContext, QuantResult
 from .source import BlockWeights
@@ -505,6 +506,8 @@ def quantize_model(
                 for rep in ctx.reports:
                     result.states.pop(rep.name, None)
             del ctx
+            if weights is not None:
+                return_freed_memory()  # streamed: keep the resident set at about one block
     except Cancelled:
         result.cancelled = True
     if model_hooks and not result.cancelled:
