@@ -210,9 +210,12 @@ std::shared_ptr<VQLayer> prepare_vq(std::vector<int64_t> spec, Tensor indices, T
     exact = exact && at::equal(L->rcb16.to(at::kFloat), L->rcb32);
   }
   L->cb_exact_bf16 = exact;
-  // The bf16 codebook halves the cache footprint of the lookups; used by the GEMV only when it is exact and
-  // the fp32 one would not stay in L1.
-  L->gemv_cb16 = exact && (k + (res ? L->kr : 0)) * vp * 4 > 24 * 1024;
+  // The bf16 codebook halves the cache footprint of the lookups; used by the GEMV only when it is exact, the fp32
+  // one would not stay in L1, and the centroids have 8 lanes: widening 8 bf16 lanes is one broadcast + shuffle,
+  // while 4 or 16 lanes take a widening load + shift, which cost more than the fp32 codebook's cache misses
+  // (measured in one process, 1 thread, AVX-512: v4 k4096 0.36-0.53 of dense bf16 time with the fp32 codebook
+  // against 0.46-0.86 with bf16, v4 k8192 and v12/v16 alike; v6/v8 k4096 0.23-0.41 with bf16 against 0.27-0.47).
+  L->gemv_cb16 = exact && vp == 8 && (k + (res ? L->kr : 0)) * vp * 4 > 24 * 1024;
 
   // indices -> element offsets (code * vp), rows in blocks of 8
   const bool i32 = (std::max<int64_t>(k, res ? L->kr : 0) - 1) * vp > 65535;
