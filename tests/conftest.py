@@ -1,4 +1,5 @@
-"""Shared fixtures: a seeded tiny random llama and calibration ids (built once per session)."""
+"""Shared fixtures: a seeded tiny random llama, calibration ids and a calibration text file (built once per
+session)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,22 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def calib_ids() -> torch.Tensor:
     return torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory) -> str:
+    """A small plain-English text file for calibration and evaluation from a path."""
+    path = tmp_path_factory.mktemp("text") / "calib.txt"
+    path.write_text("A small corpus of plain English words for calibration and evaluation. " * 60, encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def calib(text_file):
+    """Calibration settings over ``text_file``: 4 windows of 32 tokens."""
+    from vptq_core.quant.config import CalibConfig
+
+    return CalibConfig(text=text_file, samples=4, seqlen=32, seed=0)
 
 
 @pytest.fixture

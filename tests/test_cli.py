@@ -7,13 +7,6 @@ import pytest
 from vptq_core.cli import main
 
 
-@pytest.fixture
-def text_file(tmp_path):
-    path = tmp_path / "text.txt"
-    path.write_text("A small corpus of plain English words for calibration and evaluation. " * 60, encoding="utf-8")
-    return str(path)
-
-
 def test_quantize_save_eval_round_trip(tmp_path, text_file, capsys):
     out = tmp_path / "ckpt"
     rc = main(["quantize", "--model", "tiny-random-llama", "--method", "vptq", "--vector-len", "4",

@@ -29,18 +29,6 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def text_file(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("text") / "calib.txt"
-    path.write_text("A small corpus of plain English words for calibration and evaluation. " * 60, encoding="utf-8")
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def calib(text_file) -> CalibConfig:
-    return CalibConfig(text=text_file, samples=4, seqlen=32, seed=0)
-
-
-@pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("model") / "llama3"
     model, tok = tiny_random_model("llama", num_layers=3)

@@ -14,25 +14,13 @@ from safetensors.torch import load, load_file, save_file
 from vptq_core.api import quantize_to_dir
 from vptq_core.models import NotStreamable, open_streaming, tiny_random_model
 from vptq_core.quant.blocks import decoder_blocks
-from vptq_core.quant.config import CalibConfig, ScalarConfig, VPTQConfig
+from vptq_core.quant.config import ScalarConfig, VPTQConfig
 from vptq_core.quant.pipeline import quantize_model
 from vptq_core.quant.source import SafetensorsWeights, meta_tensors
 from vptq_core.storage.checkpoint import SafetensorsWriter, load_quantized, save_quantized
 
 TINY_VQ = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=2, outlier_percent=0.0)
 TINY_RTN = ScalarConfig(bits=4, group_size=32)
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("text") / "calib.txt"
-    path.write_text("A small corpus of plain English words for calibration and evaluation. " * 60, encoding="utf-8")
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def calib(text_file) -> CalibConfig:
-    return CalibConfig(text=text_file, samples=4, seqlen=32, seed=0)
 
 
 def saved_model(directory: Path, family: str = "llama", dtype: torch.dtype = torch.float32, layers: int = 3,

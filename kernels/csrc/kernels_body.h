@@ -239,6 +239,24 @@ constexpr int vq_nr() {
 #endif
 }
 
+// The GEMV's codebook (bf16 when C16, else fp32) and one centroid of it as fp32 lanes.
+template <bool C16>
+static VN_FI const typename std::conditional<C16, uint16_t, float>::type* codebook(const uint16_t* cb16,
+                                                                                  const float* cb32) {
+  if constexpr (C16)
+    return cb16;
+  else
+    return cb32;
+}
+template <int VP>
+static VN_FI typename VT<VP>::T ld_centroid(const uint16_t* p) {
+  return VT<VP>::ld16(p);
+}
+template <int VP>
+static VN_FI typename VT<VP>::T ld_centroid(const float* p) {
+  return VT<VP>::ld32(p);
+}
+
 // NR rows (rb*8 + roff ..) x TT tokens (t0 ..) over all groups of the main columns. NR = 16 reads blocks rb
 // and rb + 1 (the second only when rb + 1 < rb_end).
 template <int VP, int TT, bool C16, typename IT, bool RES>
@@ -247,6 +265,7 @@ static void vq_rows(const VQArgs& A, const VQCall& C, int64_t rb, int roff, int6
   const bool has2 = NR > NR_LAYOUT && rb + 1 < rb_end;
   using W = VT<VP>;
   using T = typename W::T;
+  using E = typename std::conditional<C16, uint16_t, float>::type;  // codebook element
   T acc[NR][TT];
   VN_UNROLL for (int r = 0; r < NR; ++r) VN_UNROLL for (int t = 0; t < TT; ++t) acc[r][t] = W::zero();
   const int64_t gs = A.gs, xs = C.xs;
@@ -257,48 +276,25 @@ static void vq_rows(const VQArgs& A, const VQCall& C, int64_t rb, int roff, int6
     // p2[r] (r >= 8) = row r - 8 of block rb + 1, or a repeat of rows 0..7 when there is no second block
     const int64_t d2 = has2 ? gs * NR_LAYOUT - NR_LAYOUT : -NR_LAYOUT;
     const float* xg = C.xq + (A.osz + g * gs) * xs + t0;
-    if (C16) {
-      const uint16_t* cb = opaque(A.cb16 + g * A.cb_gs);
-      const uint16_t* rcb = RES ? opaque(A.rcb16 + g * A.rcb_gs) : cb;
-      const IT* p2 = p + d2;
-      const IT* q2 = q + d2;
-      for (int64_t c = 0; c < gs; ++c) {
-        typename W::B xb[TT];
-        VN_UNROLL for (int t = 0; t < TT; ++t) xb[t] = W::bc(xg[t]);
-        VN_UNROLL for (int r = 0; r < NR; ++r) {
-          T w = W::ld16(cb + (r < NR_LAYOUT ? p[r] : p2[r]));
-          if (RES) w = W::add(w, W::ld16(rcb + (r < NR_LAYOUT ? q[r] : q2[r])));
-          VN_UNROLL for (int t = 0; t < TT; ++t) acc[r][t] = W::fma(w, xb[t], acc[r][t]);
-        }
-        p += NR_LAYOUT;
-        p2 += NR_LAYOUT;
-        if (RES) {
-          q += NR_LAYOUT;
-          q2 += NR_LAYOUT;
-        }
-        xg += xs;
+    const E* cb = opaque(codebook<C16>(A.cb16, A.cb32) + g * A.cb_gs);
+    const E* rcb = RES ? opaque(codebook<C16>(A.rcb16, A.rcb32) + g * A.rcb_gs) : cb;
+    const IT* p2 = p + d2;
+    const IT* q2 = q + d2;
+    for (int64_t c = 0; c < gs; ++c) {
+      typename W::B xb[TT];
+      VN_UNROLL for (int t = 0; t < TT; ++t) xb[t] = W::bc(xg[t]);
+      VN_UNROLL for (int r = 0; r < NR; ++r) {
+        T w = ld_centroid<VP>(cb + (r < NR_LAYOUT ? p[r] : p2[r]));
+        if (RES) w = W::add(w, ld_centroid<VP>(rcb + (r < NR_LAYOUT ? q[r] : q2[r])));
+        VN_UNROLL for (int t = 0; t < TT; ++t) acc[r][t] = W::fma(w, xb[t], acc[r][t]);
       }
-    } else {
-      const float* cb = opaque(A.cb32 + g * A.cb_gs);
-      const float* rcb = RES ? opaque(A.rcb32 + g * A.rcb_gs) : cb;
-      const IT* p2 = p + d2;
-      const IT* q2 = q + d2;
-      for (int64_t c = 0; c < gs; ++c) {
-        typename W::B xb[TT];
-        VN_UNROLL for (int t = 0; t < TT; ++t) xb[t] = W::bc(xg[t]);
-        VN_UNROLL for (int r = 0; r < NR; ++r) {
-          T w = W::ld32(cb + (r < NR_LAYOUT ? p[r] : p2[r]));
-          if (RES) w = W::add(w, W::ld32(rcb + (r < NR_LAYOUT ? q[r] : q2[r])));
-          VN_UNROLL for (int t = 0; t < TT; ++t) acc[r][t] = W::fma(w, xb[t], acc[r][t]);
-        }
-        p += NR_LAYOUT;
-        p2 += NR_LAYOUT;
-        if (RES) {
-          q += NR_LAYOUT;
-          q2 += NR_LAYOUT;
-        }
-        xg += xs;
+      p += NR_LAYOUT;
+      p2 += NR_LAYOUT;
+      if (RES) {
+        q += NR_LAYOUT;
+        q2 += NR_LAYOUT;
       }
+      xg += xs;
     }
   }
   const int64_t v = A.v;
