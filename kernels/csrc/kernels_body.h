@@ -259,9 +259,9 @@ static VN_FI typename VT<VP>::T ld_centroid(const float* p) {
 
 // NR rows (rb*8 + roff ..) x TT tokens (t0 ..) over all groups of the main columns. NR = 16 reads blocks rb
 // and rb + 1 (the second only when rb + 1 < rb_end).
-template <int VP, int TT, bool C16, typename IT, bool RES>
+template <int VP, int TT, bool C16, typename IT, bool RES, bool ONE = false>
 static void vq_rows(const VQArgs& A, const VQCall& C, int64_t rb, int roff, int64_t t0, int64_t rb_end) {
-  constexpr int NR = vq_nr<VP, TT>();
+  constexpr int NR = ONE ? NR_LAYOUT : vq_nr<VP, TT>();  // ONE: the 8 rows of one block (an odd last block)
   const bool has2 = NR > NR_LAYOUT && rb + 1 < rb_end;
   using W = VT<VP>;
   using T = typename W::T;
@@ -415,27 +415,30 @@ static PkFn pick_pk(int vp, int s, bool res, int* nr) {
 using RowsFn = void (*)(const VQArgs&, const VQCall&, int64_t, int, int64_t, int64_t);
 
 template <int VP, int TT, bool C16, typename IT>
-static RowsFn pick_rows3(bool res) {
+static RowsFn pick_rows3(bool res, bool one) {
+  if constexpr (vq_nr<VP, TT>() > NR_LAYOUT) {
+    if (one) return res ? &vq_rows<VP, TT, C16, IT, true, true> : &vq_rows<VP, TT, C16, IT, false, true>;
+  }
   return res ? &vq_rows<VP, TT, C16, IT, true> : &vq_rows<VP, TT, C16, IT, false>;
 }
 template <int VP, int TT>
-static RowsFn pick_rows2(bool c16, bool i32, bool res) {
-  if (c16) return i32 ? pick_rows3<VP, TT, true, uint32_t>(res) : pick_rows3<VP, TT, true, uint16_t>(res);
-  return i32 ? pick_rows3<VP, TT, false, uint32_t>(res) : pick_rows3<VP, TT, false, uint16_t>(res);
+static RowsFn pick_rows2(bool c16, bool i32, bool res, bool one) {
+  if (c16) return i32 ? pick_rows3<VP, TT, true, uint32_t>(res, one) : pick_rows3<VP, TT, true, uint16_t>(res, one);
+  return i32 ? pick_rows3<VP, TT, false, uint32_t>(res, one) : pick_rows3<VP, TT, false, uint16_t>(res, one);
 }
 template <int VP>
-static RowsFn pick_rows1(int tt, bool c16, bool i32, bool res) {
+static RowsFn pick_rows1(int tt, bool c16, bool i32, bool res, bool one) {
   switch (tt) {
-    case 1: return pick_rows2<VP, 1>(c16, i32, res);
-    case 2: return pick_rows2<VP, 2>(c16, i32, res);
-    default: return pick_rows2<VP, 4>(c16, i32, res);
+    case 1: return pick_rows2<VP, 1>(c16, i32, res, one);
+    case 2: return pick_rows2<VP, 2>(c16, i32, res, one);
+    default: return pick_rows2<VP, 4>(c16, i32, res, one);
   }
 }
-static RowsFn pick_rows(int vp, int tt, bool c16, bool i32, bool res) {
+static RowsFn pick_rows(int vp, int tt, bool c16, bool i32, bool res, bool one = false) {
   switch (vp) {
-    case 4: return pick_rows1<4>(tt, c16, i32, res);
-    case 8: return pick_rows1<8>(tt, c16, i32, res);
-    default: return pick_rows1<16>(tt, c16, i32, res);
+    case 4: return pick_rows1<4>(tt, c16, i32, res, one);
+    case 8: return pick_rows1<8>(tt, c16, i32, res, one);
+    default: return pick_rows1<16>(tt, c16, i32, res, one);
   }
 }
 static int rows_per_call(int vp, int tt) {
@@ -470,16 +473,17 @@ static void vq_main(const VQArgs& A, const VQCall& C, int64_t rb0, int64_t rb1, 
     ++np;
     t += tt;
   }
-  RowsFn fns[8];
+  RowsFn fns[8], fns1[8];  // fns1: one block's rows, for an odd last block of the two-block kernels
   int nrs[8];
   for (int i = 0; i < np; ++i) {
     fns[i] = pick_rows(int(A.vp), int(passes[i][1]), C.use_cb16, A.idx32 != 0, A.res);
+    fns1[i] = pick_rows(int(A.vp), int(passes[i][1]), C.use_cb16, A.idx32 != 0, A.res, true);
     nrs[i] = rows_per_call(int(A.vp), int(passes[i][1]));
   }
   for (int64_t rb = rb0; rb < rb1; ++rb) {
     for (int i = 0; i < np; ++i) {
       if (nrs[i] > NR_LAYOUT) {  // two blocks per call: even block offsets only
-        if ((rb - rb0) % 2 == 0) fns[i](A, C, rb, 0, passes[i][0], rb1);
+        if ((rb - rb0) % 2 == 0) (rb + 1 < rb1 ? fns[i] : fns1[i])(A, C, rb, 0, passes[i][0], rb1);
         continue;
       }
       for (int roff = 0; roff < NR_LAYOUT; roff += nrs[i]) {
