@@ -3,6 +3,7 @@ checkpoints, the incremental checkpoint writer, and the same result as the whole
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -94,6 +95,36 @@ def test_blocks_are_materialised_one_at_a_time(llama_dir, calib):
     _, result = quantize_model(source.model, ids, "rtn", TINY_RTN, weights=Watching(), device="cpu")
     assert resident == [1, 1, 1] and result.blocks_done == 3 and len(result.states) == 21
     assert all(p.is_meta for p in blocks.parameters())  # every block released again
+
+
+def _live_tensor_storages() -> int:
+    """Distinct storages of the tensors the garbage collector can see (meta tensors aside)."""
+    ptrs = set()
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+            ptrs.add(obj.untyped_storage().data_ptr())
+    return len(ptrs)
+
+
+@pytest.mark.parametrize("method,config", [("vptq", TINY_VQ), ("rtn", TINY_RTN)])
+def test_a_finished_block_leaves_no_tensors_behind(tmp_path, calib, method, config):
+    """Streamed, with the cycle collector off: what a block held is freed when the next starts (no reference
+    cycle keeps a block's activations or weights), so the tensors alive at the end of each block stay level."""
+    model_dir = saved_model(tmp_path / "model", layers=6)
+    counts: list[int] = []
+
+    def on_layer(report):
+        if report.name.endswith("down_proj"):  # the block's last linear
+            counts.append(_live_tensor_storages())
+
+    gc.collect()
+    gc.disable()
+    try:
+        quantize_to_dir(str(model_dir), method, config, calib, tmp_path / "out", stream=True, on_layer=on_layer)
+    finally:
+        gc.enable()
+    assert len(counts) == 6
+    assert counts[-1] <= counts[1], f"live tensor storages at the end of each block: {counts}"
 
 
 # ------------------------------------------------------------------------------------ same result both ways

@@ -505,6 +505,7 @@ def quantize_model(
             if not keep_states:
                 for rep in ctx.reports:
                     result.states.pop(rep.name, None)
+            ctx.publish = None  # the publisher closes over ctx: break the cycle so the block's tensors go now
             del ctx
             if weights is not None:
                 return_freed_memory()  # streamed: keep the resident set at about one block
