@@ -241,8 +241,7 @@ constexpr int vq_nr() {
 
 // The GEMV's codebook (bf16 when C16, else fp32) and one centroid of it as fp32 lanes.
 template <bool C16>
-static VN_FI const typename std::conditional<C16, uint16_t, float>::type* codebook(const uint16_t* cb16,
-                                                                                  const float* cb32) {
+static VN_FI auto codebook(const uint16_t* cb16, const float* cb32) {
   if constexpr (C16)
     return cb16;
   else
@@ -265,7 +264,6 @@ static void vq_rows(const VQArgs& A, const VQCall& C, int64_t rb, int roff, int6
   const bool has2 = NR > NR_LAYOUT && rb + 1 < rb_end;
   using W = VT<VP>;
   using T = typename W::T;
-  using E = typename std::conditional<C16, uint16_t, float>::type;  // codebook element
   T acc[NR][TT];
   VN_UNROLL for (int r = 0; r < NR; ++r) VN_UNROLL for (int t = 0; t < TT; ++t) acc[r][t] = W::zero();
   const int64_t gs = A.gs, xs = C.xs;
@@ -276,8 +274,8 @@ static void vq_rows(const VQArgs& A, const VQCall& C, int64_t rb, int roff, int6
     // p2[r] (r >= 8) = row r - 8 of block rb + 1, or a repeat of rows 0..7 when there is no second block
     const int64_t d2 = has2 ? gs * NR_LAYOUT - NR_LAYOUT : -NR_LAYOUT;
     const float* xg = C.xq + (A.osz + g * gs) * xs + t0;
-    const E* cb = opaque(codebook<C16>(A.cb16, A.cb32) + g * A.cb_gs);
-    const E* rcb = RES ? opaque(codebook<C16>(A.rcb16, A.rcb32) + g * A.rcb_gs) : cb;
+    const auto* cb = opaque(codebook<C16>(A.cb16, A.cb32) + g * A.cb_gs);
+    const auto* rcb = RES ? opaque(codebook<C16>(A.rcb16, A.rcb32) + g * A.rcb_gs) : cb;
     const IT* p2 = p + d2;
     const IT* q2 = q + d2;
     for (int64_t c = 0; c < gs; ++c) {
@@ -577,11 +575,8 @@ static void vq_deq(const VQArgs& A, int64_t rb0, int64_t rb1, int64_t c0, int64_
     if (jlo >= jhi) continue;
     const IT* pg = static_cast<const IT*>(A.idx) + (g * A.RB * gs) * NR_LAYOUT + rb0 * bstride;
     const IT* qg = RES ? static_cast<const IT*>(A.ridx) + (g * A.RB * gs) * NR_LAYOUT + rb0 * bstride : pg;
-    const E* cb = opaque(OUT16 ? reinterpret_cast<const E*>(A.cb16 + g * A.cb_gs)
-                               : reinterpret_cast<const E*>(A.cb32 + g * A.cb_gs));
-    const E* rcb = RES ? opaque(OUT16 ? reinterpret_cast<const E*>(A.rcb16 + g * A.rcb_gs)
-                                      : reinterpret_cast<const E*>(A.rcb32 + g * A.rcb_gs))
-                       : cb;
+    const E* cb = opaque(codebook<OUT16>(A.cb16, A.cb32) + g * A.cb_gs);
+    const E* rcb = RES ? opaque(codebook<OUT16>(A.rcb16, A.rcb32) + g * A.rcb_gs) : cb;
     for (int64_t j = jlo; j < jhi; ++j) {
       const int64_t c = gc0 + j;
       E* d = T + (rowmap ? rowmap[c] : c - c0) * ldt;
@@ -596,11 +591,8 @@ static void vq_deq(const VQArgs& A, int64_t rb0, int64_t rb1, int64_t c0, int64_
           if (!RES && !NORM) {
             std::memcpy(dst, cb + p[r], VP * sizeof(E));
           } else {
-            typename W::T w = OUT16 ? W::ld16(reinterpret_cast<const uint16_t*>(cb) + p[r])
-                                    : W::ld32(reinterpret_cast<const float*>(cb) + p[r]);
-            if (RES)
-              w = W::add(w, OUT16 ? W::ld16(reinterpret_cast<const uint16_t*>(rcb) + q[r])
-                                  : W::ld32(reinterpret_cast<const float*>(rcb) + q[r]));
+            typename W::T w = ld_centroid<VP>(cb + p[r]);
+            if (RES) w = W::add(w, ld_centroid<VP>(rcb + q[r]));
             if (NORM) w = W::fma(w, sv, bv);
             if (OUT16)
               W::st16(reinterpret_cast<uint16_t*>(dst), w);

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -505,7 +506,6 @@ def quantize_model(
             if not keep_states:
                 for rep in ctx.reports:
                     result.states.pop(rep.name, None)
-            ctx.publish = None  # the publisher closes over ctx: break the cycle so the block's tensors go now
             del ctx
             if weights is not None:
                 return_freed_memory()  # streamed: keep the resident set at about one block
@@ -558,9 +558,14 @@ def _apply_resume(resume: ResumePoint, result: QuantizeResult, inps: torch.Tenso
 
 
 def _publisher(ctx: BlockContext, on_layer: OnLayer) -> Callable[..., LayerReport]:
-    """``publish(name, res, seconds, extra=None)``: keep a linear's quantized weight and state, report it."""
+    """``publish(name, res, seconds, extra=None)``: keep a linear's quantized weight and state, report it.
+
+    It holds ``ctx`` weakly: ``ctx.publish`` is this function, and a strong reference would make a cycle that keeps
+    the block's activations and weights alive after the block until Python's cycle collector runs."""
+    ctx_ref = weakref.ref(ctx)
 
     def publish(name: str, res: QuantResult, seconds: float, extra: dict | None = None) -> LayerReport:
+        ctx = ctx_ref()
         linear = ctx.linears[name]
         linear.weight.data.copy_(res.weight.to(linear.weight.dtype))
         full = ctx.full_name(name)
