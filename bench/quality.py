@@ -70,6 +70,13 @@ ROWS: dict[str, tuple[str, object, str]] = {
                             "VPTQ 2.5 total bits (allocator) + distillation 32 steps"),
     "vptq-2.5-alloc-kd64": ("vptq", allocated(2.5, vector_len=6, num_centroids=4096, **KD64),
                             "VPTQ 2.5 total bits (allocator) + distillation 64 steps"),
+    "vptq-2.5-alloc-kd64-sampled": ("vptq", allocated(2.5, vector_len=6, num_centroids=4096, **KD64,
+                                                       distill_data="sampled"),
+                                    "VPTQ allocator at 2.5 total bits + distillation on 32 sampled windows, 64 steps"),
+    "vptq-2.5-alloc-kd64-mixed": ("vptq", allocated(2.5, vector_len=6, num_centroids=4096, **KD64,
+                                                     distill_data="mixed"),
+                                  "VPTQ allocator at 2.5 total bits + distillation on calibration + 32 sampled "
+                                  "windows, 64 steps"),
     "vptq-2.5-alloc-kd16": ("vptq", allocated(2.5, vector_len=6, num_centroids=4096, **KD16),
                             "VPTQ 2.5 total bits (allocator) + distillation 16 steps"),
     "vptq-2-v6k4096-kd32": ("vptq", VPTQConfig(vector_len=6, num_centroids=4096, **KD),

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from vptq_core.quant.config import VPTQConfig
-from vptq_core.quant.distill import bucket_kl, distill, teacher_topk
+from vptq_core.quant.distill import bucket_kl, distill, sample_windows, teacher_topk
 from vptq_core.quant.pipeline import quantize_model
 from vptq_core.storage.checkpoint import load_quantized, save_quantized
 
@@ -130,3 +130,56 @@ def test_quantize_to_dir_distils_and_writes_the_distilled_model(tmp_path, tiny_m
     # the distilled norm weights are what the checkpoint holds
     assert [n for n, p in loaded.named_parameters() if "norm" in n and not torch.equal(p, model.get_parameter(n))]
     assert not (tmp_path / "ckpt" / ".partial").exists()
+
+
+def test_sampled_windows_follow_the_model_and_are_reproducible(tiny_model):
+    model, _ = tiny_model
+    starts = torch.tensor([[5], [7], [9]])
+    a = sample_windows(model, starts, 24, seed=3, batch=2)
+    assert a.shape == (3, 24) and a.dtype == torch.long
+    assert torch.equal(a[:, :1], starts)
+    assert torch.equal(a, sample_windows(model, starts, 24, seed=3, batch=3))  # batching does not change rows
+    assert not torch.equal(a, sample_windows(model, starts, 24, seed=4))
+    # ancestral sampling: every sampled token has the probability the model gives it after its prefix > 0,
+    # and at a tiny temperature sampling is greedy decoding
+    greedy = sample_windows(model, starts, 24, seed=0, temperature=1e-4)
+    with torch.no_grad():
+        logits = model(greedy, use_cache=False).logits[:, :-1]
+    torch.testing.assert_close(greedy[:, 1:], logits.argmax(-1), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="starts must be token ids"):
+        sample_windows(model, torch.tensor([1, 2]), 24)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        sample_windows(model, starts, 24, temperature=0)
+
+
+def _window_kls(qmodel, reference, ids) -> list[float]:
+    return [_kl(qmodel, reference, row[None]) for row in ids]
+
+
+@pytest.mark.parametrize("data", ["calibration", "sampled", "mixed"])
+def test_distillation_trains_on_the_windows_its_data_setting_names(tiny_model, windows, data):
+    model, _ = tiny_model
+    qmodel, result = quantize_model(model, windows, "vptq", TINY)
+    # the windows distillation samples: the training windows' first tokens, the config's seed (reproducible)
+    sampled = sample_windows(model, windows[:6, :1], windows.shape[1], seed=TINY.seed)
+    calib_kls, sampled_kls = _window_kls(qmodel, model, windows[:6]), _window_kls(qmodel, model, sampled)
+    heldout_before = _kl(qmodel, model, windows[-2:])
+    steps = []
+    cfg = dataclasses.replace(TINY, distill_iters=4, distill_lr=3e-3, distill_norm_lr=3e-3, distill_holdout=0.25,
+                              distill_topk=259, train_dtype="float32", distill_data=data, distill_samples=6)
+    metrics = distill(qmodel, model, result.states, windows, cfg, on_step=lambda i, kl: steps.append(kl))
+    assert metrics["heldout_windows"] == 2  # the last 2 calibration windows, never trained on, in every mode
+    assert metrics["train_windows"] == {"calibration": 6, "sampled": 6, "mixed": 12}[data]
+    assert metrics.get("sampled_windows", 0) == (0 if data == "calibration" else 6)
+    assert metrics["kl_before"] == pytest.approx(heldout_before, rel=1e-4)
+    assert metrics["kl_after"] <= metrics["kl_before"]
+    # the first step's loss is the (full-vocabulary) KL of one window of the named set, before any update
+    pool = {"calibration": calib_kls, "sampled": sampled_kls, "mixed": calib_kls + sampled_kls}[data]
+    other = {"calibration": sampled_kls, "sampled": calib_kls, "mixed": []}[data]
+    assert min(abs(steps[0] - k) / k for k in pool) < 1e-4
+    assert all(abs(steps[0] - k) / k > 1e-3 for k in other)
+
+
+def test_distill_data_is_checked():
+    with pytest.raises(ValueError, match="distill_data must be one of calibration, sampled, mixed"):
+        VPTQConfig(distill_data="wiki")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 
+DISTILL_DATA = ("calibration", "sampled", "mixed")  # VPTQConfig.distill_data
+
 
 def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
@@ -117,6 +119,11 @@ class VPTQConfig(ConfigBase):
     distill_holdout: float = 0.125
     distill_eval_every: int = 0
     distill_checkpointing: bool = True
+    # What distillation trains on: "calibration" (the calibration windows), "sampled" (distill_samples windows
+    # sampled from the original model itself, ancestral sampling at temperature 1: every domain it knows, not
+    # only the calibration text's) or "mixed" (both). The held-out windows are always calibration windows.
+    distill_data: str = "calibration"
+    distill_samples: int = 32
     # Total bits per weight (codebooks, outliers and permutation included) no layer may exceed; 0 = off. A
     # layer over it steps down the vector length at the same index bits per weight (v6 k4096 -> v5 k1024 ->
     # v4 k256 ...: smaller codebooks) until it fits, so the model's total never exceeds it either
@@ -165,6 +172,9 @@ class VPTQConfig(ConfigBase):
         check_int("distill_topk", self.distill_topk, 1, 1 << 20)
         check_float("distill_holdout", self.distill_holdout, 0.0, 0.5)
         check_int("distill_eval_every", self.distill_eval_every, 0, 1000000)
+        check_int("distill_samples", self.distill_samples, 1, 1000000)
+        if self.distill_data not in DISTILL_DATA:
+            raise ValueError(f"distill_data must be one of {', '.join(DISTILL_DATA)}, got {self.distill_data!r}")
         check_float("layer_bits_cap", self.layer_bits_cap, 0.0, 64.0)
         check_int("seed", self.seed, 0)
         check_bools(self, ("enable_norm", "enable_perm", "second_order", "distill_checkpointing"))

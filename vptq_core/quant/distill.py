@@ -82,6 +82,45 @@ def teacher_topk(reference: nn.Module, windows: torch.Tensor, k: int, device: to
     return {"logp": torch.stack(logps), "index": torch.stack(indices), "rest": torch.stack(rests)}
 
 
+@torch.no_grad()
+def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed: int = 0, batch: int = 8,
+                   temperature: float = 1.0, should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
+    """Windows of ``seqlen`` tokens sampled from ``reference`` itself -> [n, seqlen] int64 on the CPU.
+
+    Row i begins with ``starts[i]`` ([n, s] token ids, 1 <= s < seqlen; e.g. the BOS token, or a calibration
+    window's first token for variety) and continues by ancestral sampling at ``temperature`` (1.0 = the
+    model's own distribution), ``batch`` rows at a time with the KV cache (row i's draws come from its own
+    generator, so a row does not depend on the batch it was sampled in). Text drawn from the original model
+    covers every domain it knows, in proportion to how it predicts, not only the calibration text's: what a
+    distillation towards it should match. Reproducible (one seeded generator). None if ``should_stop`` turned
+    true (polled before every token).
+    """
+    starts = torch.as_tensor(starts, dtype=torch.long)
+    if starts.dim() != 2 or starts.shape[0] < 1 or not 1 <= starts.shape[1] < seqlen:
+        raise ValueError(f"starts must be token ids [n >= 1, 1..{seqlen - 1}], got shape {tuple(starts.shape)}")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    device = next(reference.parameters()).device
+    out = []
+    for lo in range(0, starts.shape[0], batch):
+        ids = starts[lo : lo + batch].cpu()
+        # one generator per row: a row's tokens do not depend on the batch it was sampled in
+        gens = [torch.Generator().manual_seed(seed * 1_000_003 + lo + r) for r in range(ids.shape[0])]
+        step_in, past = ids, None
+        while ids.shape[1] < seqlen:
+            if should_stop is not None and should_stop():
+                return None
+            res = reference(input_ids=step_in.to(device), past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            probs = torch.softmax(res.logits[:, -1].float().cpu() / temperature, dim=-1)
+            step_in = torch.stack([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, gens, strict=True)])
+            ids = torch.cat([ids, step_in], dim=1)
+        out.append(ids)
+    return torch.cat(out)
+
+
 def bucket_kl(logits: torch.Tensor, t_logp: torch.Tensor, t_index: torch.Tensor, t_rest: torch.Tensor,
               cap: float | None = None) -> torch.Tensor:
     """Sum over tokens of KL(P || Q) on the teacher's top-k tokens + one bucket for the rest.
@@ -227,13 +266,30 @@ def distill(
     should_stop = should_stop or (lambda: False)
     on_step = on_step or (lambda _step, _loss: None)
     device = next(qmodel.parameters()).device
-    windows = windows.to(device)
     n = windows.shape[0]
     n_val = holdout_count(n, config.distill_holdout)
     n_train = n - n_val
-    val = torch.arange(n_train, n) if n_val else torch.arange(n)
     dtype = TRAIN_DTYPES[config.train_dtype]
-    metrics = {"steps": 0, "cancelled": False, "heldout_windows": n_val}
+    metrics = {"steps": 0, "cancelled": False, "heldout_windows": n_val, "data": config.distill_data}
+
+    train = torch.arange(n_train)
+    if config.distill_data != "calibration":
+        # windows sampled from the original model, each started from a calibration window's first token
+        t0 = time.perf_counter()
+        starts = windows[torch.arange(config.distill_samples) % n_train, :1]
+        sampled = sample_windows(reference, starts, windows.shape[1], seed=config.seed, should_stop=should_stop)
+        metrics["sample_seconds"] = time.perf_counter() - t0
+        if sampled is None:
+            metrics.update(cancelled=True, seconds=time.perf_counter() - t_start)
+            return metrics
+        sampled = sampled.to(windows.device)
+        first = torch.arange(n, n + sampled.shape[0])
+        train = torch.cat([train, first]) if config.distill_data == "mixed" else first
+        windows = torch.cat([windows, sampled])
+        metrics["sampled_windows"] = sampled.shape[0]
+    windows = windows.to(device)
+    val = torch.arange(n_train, n) if n_val else torch.arange(n)
+    metrics["train_windows"] = train.numel()
 
     t0 = time.perf_counter()
     teacher = teacher_topk(reference, windows, config.distill_topk, device, should_stop)
@@ -284,7 +340,7 @@ def distill(
             iters = config.distill_iters
             every = config.distill_eval_every or iters
             warmup = int(iters * WARMUP_FRACTION)
-            batches = minibatches(n_train, config.distill_batch, config.seed)
+            batches = (train[rows] for rows in minibatches(train.numel(), config.distill_batch, config.seed))
             with only_trainable(qmodel, trained), torch.enable_grad(), _restore_on_error(start):
                 before = heldout_kl()
                 best_kl, best_step = before, 0
