@@ -100,6 +100,8 @@ ROWS: dict[str, tuple[str, object, str]] = {
     "rtn-w4a16-pc": ("rtn", ScalarConfig(bits=4, group_size=0), "RTN W4A16 per-channel"),
     "gptq-w4a16-pc": ("gptq", ScalarConfig(bits=4, group_size=0), "GPTQ W4A16 per-channel"),
     "lrq-w4a8": ("lrq", LRQConfig(bits=4, act_bits=8, act_granularity="token"), "LRQ W4A8 (per-token)"),
+    "lrq-w4a8-fp64": ("lrq", LRQConfig(bits=4, act_bits=8, act_granularity="token", target_chain="fp", iters=64),
+                      "LRQ W4A8 (per-token), FP-chain targets, 64 steps/block"),
     "rtn-w4a8-pc": ("rtn", ScalarConfig(bits=4, group_size=0, act_bits=8, act_granularity="token"),
                     "RTN W4A8 per-channel (per-token)"),
     "gptq-w4a8-pc": ("gptq", ScalarConfig(bits=4, group_size=0, act_bits=8, act_granularity="token"),
