@@ -25,6 +25,7 @@ import gradio as gr
 from vptq_core.generation import warm_up_kernels
 from vptq_core.models import BUNDLED, TINY
 from vptq_core.quant import methods
+from vptq_core.quant.config import DISTILL_DATA
 from vptq_core.studio import form, plots, views
 from vptq_core.studio.estimate import model_info
 from vptq_core.studio.form import ACTIVATIONS, CUSTOM, FILE_SOURCE, WEIGHT_ONLY, WIKI_SOURCE
@@ -144,9 +145,13 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                                 with gr.Row():
                                     fields["layer_bits_cap"] = number("layer_bits_cap", " (0 = off)", integer=False)
                                     fields["distill_iters"] = number("distill_iters")
+                                    fields["distill_data"] = gr.Dropdown(
+                                        list(DISTILL_DATA), value=initial["distill_data"],
+                                        label=labels["distill_data"] + " (sampled = text the original writes)")
                             groups[vptq_group] = ("vector_len", "num_centroids", "num_res_centroids",
                                                   "outlier_percent", "group_num", "kmeans_iters", "enable_norm",
-                                                  "enable_perm", "finetune_iters", "layer_bits_cap", "distill_iters")
+                                                  "enable_perm", "finetune_iters", "layer_bits_cap", "distill_iters",
+                                                  "distill_data")
                             with gr.Group() as scalar_group, gr.Row():
                                 fields["bits"] = number("bits")
                                 fields["group_size"] = number("group_size", " (0 = per channel)")

@@ -183,3 +183,12 @@ def test_distillation_trains_on_the_windows_its_data_setting_names(tiny_model, w
 def test_distill_data_is_checked():
     with pytest.raises(ValueError, match="distill_data must be one of calibration, sampled, mixed"):
         VPTQConfig(distill_data="wiki")
+
+
+def test_the_run_label_names_the_distillation_data():
+    from vptq_core.quant import methods
+
+    describe = methods.get("vptq").describe
+    assert describe({"vector_len": 6, "num_centroids": 4096, "distill_iters": 64}).endswith(" kd64")
+    assert describe({"vector_len": 6, "num_centroids": 4096, "distill_iters": 64,
+                     "distill_data": "mixed"}).endswith(" kd64-mixed")

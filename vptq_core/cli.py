@@ -59,6 +59,9 @@ METHOD_FLAGS: dict[str, dict[str, tuple[str, str, str]]] = {
         "--finetune-iters": ("finetune_iters", "int", "layer-wise fine-tuning steps per block (codebooks + norms)"),
         "--distill-iters": ("distill_iters", "int", "end-to-end distillation steps on the whole model (KL to the "
                             "original's next-token distributions)"),
+        "--distill-data": ("distill_data", "choice:calibration,sampled,mixed",
+                           "what distillation trains on: the calibration windows, windows sampled from the original "
+                           "model (every domain it knows), or both"),
         "--layer-bits-cap": ("layer_bits_cap", "float", "total bits per weight no layer may exceed (shorter "
                              "vectors, same index bits, where codebooks are expensive); 0 = off"),
         "--no-second-order": ("second_order", "false", "ablation: plain nearest-centroid assignment"),

@@ -322,6 +322,8 @@ def describe(settings) -> str:
         text += f" ft{settings['finetune_iters']}"
     if settings.get("distill_iters"):
         text += f" kd{settings['distill_iters']}"
+        if settings.get("distill_data", "calibration") != "calibration":
+            text += f"-{settings['distill_data']}"
     return text
 
 

@@ -37,6 +37,7 @@ FIELD_LABELS = {
     "outlier_percent": "outlier columns %", "group_num": "groups", "kmeans_iters": "k-means iterations",
     "enable_norm": "normalize columns", "enable_perm": "permute columns", "finetune_iters": "fine-tune iterations",
     "layer_bits_cap": "max total bits per layer", "distill_iters": "distillation steps",
+    "distill_data": "distillation data",
     "bits": "bits", "group_size": "group size", "activations": "activations", "act_order": "act order",
     "rank": "LRQ rank", "iters": "LRQ iterations per block", "seed": "seed", "samples": "calibration samples",
     "seqlen": "tokens per sample",

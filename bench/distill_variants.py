@@ -1,0 +1,170 @@
+"""End-to-end distillation variants from ONE quantization: what the data, steps and learning rate buy.
+
+Protocol: SmolLM2-135M-Instruct (fp32 teacher), ``--row`` of ``bench/quality.py`` quantized once (distillation
+off) on 32 wiki calibration windows x 512 tokens (even articles, seed 0); its layer states are cached under
+``--cache`` (safetensors + JSON) so later runs skip the quantization. Each variant distils a fresh copy of that
+quantized model with the row's distillation settings overridden by the variant's, then the model is evaluated
+in bf16 against the bf16 original on ``--windows`` held-out 512-token windows of wiki (odd articles) and of
+Python's docs (pydocs, odd topics: another domain). Results are appended to ``--results`` (one JSON line per
+variant; a variant already there is skipped).
+
+    python bench/distill_variants.py --row vptq-2.5-alloc-kd64 \\
+        --variants calib64:distill_data=calibration sampled64:distill_data=sampled \\
+                   mixed128:distill_data=mixed,distill_iters=128,distill_eval_every=32
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from quality import ROWS  # noqa: E402
+
+from vptq_core.data import calibration_windows  # noqa: E402
+from vptq_core.eval import evaluate  # noqa: E402
+from vptq_core.models import load_model  # noqa: E402
+from vptq_core.quant.distill import distill  # noqa: E402
+from vptq_core.quant.pipeline import quantize_model  # noqa: E402
+from vptq_core.quant.states import VQLayerState  # noqa: E402
+
+
+def save_states(states: dict[str, VQLayerState], directory: Path, meta: dict) -> None:
+    tensors, fields = {}, {}
+    for name, st in states.items():
+        fields[name] = {}
+        for f in dataclasses.fields(st):
+            value = getattr(st, f.name)
+            if isinstance(value, torch.Tensor):
+                tensors[f"{name}/{f.name}"] = value.contiguous()
+            else:
+                fields[name][f.name] = value
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "states.safetensors"))
+    (directory / "states.json").write_text(json.dumps({"meta": meta, "fields": fields}))
+
+
+def load_states(directory: Path) -> tuple[dict[str, VQLayerState], dict]:
+    info = json.loads((directory / "states.json").read_text())
+    tensors = load_file(str(directory / "states.safetensors"))
+    states = {}
+    for name, fields in info["fields"].items():
+        own = {key.split("/", 1)[1]: t for key, t in tensors.items() if key.split("/", 1)[0] == name}
+        states[name] = VQLayerState(**fields, **own)
+    return states, info["meta"]
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    name, _, spec = text.partition(":")
+    overrides = {}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        for cast in (int, float):
+            try:
+                value = cast(value)
+                break
+            except ValueError:
+                continue
+        overrides[key] = value
+    return name, overrides
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--row", default="vptq-2.5-alloc-kd64", help="a VPTQ row of bench/quality.py")
+    parser.add_argument("--variants", nargs="+", required=True, help="NAME:setting=value,... (VPTQConfig fields)")
+    parser.add_argument("--cache", default=None, help="directory for the quantized states (default: /tmp/...)")
+    parser.add_argument("--results", default="bench/results/distill_variants.jsonl")
+    parser.add_argument("--calib-samples", type=int, default=32)
+    parser.add_argument("--windows", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    method, config, _ = ROWS[args.row]
+    if method != "vptq":
+        parser.error(f"--row must be a VPTQ row, {args.row!r} is {method}")
+    variants = [parse_variant(v) for v in args.variants]
+    for name, overrides in variants:
+        dataclasses.replace(config, **overrides)  # a bad setting fails before any work
+    cache = Path(args.cache or f"/tmp/distill_variants/{args.row}-{args.calib_samples}")
+    results = Path(args.results)
+    done = set()
+    if results.is_file():
+        done = {(r["row"], r["variant"]) for r in map(json.loads, results.read_text().splitlines())}
+
+    model, tok = load_model("smollm2-135m-instruct", dtype=torch.float32)
+    reference, _ = load_model("smollm2-135m-instruct", dtype=torch.bfloat16)
+    calib = calibration_windows(tok, "wiki", args.calib_samples, 512, seed=0)
+    if (cache / "states.json").is_file():
+        states, meta = load_states(cache)
+    else:
+        t0 = time.perf_counter()
+        _, result = quantize_model(model, calib, "vptq", dataclasses.replace(config, distill_iters=0), device="cpu")
+        meta = {"quant_seconds": time.perf_counter() - t0, "total_bits": result.bits.total_bits_per_weight,
+                "index_bits": result.bits.index_bits_per_weight}
+        states = result.states
+        save_states(states, cache, meta)
+
+    def quantized() -> tuple[torch.nn.Module, dict]:
+        qmodel = copy.deepcopy(model)
+        own = {name: dataclasses.replace(st) for name, st in states.items()}
+        with torch.no_grad():
+            for name, st in own.items():
+                qmodel.get_submodule(name).weight.copy_(st.dequantize())
+        return qmodel, own
+
+    def scores(qmodel) -> dict:
+        qb = copy.deepcopy(qmodel).to(torch.bfloat16)
+        out = {}
+        for text in ("wiki", "pydocs"):
+            ev = evaluate(qb, tok, text=text, seqlen=512, max_windows=args.windows, reference=reference)
+            out[text] = {"perplexity": ev.perplexity, "ratio": ev.perplexity / ev.reference_perplexity,
+                         "kl": ev.kl_divergence, "top1": ev.top1_agreement, "bf16": ev.reference_perplexity}
+        return out
+
+    for name, overrides in [("none", {})] + variants:
+        if (args.row, name) in done:
+            continue
+        qmodel, own = quantized()
+        cfg = dataclasses.replace(config, **overrides)
+        metrics = {}
+        if name != "none":
+            with torch.enable_grad():
+                metrics = distill(qmodel, model, own, calib, cfg)
+        rec = {"row": args.row, "variant": name, "overrides": overrides, "config": cfg.to_dict(), "quant": meta,
+               "distill": metrics, "scores": scores(qmodel), "load": os.getloadavg(), "threads": args.threads,
+               "calib_samples": args.calib_samples, "windows": args.windows}
+        with open(results, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        s = rec["scores"]
+        print(f"{name}: wiki {s['wiki']['ratio']:.2f}x  pydocs {s['pydocs']['ratio']:.2f}x  "
+              f"distill {metrics.get('seconds', 0):.0f}s", flush=True)
+
+    print(f"\n{args.row}, quantized once ({meta['index_bits']:.2f} index / {meta['total_bits']:.3f} total bits, "
+          f"{args.calib_samples} calibration windows), {args.windows} evaluation windows per text, bf16 vs bf16")
+    print("| variant | settings | wiki ppl | x bf16 | KL | pydocs ppl | x bf16 | KL | held-out KL before -> after "
+          "(best step) | distill s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for rec in map(json.loads, results.read_text().splitlines()):
+        if rec["row"] != args.row:
+            continue
+        w, p, d = rec["scores"]["wiki"], rec["scores"]["pydocs"], rec["distill"]
+        kd = (f"{d['kl_before']:.3f} -> {d['kl_after']:.3f} ({d['best_step']})" if d else "-")
+        print(f"| {rec['variant']} | {rec['overrides'] or '-'} | {w['perplexity']:.2f} | {w['ratio']:.2f} | "
+              f"{w['kl']:.3f} | {p['perplexity']:.2f} | {p['ratio']:.2f} | {p['kl']:.3f} | {kd} | "
+              f"{d.get('seconds', 0):.0f} |")
+
+
+if __name__ == "__main__":
+    main()
