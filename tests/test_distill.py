@@ -146,6 +146,14 @@ def test_sampled_windows_follow_the_model_and_are_reproducible(tiny_model):
     with torch.no_grad():
         logits = model(greedy, use_cache=False).logits[:, :-1]
     torch.testing.assert_close(greedy[:, 1:], logits.argmax(-1), rtol=0, atol=0)
+    # the teacher recorded while sampling is the teacher's own pass over the finished windows
+    windows, teacher = sample_windows(model, starts, 24, seed=3, topk=7)
+    assert torch.equal(windows, a)
+    again = teacher_topk(model, windows, 7, torch.device("cpu"))
+    assert teacher["logp"].shape == (3, 23, 7)
+    torch.testing.assert_close(teacher["logp"], again["logp"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(teacher["rest"], again["rest"], rtol=1e-4, atol=1e-5)
+    assert torch.equal(teacher["index"], again["index"])
     with pytest.raises(ValueError, match="starts must be token ids"):
         sample_windows(model, torch.tensor([1, 2]), 24)
     with pytest.raises(ValueError, match="temperature must be > 0"):

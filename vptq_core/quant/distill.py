@@ -68,23 +68,33 @@ def teacher_topk(reference: nn.Module, windows: torch.Tensor, k: int, device: to
     the mass outside the top k; -inf when there is none)} on ``device``; None if ``should_stop`` turned true.
     """
     ref_device = next(reference.parameters()).device
-    logps, indices, rests = [], [], []
+    rows = []
     for row in windows:
         if should_stop is not None and should_stop():
             return None
-        logits = reference(row.unsqueeze(0).to(ref_device), use_cache=False).logits[0, :-1].float()
-        logp = F.log_softmax(logits, dim=-1)
-        top, index = logp.topk(min(k, logp.shape[-1]), dim=-1)
-        rest = logp.scatter(-1, index, float("-inf")).logsumexp(-1)
-        logps.append(top.to(device))
-        indices.append(index.to(device))
-        rests.append(rest.to(device))
-    return {"logp": torch.stack(logps), "index": torch.stack(indices), "rest": torch.stack(rests)}
+        logits = reference(row.unsqueeze(0).to(ref_device), use_cache=False).logits[0, :-1]
+        rows.append(_topk_of(logits, k, device))
+    return _stack_teacher(rows)
+
+
+def _topk_of(logits: torch.Tensor, k: int, device) -> dict[str, torch.Tensor]:
+    """{"logp", "index", "rest"} of logits [..., V]: the top-k log-probabilities, their tokens and the log of
+    the mass of all the others."""
+    logp = F.log_softmax(logits.float(), dim=-1)
+    top, index = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    rest = logp.scatter(-1, index, float("-inf")).logsumexp(-1)
+    return {"logp": top.to(device), "index": index.to(device), "rest": rest.to(device)}
+
+
+def _stack_teacher(rows: list[dict[str, torch.Tensor]], dim: int = 0, cat: bool = False) -> dict[str, torch.Tensor]:
+    join = torch.cat if cat else torch.stack
+    return {key: join([r[key] for r in rows], dim=dim) for key in ("logp", "index", "rest")}
 
 
 @torch.no_grad()
 def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed: int = 0, batch: int = 8,
-                   temperature: float = 1.0, should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
+                   temperature: float = 1.0, should_stop: Callable[[], bool] | None = None,
+                   topk: int = 0, device: torch.device | None = None):
     """Windows of ``seqlen`` tokens sampled from ``reference`` itself -> [n, seqlen] int64 on the CPU.
 
     Row i begins with ``starts[i]`` ([n, s] token ids, 1 <= s < seqlen; e.g. the BOS token, or a calibration
@@ -93,7 +103,9 @@ def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed
     generator, so a row does not depend on the batch it was sampled in). Text drawn from the original model
     covers every domain it knows, in proportion to how it predicts, not only the calibration text's: what a
     distillation towards it should match. Reproducible (one seeded generator). None if ``should_stop`` turned
-    true (polled before every token).
+    true (polled before every token). With ``topk`` > 0 it returns (windows, teacher): the reference's top-k
+    log-probabilities at every predicted position, as ``teacher_topk`` gives them (on ``device``), taken from
+    the logits the sampling computed anyway.
     """
     starts = torch.as_tensor(starts, dtype=torch.long)
     if starts.dim() != 2 or starts.shape[0] < 1 or not 1 <= starts.shape[1] < seqlen:
@@ -102,23 +114,28 @@ def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed
         raise ValueError(f"batch must be >= 1, got {batch}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    device = next(reference.parameters()).device
-    out = []
+    ref_device = next(reference.parameters()).device
+    out, teachers = [], []
     for lo in range(0, starts.shape[0], batch):
         ids = starts[lo : lo + batch].cpu()
         # one generator per row: a row's tokens do not depend on the batch it was sampled in
         gens = [torch.Generator().manual_seed(seed * 1_000_003 + lo + r) for r in range(ids.shape[0])]
-        step_in, past = ids, None
+        step_in, past, steps = ids, None, []
         while ids.shape[1] < seqlen:
             if should_stop is not None and should_stop():
                 return None
-            res = reference(input_ids=step_in.to(device), past_key_values=past, use_cache=True)
+            res = reference(input_ids=step_in.to(ref_device), past_key_values=past, use_cache=True)
             past = res.past_key_values
+            if topk:
+                steps.append(_topk_of(res.logits, topk, device or ref_device))  # [b, new positions, k]
             probs = torch.softmax(res.logits[:, -1].float().cpu() / temperature, dim=-1)
             step_in = torch.stack([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, gens, strict=True)])
             ids = torch.cat([ids, step_in], dim=1)
         out.append(ids)
-    return torch.cat(out)
+        if topk:
+            teachers.append(_stack_teacher(steps, dim=1, cat=True))
+    windows = torch.cat(out)
+    return (windows, _stack_teacher(teachers, cat=True)) if topk else windows
 
 
 def bucket_kl(logits: torch.Tensor, t_logp: torch.Tensor, t_index: torch.Tensor, t_rest: torch.Tensor,
@@ -270,33 +287,44 @@ def distill(
     n_val = holdout_count(n, config.distill_holdout)
     n_train = n - n_val
     dtype = TRAIN_DTYPES[config.train_dtype]
-    metrics = {"steps": 0, "cancelled": False, "heldout_windows": n_val, "data": config.distill_data}
+    data = config.distill_data
+    metrics = {"steps": 0, "cancelled": False, "heldout_windows": n_val, "data": data}
 
-    train = torch.arange(n_train)
-    if config.distill_data != "calibration":
-        # windows sampled from the original model, each started from a calibration window's first token
-        t0 = time.perf_counter()
-        starts = windows[torch.arange(config.distill_samples) % n_train, :1]
-        sampled = sample_windows(reference, starts, windows.shape[1], seed=config.seed, should_stop=should_stop)
-        metrics["sample_seconds"] = time.perf_counter() - t0
-        if sampled is None:
-            metrics.update(cancelled=True, seconds=time.perf_counter() - t_start)
-            return metrics
-        sampled = sampled.to(windows.device)
-        first = torch.arange(n, n + sampled.shape[0])
-        train = torch.cat([train, first]) if config.distill_data == "mixed" else first
-        windows = torch.cat([windows, sampled])
-        metrics["sampled_windows"] = sampled.shape[0]
-    windows = windows.to(device)
-    val = torch.arange(n_train, n) if n_val else torch.arange(n)
-    metrics["train_windows"] = train.numel()
-
-    t0 = time.perf_counter()
-    teacher = teacher_topk(reference, windows, config.distill_topk, device, should_stop)
-    metrics["teacher_seconds"] = time.perf_counter() - t0
-    if teacher is None:
+    def cancelled() -> dict:
         metrics.update(cancelled=True, seconds=time.perf_counter() - t_start)
         return metrics
+
+    # The windows trained on and checked, and the teacher's top-k on each: calibration windows need a
+    # teacher pass; sampled windows get theirs from the sampling. Held-out: the last n_val calibration
+    # windows (all of them when n_val is 0, then also trained on in the calibration modes).
+    train_calib = data != "sampled"
+    val_rows = torch.arange(n_train, n) if n_val else torch.arange(n)
+    calib_rows = torch.arange(n) if train_calib else val_rows
+    t0 = time.perf_counter()
+    teacher = teacher_topk(reference, windows[calib_rows], config.distill_topk, device, should_stop)
+    metrics["teacher_seconds"] = time.perf_counter() - t0
+    if teacher is None:
+        return cancelled()
+    used = windows[calib_rows].to(device)
+    position = {int(r): i for i, r in enumerate(calib_rows)}
+    val = torch.tensor([position[int(r)] for r in val_rows])
+    train = torch.arange(n_train) if train_calib else torch.zeros(0, dtype=torch.long)
+    if data != "calibration":
+        # windows sampled from the original model, each started from a training window's first token
+        t0 = time.perf_counter()
+        starts = windows[torch.arange(config.distill_samples) % n_train, :1]
+        got = sample_windows(reference, starts, windows.shape[1], seed=config.seed, should_stop=should_stop,
+                             topk=config.distill_topk, device=device)
+        metrics["sample_seconds"] = time.perf_counter() - t0
+        if got is None:
+            return cancelled()
+        sampled, sampled_teacher = got
+        train = torch.cat([train, torch.arange(used.shape[0], used.shape[0] + sampled.shape[0])])
+        used = torch.cat([used, sampled.to(device)])
+        teacher = _stack_teacher([teacher, sampled_teacher], cat=True)
+        metrics["sampled_windows"] = sampled.shape[0]
+    windows = used
+    metrics["train_windows"] = train.numel()
 
     linears = {name: qmodel.get_submodule(name) for name in states}
     dense = dense_parameters(qmodel) if config.distill_norm_lr > 0 else []
