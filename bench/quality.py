@@ -33,6 +33,7 @@ from vptq_core.quant.allocate import cap_for_budget  # noqa: E402
 from vptq_core.quant.config import LRQConfig, ScalarConfig, VPTQConfig  # noqa: E402
 from vptq_core.quant.distill import distill  # noqa: E402
 from vptq_core.quant.pipeline import quantize_model  # noqa: E402
+from vptq_core.quant.vptq import PRESETS  # noqa: E402
 
 # SmolLM2-135M's block linears (out, in), 30 blocks: q, k, v, o, gate, up, down
 SMOLLM2_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)] * 30
@@ -77,6 +78,8 @@ ROWS: dict[str, tuple[str, object, str]] = {
                                                      distill_data="mixed"),
                                   "VPTQ allocator at 2.5 total bits + distillation on calibration + 32 sampled "
                                   "windows, 64 steps"),
+    "preset-2.5-kd16": ("vptq", VPTQConfig(**PRESETS["2.5 bits"], **KD16), 'preset "2.5 bits" + distillation 16 steps'),
+    "preset-3.5-kd16": ("vptq", VPTQConfig(**PRESETS["3.5 bits"], **KD16), 'preset "3.5 bits" + distillation 16 steps'),
     "vptq-2.5-alloc-kd16": ("vptq", allocated(2.5, vector_len=6, num_centroids=4096, **KD16),
                             "VPTQ 2.5 total bits (allocator) + distillation 16 steps"),
     "vptq-2-v6k4096-kd32": ("vptq", VPTQConfig(vector_len=6, num_centroids=4096, **KD),
@@ -102,6 +105,10 @@ ROWS: dict[str, tuple[str, object, str]] = {
     "lrq-w4a8": ("lrq", LRQConfig(bits=4, act_bits=8, act_granularity="token"), "LRQ W4A8 (per-token)"),
     "lrq-w4a8-fp64": ("lrq", LRQConfig(bits=4, act_bits=8, act_granularity="token", target_chain="fp", iters=64),
                       "LRQ W4A8 (per-token), FP-chain targets, 64 steps/block"),
+    "lrq-w4a8-fp": ("lrq", LRQConfig(bits=4, act_bits=8, act_granularity="token", target_chain="fp"),
+                    "LRQ W4A8 (per-token), FP-chain targets"),
+    "lrq-w4a8-64": ("lrq", LRQConfig(bits=4, act_bits=8, act_granularity="token", iters=64),
+                    "LRQ W4A8 (per-token), 64 steps/block"),
     "rtn-w4a8-pc": ("rtn", ScalarConfig(bits=4, group_size=0, act_bits=8, act_granularity="token"),
                     "RTN W4A8 per-channel (per-token)"),
     "gptq-w4a8-pc": ("gptq", ScalarConfig(bits=4, group_size=0, act_bits=8, act_granularity="token"),
