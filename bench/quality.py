@@ -49,6 +49,7 @@ def allocated(budget: float, **settings) -> VPTQConfig:
 KD = {"distill_iters": 32, "distill_lr": 2e-4, "distill_norm_lr": 2e-4, "distill_eval_every": 8}
 KD16 = {**KD, "distill_iters": 16, "distill_eval_every": 4}
 KD64 = {**KD, "distill_iters": 64, "distill_eval_every": 16}
+KD16_LR5 = {**KD16, "distill_lr": 5e-4, "distill_norm_lr": 5e-4}
 
 ROWS: dict[str, tuple[str, object, str]] = {
     "rtn-2": ("rtn", ScalarConfig(bits=2, group_size=64), "RTN 2-bit g64"),
@@ -78,8 +79,10 @@ ROWS: dict[str, tuple[str, object, str]] = {
                                                      distill_data="mixed"),
                                   "VPTQ allocator at 2.5 total bits + distillation on calibration + 32 sampled "
                                   "windows, 64 steps"),
-    "preset-2.5-kd16": ("vptq", VPTQConfig(**PRESETS["2.5 bits"], **KD16), 'preset "2.5 bits" + distillation 16 steps'),
-    "preset-3.5-kd16": ("vptq", VPTQConfig(**PRESETS["3.5 bits"], **KD16), 'preset "3.5 bits" + distillation 16 steps'),
+    "preset-2.5-kd16": ("vptq", VPTQConfig(**PRESETS["2.5 bits"], **KD16_LR5),
+                        'preset "2.5 bits" + distillation 16 steps, lr 5e-4'),
+    "preset-3.5-kd16": ("vptq", VPTQConfig(**PRESETS["3.5 bits"], **KD16_LR5),
+                        'preset "3.5 bits" + distillation 16 steps, lr 5e-4'),
     "vptq-2.5-alloc-kd16": ("vptq", allocated(2.5, vector_len=6, num_centroids=4096, **KD16),
                             "VPTQ 2.5 total bits (allocator) + distillation 16 steps"),
     "vptq-2-v6k4096-kd32": ("vptq", VPTQConfig(vector_len=6, num_centroids=4096, **KD),

@@ -200,3 +200,22 @@ def test_the_run_label_names_the_distillation_data():
     assert describe({"vector_len": 6, "num_centroids": 4096, "distill_iters": 64}).endswith(" kd64")
     assert describe({"vector_len": 6, "num_centroids": 4096, "distill_iters": 64,
                      "distill_data": "mixed"}).endswith(" kd64-mixed")
+
+
+def test_the_time_estimate_counts_distillation_as_measured():
+    from vptq_core.studio.estimate import distill_estimate
+
+    params = 134.5e6  # SmolLM2-135M, embedding included
+    base = VPTQConfig(vector_len=6, num_centroids=4096, distill_lr=5e-4)
+    assert distill_estimate(params, base, 32, 512) == 0.0
+    # the two runs the constants come from (bench/distill_variants.py, 32 calibration windows x 512 tokens):
+    # mixed data, 64 steps checked every 16 -> 669 s; 128 steps checked every 32 -> 926 s
+    mixed64 = dataclasses.replace(base, distill_iters=64, distill_eval_every=16, distill_data="mixed")
+    mixed128 = dataclasses.replace(mixed64, distill_iters=128, distill_eval_every=32)
+    assert distill_estimate(params, mixed64, 32, 512) == pytest.approx(669, rel=0.03)
+    assert distill_estimate(params, mixed128, 32, 512) == pytest.approx(926, rel=0.03)
+    # sampling is the cost "calibration" does not pay; "sampled" skips the training windows' teacher pass
+    calib64 = dataclasses.replace(mixed64, distill_data="calibration")
+    sampled64 = dataclasses.replace(mixed64, distill_data="sampled")
+    assert distill_estimate(params, calib64, 32, 512) < distill_estimate(params, sampled64, 32, 512) \
+        < distill_estimate(params, mixed64, 32, 512)

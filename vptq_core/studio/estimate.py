@@ -169,6 +169,38 @@ _IO_S = 9.0 / 135e6  # loading and saving, per parameter
 _START_S = 5.0  # starting a job whatever its size (imports, tokenizer, calibration text), seen on the tiny model
 _GPTQ_SWEEP_S = 0.3e-6  # per weight, a column sweep with one rounding per weight (not measured apart: rough)
 _ROUND_S = 0.02e-6  # per weight, rounding to a grid
+# End-to-end distillation, per model parameter (embedding and head included) per token of a window, from two
+# measured runs on SmolLM2-135M (134.5 M parameters, 511 predicted tokens per window, 2 threads, alone on the
+# machine; bench/distill_variants.py, 64 and 128 steps): a training step 4.14 s (forward, recomputation,
+# backward), a held-out check 3.6 s per window, the teacher's pass 1.31 s per window, sampling 9.0 s per
+# window (one token at a time for 8 windows at once).
+_KD_TOKENS = 134.5e6 * 511
+_KD_STEP_S = 4.14 / _KD_TOKENS
+_KD_CHECK_S = 3.6 / _KD_TOKENS
+_KD_TEACHER_S = 1.31 / _KD_TOKENS
+_KD_SAMPLE_S = 9.0 / _KD_TOKENS
+
+
+def distill_estimate(params: int, config, samples: int, seqlen: int) -> float:
+    """Rough seconds of a VPTQ config's end-to-end distillation (0 when off) for a model of ``params``
+    parameters calibrated on ``samples`` windows of ``seqlen`` tokens: the teacher's pass over the calibration
+    windows it uses, the sampled windows, the training steps and the held-out checks."""
+    settings = config.to_dict()
+    steps = settings.get("distill_iters", 0)
+    if not steps:
+        return 0.0
+    from ..quant.finetune import holdout_count
+
+    samples = max(int(samples), 1)
+    per_window = params * max(int(seqlen) - 1, 1)
+    n_val = holdout_count(samples, settings.get("distill_holdout", 0.125)) or samples
+    data = settings.get("distill_data", "calibration")
+    teacher = n_val if data == "sampled" else samples
+    sampled = settings.get("distill_samples", 0) if data != "calibration" else 0
+    every = settings.get("distill_eval_every") or steps
+    checks = 1 + math.ceil(steps / every)
+    return per_window * (_KD_TEACHER_S * teacher + _KD_SAMPLE_S * sampled
+                         + _KD_STEP_S * steps * settings.get("distill_batch", 1) + _KD_CHECK_S * checks * n_val)
 
 
 def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
@@ -176,7 +208,7 @@ def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
     calibration tokens, plus the method's own work scaled from one measured VPTQ run (k-means and sweep cost
     grow with the index bits per vector element, k-means with its iterations; LRQ trains ``iters`` steps of
     ``batch_size`` windows per block, about three forwards each; a config with ``act_order`` sweeps columns as
-    GPTQ does). Fine-tuning steps are not counted."""
+    GPTQ does; distillation: ``distill_estimate``). Layer-wise fine-tuning steps are not counted."""
     weights, params = info.linear_weights, info.linear_weights + info.other_params
     tokens = max(int(samples), 1) * max(int(seqlen), 1)
     seconds = _START_S + _FORWARD_S * weights * tokens + _IO_S * params
@@ -187,6 +219,7 @@ def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
             bits += math.log2(settings["num_res_centroids"])
         scale = (bits / 12.0) * (6.0 / max(settings["vector_len"], 1))
         seconds += weights * scale * (_KMEANS_S * settings.get("kmeans_iters", 5) / 5.0 + _SWEEP_S)
+        seconds += distill_estimate(params, config, samples, seqlen)
     elif "rank" in settings and "iters" in settings:
         steps = settings["iters"] * settings.get("batch_size", 1) * max(int(seqlen), 1)
         seconds += 3 * _FORWARD_S * weights * steps
