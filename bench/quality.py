@@ -79,9 +79,9 @@ ROWS: dict[str, tuple[str, object, str]] = {
                                                      distill_data="mixed"),
                                   "VPTQ allocator at 2.5 total bits + distillation on calibration + 32 sampled "
                                   "windows, 64 steps"),
-    "preset-2.5-kd16": ("vptq", VPTQConfig(**PRESETS["2.5 bits"], **KD16_LR5),
+    "preset-2.5-kd16": ("vptq", VPTQConfig(**{**PRESETS["2.5 bits"], **KD16_LR5}),
                         'preset "2.5 bits" + distillation 16 steps, lr 5e-4'),
-    "preset-3.5-kd16": ("vptq", VPTQConfig(**PRESETS["3.5 bits"], **KD16_LR5),
+    "preset-3.5-kd16": ("vptq", VPTQConfig(**{**PRESETS["3.5 bits"], **KD16_LR5}),
                         'preset "3.5 bits" + distillation 16 steps, lr 5e-4'),
     "vptq-2.5-alloc-kd16": ("vptq", allocated(2.5, vector_len=6, num_centroids=4096, **KD16),
                             "VPTQ 2.5 total bits (allocator) + distillation 16 steps"),
