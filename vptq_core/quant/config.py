@@ -119,7 +119,7 @@ class VPTQConfig(ConfigBase):
     distill_batch: int = 1
     distill_topk: int = 64
     distill_holdout: float = 0.125
-    distill_eval_every: int = 0
+    distill_eval_every: int = 0  # steps between held-out checks; 0 = every quarter of the steps
     distill_checkpointing: bool = True
     # What distillation trains on: "calibration" (the calibration windows), "sampled" (distill_samples windows
     # sampled from the original model itself, ancestral sampling at temperature 1: every domain it knows, not

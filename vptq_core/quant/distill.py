@@ -16,7 +16,8 @@ fixed. Objective, per predicted token: KL(P_orig || P_quant).
   memory holds one block's activations and one chunk's logits; bf16 autocast for the training steps
   (``train_dtype``), float32 parameters and Adam state.
 - **Held-out**: ``distill_holdout`` of the windows are never trained on; the KL on them is checked every
-  ``distill_eval_every`` steps and at the end (float32), and the best check wins, the starting point
+  ``distill_eval_every`` steps (0: every quarter of the steps) and at the end (float32), and the best check
+  wins, the starting point
   included: distillation never leaves the model worse on those windows.
 
 The result is written back in place: the states' codebooks (and biases), the fake-quant model's linear
@@ -56,6 +57,11 @@ from .states import VQLayerState
 OnStep = Callable[[int, float], None]
 HEAD_CHUNK = 1024  # tokens per LM-head chunk: one chunk's full-vocabulary logits live at a time
 WARMUP_FRACTION = 0.05  # of the steps, linear learning-rate warm-up before the cosine decay
+
+
+def eval_every(config: VPTQConfig) -> int:
+    """Steps between held-out checks: ``distill_eval_every``, or a quarter of the steps when it is 0."""
+    return config.distill_eval_every or max(1, config.distill_iters // 4)
 
 
 # ------------------------------------------------------------------------------------------- teacher
@@ -366,7 +372,7 @@ def distill(
             base_lrs = [g["lr"] for g in groups]
             optimizer = torch.optim.Adam(groups)
             iters = config.distill_iters
-            every = config.distill_eval_every or iters
+            every = eval_every(config)
             warmup = int(iters * WARMUP_FRACTION)
             batches = (train[rows] for rows in minibatches(train.numel(), config.distill_batch, config.seed))
             with only_trainable(qmodel, trained), torch.enable_grad(), _restore_on_error(start):

@@ -171,12 +171,12 @@ _GPTQ_SWEEP_S = 0.3e-6  # per weight, a column sweep with one rounding per weigh
 _ROUND_S = 0.02e-6  # per weight, rounding to a grid
 # End-to-end distillation, per model parameter (embedding and head included) per token of a window, from two
 # measured runs on SmolLM2-135M (134.5 M parameters, 511 predicted tokens per window, 2 threads, alone on the
-# machine; bench/distill_variants.py, 64 and 128 steps): a training step 4.14 s (forward, recomputation,
-# backward), a held-out check 3.6 s per window, the teacher's pass 1.31 s per window, sampling 9.0 s per
-# window (one token at a time for 8 windows at once).
+# machine; bench/distill_variants.py, 64 and 128 steps; the "2.5 bits" preset's 16): a training step 4.14 s
+# (forward, recomputation, backward), a held-out check 1.65-3.6 s per window (2.6 taken), the teacher's pass
+# 1.15-1.31 s per window, sampling 9.0 s per window (one token at a time for 8 windows at once).
 _KD_TOKENS = 134.5e6 * 511
 _KD_STEP_S = 4.14 / _KD_TOKENS
-_KD_CHECK_S = 3.6 / _KD_TOKENS
+_KD_CHECK_S = 2.6 / _KD_TOKENS
 _KD_TEACHER_S = 1.31 / _KD_TOKENS
 _KD_SAMPLE_S = 9.0 / _KD_TOKENS
 
@@ -197,7 +197,7 @@ def distill_estimate(params: int, config, samples: int, seqlen: int) -> float:
     data = settings.get("distill_data", "calibration")
     teacher = n_val if data == "sampled" else samples
     sampled = settings.get("distill_samples", 0) if data != "calibration" else 0
-    every = settings.get("distill_eval_every") or steps
+    every = settings.get("distill_eval_every") or max(1, steps // 4)  # as distill.eval_every
     checks = 1 + math.ceil(steps / every)
     return per_window * (_KD_TEACHER_S * teacher + _KD_SAMPLE_S * sampled
                          + _KD_STEP_S * steps * settings.get("distill_batch", 1) + _KD_CHECK_S * checks * n_val)
