@@ -230,3 +230,29 @@ def test_held_out_checks_default_to_every_quarter_of_the_steps():
     assert eval_every(VPTQConfig(distill_iters=128)) == 32
     assert eval_every(VPTQConfig(distill_iters=3)) == 1
     assert eval_every(VPTQConfig(distill_iters=16, distill_eval_every=5)) == 5
+
+
+def test_presets_distil_models_up_to_the_size_limit(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    from vptq_core.cli import build_parser, method_config_from_args
+    from vptq_core.quant.vptq import PRESET_DISTILL_MAX_PARAMS, PRESETS, sized_preset
+
+    preset = PRESETS["2.5 bits"]
+    assert preset["distill_iters"] == 16
+    assert sized_preset(preset, 135_000_000) == (preset, "")
+    kept, note = sized_preset(preset, PRESET_DISTILL_MAX_PARAMS + 1)
+    assert kept == {**preset, "distill_iters": 0} and "distillation steps are left out" in note
+    # the CLI sizes the preset from the model's config alone, and an explicit flag still wins
+    LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=32, vocab_size=32000).save_pretrained(tmp_path / "big")
+    args = build_parser().parse_args(["quantize", "--method", "vptq", "--model", str(tmp_path / "big"), "--preset", "2.5",
+                                      "--out", str(tmp_path / "o")])
+    assert method_config_from_args(args).distill_iters == 0
+    assert "left out for a model of 6.7B parameters" in capsys.readouterr().err
+    args = build_parser().parse_args(["quantize", "--method", "vptq", "--model", str(tmp_path / "big"), "--preset", "2.5",
+                                      "--distill-iters", "8", "--out", str(tmp_path / "o")])
+    assert method_config_from_args(args).distill_iters == 8
+    args = build_parser().parse_args(["quantize", "--method", "vptq", "--model", "smollm2-135m-instruct", "--preset", "2.5",
+                                      "--out", str(tmp_path / "o")])
+    assert method_config_from_args(args).distill_iters == 16

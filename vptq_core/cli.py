@@ -173,6 +173,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _sized_preset(settings: dict, model: str) -> dict:
+    """The preset sized for ``model`` (``vptq.sized_preset``), saying on stderr what it left out."""
+    from .quant.vptq import sized_preset
+    from .studio.estimate import model_info
+
+    try:
+        info = model_info(model)
+    except ValueError:
+        return settings  # the model's size is not known before loading it: the preset as it is
+    settings, note = sized_preset(settings, info.linear_weights + info.other_params)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    return settings
+
+
 def method_config_from_args(args):
     """The validated config object for ``args.method`` (ValueError on bad values or flags that do not apply)."""
     method = methods.get(args.method)
@@ -181,6 +196,8 @@ def method_config_from_args(args):
     if args.preset:
         candidates = (args.preset, f"{args.preset} bits", f"{args.preset} bit")
         settings = method.preset(next((c for c in candidates if c in method.presets), args.preset))
+        if settings.get("distill_iters"):
+            settings = _sized_preset(settings, args.model)
     for flags in METHOD_FLAGS.values():
         for flag, (setting, _kind, _text) in flags.items():
             value = getattr(args, setting, None)

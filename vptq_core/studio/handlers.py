@@ -46,6 +46,7 @@ from ..eval import evaluate
 from ..models import BUNDLED, TINY, load_model
 from ..quant import methods
 from ..quant.config import CalibConfig
+from ..quant.vptq import sized_preset
 from ..storage.archive import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_ENTRY_BYTES,
@@ -236,6 +237,8 @@ class Studio:
             return [form.CUSTOM, samples, seqlen, *(form.SMALL_MODEL_VALUES.get(k, gr.skip()) for k in keys)]
         chosen = preset if preset in form.preset_names() else form.DEFAULT_PRESET
         values = form.preset_values(method, chosen, keys)
+        if values.get("distill_iters"):
+            values = sized_preset(values, info.linear_weights + info.other_params)[0]
         samples, seqlen = form.MODEL_CALIB
         return [chosen, samples, seqlen, *(values.get(k, gr.skip()) for k in keys)]
 
