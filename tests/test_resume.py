@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY_VQ = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=2, outlier_percent=0.0, finetune_iters=2)
 CASES = [
     ("vptq", TINY_VQ),
-    ("lrq", LRQConfig(bits=3, iters=3)),
+    ("lrq", LRQConfig(bits=3, iters=3)),  # target_chain "fp" (the default): the original's activations resume too
+    ("lrq", LRQConfig(bits=3, iters=3, target_chain="quantized")),
     ("gptq", ScalarConfig(bits=4, group_size=32, act_bits=8, act_granularity="tensor")),
 ]
 

@@ -7,7 +7,8 @@ renamed into place, so a kill leaves either the old or the new file)::
                                finished blocks, timings, seconds and bits so far: written last, the commit point
     block-00003.safetensors    block 3's quantized layers, packed as the checkpoint stores them
     block-00003.json           their config_for_layers entries and LayerReports
-    inputs-00004.safetensors   the calibration activations entering block 4 (float32) and the CPU random state
+    inputs-00004.safetensors   the calibration activations entering block 4 (float32), the CPU random state and,
+                               with target_chain "fp", the original model's activations there ("fp_hidden")
 
 ``run.json`` names ``blocks_done = k``; blocks 0..k-1 and ``inputs-k`` are then complete. A block written
 after the last commit is simply written again. When the run finishes, the checkpoint writer reads the
@@ -147,11 +148,13 @@ class PartialRun:
             with safe_open(str(inputs_path), framework="pt", device="cpu") as f:
                 inputs = f.get_tensor("hidden")
                 rng_state = f.get_tensor("rng_state") if "rng_state" in f.keys() else None  # noqa: SIM118
+                fp_inputs = f.get_tensor("fp_hidden") if "fp_hidden" in f.keys() else None  # noqa: SIM118
         except (SafetensorError, OSError, RuntimeError) as exc:
             raise ValueError(f"{inputs_path}: cannot read the activations of block {done} ({exc}); remove "
                              f"{self.dir} to start over") from None
         bits = BitsInfo(**data["bits"])
-        return ResumePoint(done, inputs, reports, dict(data["timings"]), float(data["seconds"]), bits, rng_state)
+        return ResumePoint(done, inputs, reports, dict(data["timings"]), float(data["seconds"]), bits, rng_state,
+                           fp_inputs)
 
     def _block_json(self, b: int) -> dict:
         path = self.dir / f"block-{b:05d}.json"
@@ -224,8 +227,11 @@ class PartialRun:
             "layers": {name: layer.layer_config for name, layer in packed.items()},
             "reports": [r.to_dict() for r in done.reports],
         }, default=_plain) + "\n")
-        _atomic_save({"hidden": done.outputs.detach().to("cpu", torch.float32).contiguous(),
-                      "rng_state": done.rng_state.contiguous()}, self._inputs_path(b + 1))
+        tensors = {"hidden": done.outputs.detach().to("cpu", torch.float32).contiguous(),
+                   "rng_state": done.rng_state.contiguous()}
+        if done.fp_outputs is not None:  # target_chain "fp": the original model's activations too
+            tensors["fp_hidden"] = done.fp_outputs.detach().to("cpu", torch.float32).contiguous()
+        _atomic_save(tensors, self._inputs_path(b + 1))
         bits = done.result.bits
         data.update(blocks_done=b + 1, timings=dict(done.result.timings), seconds=done.seconds,
                     bits={"weights": bits.weights, "index_bits": bits.index_bits, "total_bits": bits.total_bits})

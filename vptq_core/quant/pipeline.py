@@ -332,6 +332,7 @@ class BlockDone:
     result: QuantizeResult
     seconds: float
     rng_state: torch.Tensor
+    fp_outputs: torch.Tensor | None = None  # target_chain "fp": the original model's activations there
 
 
 @dataclass
@@ -348,6 +349,7 @@ class ResumePoint:
     seconds: float = 0.0
     bits: BitsInfo = field(default_factory=lambda: BitsInfo(0, 0, 0))
     rng_state: torch.Tensor | None = None
+    fp_inputs: torch.Tensor | None = None  # target_chain "fp": the original model's activations entering the block
 
 
 @torch.no_grad()
@@ -444,11 +446,14 @@ def quantize_model(
     # target_chain "fp": after-block hooks fit the original model's own block outputs (a second activation
     # stream through the original blocks, run before each block is quantized)
     fp_chain = getattr(config, "target_chain", "quantized") == "fp"
-    if fp_chain and resume is not None and resume.blocks_done:
-        raise ValueError("target_chain 'fp' cannot resume a run: the original blocks before the resume point are gone")
+    if fp_chain and resume is not None and resume.blocks_done and resume.fp_inputs is None:
+        raise ValueError("target_chain 'fp' cannot resume this run: it has no saved activations of the original "
+                         "model at its resume point")
     fp_inps = inps.clone() if fp_chain else None
     if resume is not None:
         first, inps, earlier_seconds = _apply_resume(resume, result, inps, len(blocks), on_layer)
+        if fp_chain and resume.blocks_done:
+            fp_inps = resume.fp_inputs.to(inps.device, torch.float32)
     try:
         for b, block in enumerate(blocks):
             if b < first:
@@ -502,7 +507,8 @@ def quantize_model(
             if on_block is not None:
                 block_states = {rep.name: result.states[rep.name] for rep in ctx.reports}
                 on_block(BlockDone(b, block_states, list(ctx.reports), outs, result,
-                                   earlier_seconds + time.perf_counter() - start_time, torch.get_rng_state()))
+                                   earlier_seconds + time.perf_counter() - start_time, torch.get_rng_state(),
+                                   fp_inps))
             if not keep_states:
                 for rep in ctx.reports:
                     result.states.pop(rep.name, None)
