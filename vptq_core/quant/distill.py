@@ -10,6 +10,9 @@ fixed. Objective, per predicted token: KL(P_orig || P_quant).
   log-probabilities (+ the log of the mass of all the others) are kept: n x seq x k values, never
   full-vocabulary logits for all windows. The KL is taken over those k tokens plus one bucket for the rest,
   the KL of the two distributions coarsened the same way (<= the full KL, equal when k covers the vocab).
+- **Data** (``distill_data``): the calibration windows, ``distill_samples`` windows the reference writes itself
+  (``sample_windows``: ancestral sampling at temperature 1, the teacher's top-k taken from the sampling's own
+  logits), or both. The held-out windows are always calibration windows.
 - **Student**: the quantized model with its quantized linears replaced by ``finetune.CodebookLinear``
   (the weight gathered from the codebooks in each forward), each decoder block under activation
   checkpointing (``distill_checkpointing``) and the LM head + loss in checkpointed chunks of tokens, so
@@ -108,8 +111,8 @@ def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed
     model's own distribution), ``batch`` rows at a time with the KV cache (row i's draws come from its own
     generator, so a row does not depend on the batch it was sampled in). Text drawn from the original model
     covers every domain it knows, in proportion to how it predicts, not only the calibration text's: what a
-    distillation towards it should match. Reproducible (one seeded generator). None if ``should_stop`` turned
-    true (polled before every token). With ``topk`` > 0 it returns (windows, teacher): the reference's top-k
+    distillation towards it should match. Reproducible from ``seed``. None if ``should_stop`` turned true
+    (polled before every token). With ``topk`` > 0 it returns (windows, teacher): the reference's top-k
     log-probabilities at every predicted position, as ``teacher_topk`` gives them (on ``device``), taken from
     the logits the sampling computed anyway.
     """
