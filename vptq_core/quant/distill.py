@@ -318,8 +318,8 @@ def distill(
     if teacher is None:
         return cancelled()
     used = windows[calib_rows].to(device)
-    position = {int(r): i for i, r in enumerate(calib_rows)}
-    val = torch.tensor([position[int(r)] for r in val_rows])
+    # rows of ``used``: all calibration windows in order, or (sampled) only the held-out ones
+    val = val_rows if train_calib else torch.arange(val_rows.numel())
     train = torch.arange(n_train) if train_calib else torch.zeros(0, dtype=torch.long)
     if data != "calibration":
         # windows sampled from the original model, each started from a training window's first token
