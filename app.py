@@ -144,14 +144,9 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                                     fields["finetune_iters"] = number("finetune_iters")
                                 with gr.Row():
                                     fields["layer_bits_cap"] = number("layer_bits_cap", " (0 = off)", integer=False)
-                                    fields["distill_iters"] = number("distill_iters")
-                                    fields["distill_data"] = gr.Dropdown(
-                                        list(DISTILL_DATA), value=initial["distill_data"],
-                                        label=labels["distill_data"] + " (sampled = text the original writes)")
                             groups[vptq_group] = ("vector_len", "num_centroids", "num_res_centroids",
                                                   "outlier_percent", "group_num", "kmeans_iters", "enable_norm",
-                                                  "enable_perm", "finetune_iters", "layer_bits_cap", "distill_iters",
-                                                  "distill_data")
+                                                  "enable_perm", "finetune_iters", "layer_bits_cap")
                             with gr.Group() as scalar_group, gr.Row():
                                 fields["bits"] = number("bits")
                                 fields["group_size"] = number("group_size", " (0 = per channel)")
@@ -166,6 +161,12 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                                 fields["rank"] = number("rank", " (0 = auto)")
                                 fields["iters"] = number("iters")
                             groups[lrq_group] = ("rank", "iters")
+                            with gr.Group() as distill_group, gr.Row():
+                                fields["distill_iters"] = number("distill_iters")
+                                fields["distill_data"] = gr.Dropdown(
+                                    list(DISTILL_DATA), value=initial["distill_data"],
+                                    label=labels["distill_data"] + " (sampled = text the original writes)")
+                            groups[distill_group] = ("distill_iters", "distill_data")
                             for group, keys in groups.items():
                                 group.visible = form.uses(method.value, keys)
                             gr.Markdown("**Calibration**")

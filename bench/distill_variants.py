@@ -1,16 +1,17 @@
 """End-to-end distillation variants from ONE quantization: what the data, steps and learning rate buy.
 
-Protocol: SmolLM2-135M-Instruct (fp32 teacher), ``--row`` of ``bench/quality.py`` quantized once (distillation
-off) on 32 wiki calibration windows x 512 tokens (even articles, seed 0); its layer states are cached under
-``--cache`` (safetensors + JSON) so later runs skip the quantization. Each variant distils a fresh copy of that
-quantized model with the row's distillation settings overridden by the variant's, then the model is evaluated
-in bf16 against the bf16 original on ``--windows`` held-out 512-token windows of wiki (odd articles) and of
+Protocol: SmolLM2-135M-Instruct (fp32 teacher), ``--row`` of ``bench/quality.py`` (any method) quantized once
+(distillation off) on 32 wiki calibration windows x 512 tokens (even articles, seed 0); its layer states are
+cached under ``--cache`` (safetensors + JSON) so later runs skip the quantization. Each variant distils a fresh
+copy of that quantized model with the row's distillation settings overridden by the variant's, then the model is
+evaluated in bf16 against the bf16 original on ``--windows`` held-out 512-token windows of wiki (odd articles) and of
 Python's docs (pydocs, odd topics: another domain). Results are appended to ``--results`` (one JSON line per
 variant; a variant already there is skipped).
 
     python bench/distill_variants.py --row vptq-2.5-alloc-kd64 \\
         --variants calib64:distill_data=calibration sampled64:distill_data=sampled \\
                    mixed128:distill_data=mixed,distill_iters=128,distill_eval_every=32
+    python bench/distill_variants.py --row lrq-w4a8-fp --variants mixed32:distill_iters=32,distill_data=mixed
 """
 
 from __future__ import annotations
@@ -35,15 +36,18 @@ from quality import ROWS  # noqa: E402
 from vptq_core.data import calibration_windows  # noqa: E402
 from vptq_core.eval import evaluate  # noqa: E402
 from vptq_core.models import load_model  # noqa: E402
+from vptq_core.quant.act_quant import install_activation_quant  # noqa: E402
 from vptq_core.quant.distill import distill  # noqa: E402
 from vptq_core.quant.pipeline import quantize_model  # noqa: E402
-from vptq_core.quant.states import VQLayerState  # noqa: E402
+from vptq_core.quant.states import ScalarLayerState, VQLayerState  # noqa: E402
+
+STATE_CLASSES = {cls.__name__: cls for cls in (VQLayerState, ScalarLayerState)}
 
 
-def save_states(states: dict[str, VQLayerState], directory: Path, meta: dict) -> None:
+def save_states(states: dict[str, VQLayerState | ScalarLayerState], directory: Path, meta: dict) -> None:
     tensors, fields = {}, {}
     for name, st in states.items():
-        fields[name] = {}
+        fields[name] = {"__class__": type(st).__name__}
         for f in dataclasses.fields(st):
             value = getattr(st, f.name)
             if isinstance(value, torch.Tensor):
@@ -55,13 +59,14 @@ def save_states(states: dict[str, VQLayerState], directory: Path, meta: dict) ->
     (directory / "states.json").write_text(json.dumps({"meta": meta, "fields": fields}))
 
 
-def load_states(directory: Path) -> tuple[dict[str, VQLayerState], dict]:
+def load_states(directory: Path) -> tuple[dict[str, VQLayerState | ScalarLayerState], dict]:
     info = json.loads((directory / "states.json").read_text())
     tensors = load_file(str(directory / "states.safetensors"))
     states = {}
     for name, fields in info["fields"].items():
         own = {key.split("/", 1)[1]: t for key, t in tensors.items() if key.split("/", 1)[0] == name}
-        states[name] = VQLayerState(**fields, **own)
+        cls = STATE_CLASSES[fields.pop("__class__", "VQLayerState")]
+        states[name] = cls(**fields, **own)
     return states, info["meta"]
 
 
@@ -82,8 +87,9 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--row", default="vptq-2.5-alloc-kd64", help="a VPTQ row of bench/quality.py")
-    parser.add_argument("--variants", nargs="+", required=True, help="NAME:setting=value,... (VPTQConfig fields)")
+    parser.add_argument("--row", default="vptq-2.5-alloc-kd64", help="a row of bench/quality.py")
+    parser.add_argument("--variants", nargs="+", required=True, help="NAME:setting=value,... (the row's config "
+                        "fields)")
     parser.add_argument("--cache", default=None, help="directory for the quantized states (default: /tmp/...)")
     parser.add_argument("--results", default="bench/results/distill_variants.jsonl")
     parser.add_argument("--calib-samples", type=int, default=32)
@@ -92,10 +98,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     method, config, _ = ROWS[args.row]
-    if method != "vptq":
-        parser.error(f"--row must be a VPTQ row, {args.row!r} is {method}")
     variants = [parse_variant(v) for v in args.variants]
-    for name, overrides in variants:
+    for _name, overrides in variants:
         dataclasses.replace(config, **overrides)  # a bad setting fails before any work
     cache = Path(args.cache or f"/tmp/distill_variants/{args.row}-{args.calib_samples}")
     results = Path(args.results)
@@ -110,7 +114,7 @@ def main() -> None:
         states, meta = load_states(cache)
     else:
         t0 = time.perf_counter()
-        _, result = quantize_model(model, calib, "vptq", dataclasses.replace(config, distill_iters=0), device="cpu")
+        _, result = quantize_model(model, calib, method, dataclasses.replace(config, distill_iters=0), device="cpu")
         meta = {"quant_seconds": time.perf_counter() - t0, "total_bits": result.bits.total_bits_per_weight,
                 "index_bits": result.bits.index_bits_per_weight}
         states = result.states
@@ -122,6 +126,8 @@ def main() -> None:
         with torch.no_grad():
             for name, st in own.items():
                 qmodel.get_submodule(name).weight.copy_(st.dequantize())
+        acts = {name: st for name, st in own.items() if getattr(st, "act_bits", 16) < 16}
+        install_activation_quant({name: qmodel.get_submodule(name) for name in acts}, acts)  # W4A8 / W8A8
         return qmodel, own
 
     def scores(qmodel) -> dict:

@@ -1,9 +1,10 @@
 import dataclasses
+import math
 
 import pytest
 import torch
 
-from vptq_core.quant.config import VPTQConfig
+from vptq_core.quant.config import LRQConfig, ScalarConfig, VPTQConfig
 from vptq_core.quant.distill import bucket_kl, distill, sample_windows, teacher_topk
 from vptq_core.quant.pipeline import quantize_model
 from vptq_core.storage.checkpoint import load_quantized, save_quantized
@@ -258,3 +259,79 @@ def test_presets_distil_models_up_to_the_size_limit(tmp_path, capsys):
     args = build_parser().parse_args(["quantize", "--method", "vptq", "--model", "smollm2-135m-instruct", "--preset", "2.5",
                                       "--out", str(tmp_path / "o")])
     assert method_config_from_args(args).distill_iters == 16
+
+
+SCALAR_CASES = [
+    ("rtn", ScalarConfig(bits=3, group_size=0, act_bits=8, act_granularity="token")),
+    ("gptq", ScalarConfig(bits=3, group_size=32)),
+    ("lrq", LRQConfig(bits=3, iters=4, act_bits=8, act_granularity="tensor")),
+]
+
+
+def test_scale_linear_is_the_scalar_layer_with_its_activation_quantizer():
+    from tests.factories import random_scalar_state
+    from vptq_core.quant.act_quant import quantize_activations
+    from vptq_core.quant.finetune import ScaleLinear, trainable_linear
+
+    st = random_scalar_state(40, 24, bits=3, group_size=16, act_bits=8, act_granularity="token", seed=1)
+    layer = trainable_linear(st)
+    assert isinstance(layer, ScaleLinear) and list(dict(layer.named_parameters())) == ["params.log_scale"]
+    x = torch.randn(5, 40, generator=torch.Generator().manual_seed(0))
+    want = torch.nn.functional.linear(quantize_activations(x, 8, "token"), st.dequantize().float())
+    torch.testing.assert_close(layer(x), want)
+    torch.testing.assert_close(layer.trained()["scales"], st.scales)
+    with torch.no_grad():
+        layer.params["log_scale"].fill_(math.log(2.0))  # a log-scale moves every scale by the same factor
+    torch.testing.assert_close(layer.trained_state().dequantize(), 2 * st.dequantize())
+    with pytest.raises(TypeError, match="no trainable form for dict"):
+        trainable_linear({})
+
+
+@pytest.mark.parametrize(("method", "config"), SCALAR_CASES, ids=[c[0] for c in SCALAR_CASES])
+def test_scalar_distillation_trains_the_scales_and_the_checkpoint_holds_them(tmp_path, tiny_model, windows,
+                                                                             method, config):
+    model, tok = tiny_model
+    qmodel0, result0 = quantize_model(model, windows, method, config)
+    before = _kl(qmodel0, model, windows)
+    cfg = dataclasses.replace(config, distill_iters=12, distill_lr=1e-2, distill_norm_lr=3e-3, distill_holdout=0.0,
+                              distill_topk=259, train_dtype="float32")
+    qmodel, result = quantize_model(model, windows, method, cfg)
+    metrics = result.model_metrics["distill"]
+    after = _kl(qmodel, model, windows)  # with the activation quantizers of W4A8 / W8A8 in place
+    # (the random model's KLs are ~1e-4: float32 noise of the log-probabilities is ~1e-8 per token)
+    assert metrics["kl_before"] == pytest.approx(before, rel=1e-4, abs=1e-3 * before)
+    assert metrics["kl_after"] == pytest.approx(after, rel=1e-4, abs=1e-3 * before)
+    assert after < 0.9 * before
+    moved = 0
+    for name, st in result.states.items():
+        st0 = result0.states[name]
+        # codes and zero points stay on their grid: only the scales (and the norms) train
+        assert torch.equal(st.codes, st0.codes) and torch.equal(st.zeros, st0.zeros)
+        assert (st.act_bits, st.act_granularity) == (config.act_bits, config.act_granularity)
+        moved += not torch.equal(st.scales, st0.scales)
+        torch.testing.assert_close(qmodel.get_submodule(name).weight, st.dequantize())
+    assert moved == len(result.states)
+    save_quantized(qmodel, tok, result.states, tmp_path / "ckpt", dtype=torch.float32)
+    loaded, _ = load_quantized(tmp_path / "ckpt", dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(windows, use_cache=False).logits, qmodel(windows, use_cache=False).logits,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_every_method_takes_the_distillation_settings(tmp_path):
+    from vptq_core.cli import build_parser, method_config_from_args
+    from vptq_core.quant import methods
+    from vptq_core.studio import form
+
+    for m in methods.all_methods():
+        assert "distill" in [h.phase for h in m.after_model]
+        assert form.uses(m.name, ["distill_iters", "distill_data"])
+        # every preset names its distillation steps: picking it never keeps another method's
+        assert all("distill_iters" in preset for preset in m.presets.values())
+        args = build_parser().parse_args(["quantize", "--method", m.name, "--model", "tiny-random-llama",
+                                          "--distill-iters", "8", "--distill-data", "mixed", "--distill-lr", "0.002",
+                                          "--out", str(tmp_path / "o")])
+        config = method_config_from_args(args)
+        assert (config.distill_iters, config.distill_data, config.distill_lr) == (8, "mixed", 0.002)
+    with pytest.raises(ValueError, match="distill_data must be one of calibration, sampled, mixed"):
+        LRQConfig(distill_data="wiki")

@@ -57,14 +57,18 @@ METHOD_FLAGS: dict[str, dict[str, tuple[str, str, str]]] = {
         "--perm": ("enable_perm", "bool", "process columns by decreasing Hessian diagonal"),
         "--kmeans-iters": ("kmeans_iters", "int", "k-means iterations"),
         "--finetune-iters": ("finetune_iters", "int", "layer-wise fine-tuning steps per block (codebooks + norms)"),
-        "--distill-iters": ("distill_iters", "int", "end-to-end distillation steps on the whole model (KL to the "
-                            "original's next-token distributions)"),
-        "--distill-data": ("distill_data", "choice:calibration,sampled,mixed",
-                           "what distillation trains on: the calibration windows, windows sampled from the original "
-                           "model (every domain it knows), or both"),
         "--layer-bits-cap": ("layer_bits_cap", "float", "total bits per weight no layer may exceed (shorter "
                              "vectors, same index bits, where codebooks are expensive); 0 = off"),
         "--no-second-order": ("second_order", "false", "ablation: plain nearest-centroid assignment"),
+    },
+    "distillation (every method)": {
+        "--distill-iters": ("distill_iters", "int", "end-to-end distillation steps on the whole model (KL to the "
+                            "original's next-token distributions; trains VPTQ codebooks or scalar scales, and norms)"),
+        "--distill-data": ("distill_data", "choice:calibration,sampled,mixed",
+                           "what distillation trains on: the calibration windows, windows sampled from the original "
+                           "model (every domain it knows), or both"),
+        "--distill-lr": ("distill_lr", "float", "distillation learning rate of the codebooks (VPTQ) or log-scales "
+                         "(scalar methods)"),
     },
     "GPTQ / RTN / LRQ": {
         "--bits": ("bits", "int", "bits per weight"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 
-DISTILL_DATA = ("calibration", "sampled", "mixed")  # VPTQConfig.distill_data
+DISTILL_DATA = ("calibration", "sampled", "mixed")  # DistillSettings.distill_data
 
 
 def _is_pow2(n: int) -> bool:
@@ -62,7 +62,51 @@ class ConfigBase:
 
 
 @dataclass(frozen=True)
-class VPTQConfig(ConfigBase):
+class DistillSettings(ConfigBase):
+    """End-to-end distillation (quant/distill.py), shared by every built-in method's config: after all blocks,
+    the tensors of the packed format that are cheap to move (VPTQ: codebooks; scalar methods: the per-group
+    scales, as log-scales) and every 1-D tensor (norms, biases) are trained against the original model's
+    next-token distributions, KL(P_orig || P_quant) on the teacher's top ``distill_topk`` tokens + one bucket
+    for the rest; 0 steps = off. A subclass calls ``check_distill()`` from its ``__post_init__``."""
+
+    # Autocast dtype of the training steps of fine-tuning and distillation (held-out checks run in float32).
+    train_dtype: str = "bfloat16"
+    distill_iters: int = 0
+    # 5e-4 for codebooks and 1-D tensors: on SmolLM2 at 2.5 bits, 64 steps at 5e-4 beat 128 steps at 2e-4 on
+    # both held-out texts (README, "What distillation trains on"). Scalar methods: the lr of the log-scales.
+    distill_lr: float = 5e-4
+    distill_norm_lr: float = 5e-4
+    distill_batch: int = 1
+    distill_topk: int = 64
+    distill_holdout: float = 0.125
+    distill_eval_every: int = 0  # steps between held-out checks; 0 = every quarter of the steps
+    distill_checkpointing: bool = True
+    # What distillation trains on: "calibration" (the calibration windows), "sampled" (distill_samples windows
+    # sampled from the original model itself, ancestral sampling at temperature 1: every domain it knows, not
+    # only the calibration text's) or "mixed" (both). The held-out windows are always calibration windows.
+    distill_data: str = "calibration"
+    distill_samples: int = 32
+    seed: int = 0
+
+    def check_distill(self) -> None:
+        if self.train_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"train_dtype must be 'bfloat16' or 'float32', got {self.train_dtype!r}")
+        check_int("distill_iters", self.distill_iters, 0, 1000000)
+        check_float("distill_lr", self.distill_lr, 0.0, 1.0)
+        check_float("distill_norm_lr", self.distill_norm_lr, 0.0, 1.0)
+        check_int("distill_batch", self.distill_batch, 1, 4096)
+        check_int("distill_topk", self.distill_topk, 1, 1 << 20)
+        check_float("distill_holdout", self.distill_holdout, 0.0, 0.5)
+        check_int("distill_eval_every", self.distill_eval_every, 0, 1000000)
+        check_int("distill_samples", self.distill_samples, 1, 1000000)
+        if self.distill_data not in DISTILL_DATA:
+            raise ValueError(f"distill_data must be one of {', '.join(DISTILL_DATA)}, got {self.distill_data!r}")
+        check_int("seed", self.seed, 0)
+        check_bools(self, ("distill_checkpointing",))
+
+
+@dataclass(frozen=True)
+class VPTQConfig(DistillSettings):
     """VPTQ settings. ``num_res_centroids=0`` disables the residual codebook, ``outlier_percent=0`` outliers.
 
     Index bits per weight = log2(num_centroids)/vector_len (+ log2(num_res_centroids)/vector_len).
@@ -106,26 +150,6 @@ class VPTQConfig(ConfigBase):
     # coming from the already quantized blocks; "fp" = the original model's own block outputs (its inputs come
     # from the original blocks), so each block also corrects what the blocks before it got wrong.
     target_chain: str = "quantized"
-    # Autocast dtype of the training steps of fine-tuning and distillation (held-out checks run in float32).
-    train_dtype: str = "bfloat16"
-    # End-to-end distillation (quant/distill.py) after all blocks: every codebook and 1-D tensor (norms,
-    # biases) against the original model's next-token distributions, KL(P_orig || P_quant) on the teacher's
-    # top distill_topk tokens + one bucket for the rest; 0 steps = off.
-    distill_iters: int = 0
-    # 5e-4 for codebooks and 1-D tensors: on SmolLM2 at 2.5 bits, 64 steps at 5e-4 beat 128 steps at 2e-4 on
-    # both held-out texts (README, "What distillation trains on")
-    distill_lr: float = 5e-4
-    distill_norm_lr: float = 5e-4
-    distill_batch: int = 1
-    distill_topk: int = 64
-    distill_holdout: float = 0.125
-    distill_eval_every: int = 0  # steps between held-out checks; 0 = every quarter of the steps
-    distill_checkpointing: bool = True
-    # What distillation trains on: "calibration" (the calibration windows), "sampled" (distill_samples windows
-    # sampled from the original model itself, ancestral sampling at temperature 1: every domain it knows, not
-    # only the calibration text's) or "mixed" (both). The held-out windows are always calibration windows.
-    distill_data: str = "calibration"
-    distill_samples: int = 32
     # Total bits per weight (codebooks, outliers and permutation included) no layer may exceed; 0 = off. A
     # layer over it steps down the vector length at the same index bits per weight (v6 k4096 -> v5 k1024 ->
     # v4 k256 ...: smaller codebooks) until it fits, so the model's total never exceeds it either
@@ -164,22 +188,10 @@ class VPTQConfig(ConfigBase):
         check_int("finetune_batch", self.finetune_batch, 1, 4096)
         check_float("finetune_holdout", self.finetune_holdout, 0.0, 0.5)
         check_int("finetune_eval_every", self.finetune_eval_every, 0, 100000)
-        if self.train_dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"train_dtype must be 'bfloat16' or 'float32', got {self.train_dtype!r}")
         check_target_chain(self.target_chain)
-        check_int("distill_iters", self.distill_iters, 0, 1000000)
-        check_float("distill_lr", self.distill_lr, 0.0, 1.0)
-        check_float("distill_norm_lr", self.distill_norm_lr, 0.0, 1.0)
-        check_int("distill_batch", self.distill_batch, 1, 4096)
-        check_int("distill_topk", self.distill_topk, 1, 1 << 20)
-        check_float("distill_holdout", self.distill_holdout, 0.0, 0.5)
-        check_int("distill_eval_every", self.distill_eval_every, 0, 1000000)
-        check_int("distill_samples", self.distill_samples, 1, 1000000)
-        if self.distill_data not in DISTILL_DATA:
-            raise ValueError(f"distill_data must be one of {', '.join(DISTILL_DATA)}, got {self.distill_data!r}")
         check_float("layer_bits_cap", self.layer_bits_cap, 0.0, 64.0)
-        check_int("seed", self.seed, 0)
-        check_bools(self, ("enable_norm", "enable_perm", "second_order", "distill_checkpointing"))
+        check_bools(self, ("enable_norm", "enable_perm", "second_order"))
+        self.check_distill()
 
     @property
     def index_bits(self) -> int:
@@ -210,7 +222,7 @@ def check_act(act_bits, act_granularity, act_clip: str = "absmax") -> None:
 
 
 @dataclass(frozen=True)
-class ScalarConfig(ConfigBase):
+class ScalarConfig(DistillSettings):
     """RTN / GPTQ settings. ``group_size=0`` means one scale per output channel.
 
     ``act_bits`` 16 = weight-only; 8 (or 4) fake-quantizes the inputs of the quantized linears, per token
@@ -236,10 +248,11 @@ class ScalarConfig(ConfigBase):
         check_int("block_size", self.block_size, 1, 4096)
         check_act(self.act_bits, self.act_granularity, self.act_clip)
         check_bools(self, ("sym", "act_order", "clip_search"))
+        self.check_distill()
 
 
 @dataclass(frozen=True)
-class LRQConfig(ConfigBase):
+class LRQConfig(DistillSettings):
     """LRQ settings (METHODS.md section 2).
 
     ``rank=0`` picks the rank from the layer size (``auto_rank``); ``full_scale=True`` learns one scale per
@@ -278,9 +291,9 @@ class LRQConfig(ConfigBase):
         check_int("iters", self.iters, 0, 100000)
         check_float("lr", self.lr, 0.0, 1.0, lo_open=True)
         check_int("batch_size", self.batch_size, 1, 1024)
-        check_int("seed", self.seed, 0)
         check_act(self.act_bits, self.act_granularity, self.act_clip)
         check_bools(self, ("clip_search", "full_scale"))
+        self.check_distill()
 
 
 @dataclass(frozen=True)

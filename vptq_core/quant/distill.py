@@ -1,10 +1,11 @@
-"""End-to-end distillation of a VPTQ-quantized model against the original model's next-token distributions.
+"""End-to-end distillation of a quantized model against the original model's next-token distributions.
 
 After every block is quantized (and maybe fine-tuned layer by layer), the tensors that stay in the packed
-format and are cheap to move are trained together: every quantized layer's codebooks (main, residual,
-outlier; ``weight_scale`` / ``weight_bias`` when normalisation is on) and every 1-D tensor of the model
-(the norms inside the blocks, the final norm, linear biases). Indices, embeddings and the LM head stay
-fixed. Objective, per predicted token: KL(P_orig || P_quant).
+format and are cheap to move are trained together: every VPTQ layer's codebooks (main, residual, outlier;
+``weight_scale`` / ``weight_bias`` when normalisation is on) or every scalar layer's per-group scales (RTN,
+GPTQ, LRQ: as log-scales, codes and zero points fixed, activations fake-quantized as at run time for W4A8 /
+W8A8), and every 1-D tensor of the model (the norms inside the blocks, the final norm, linear biases).
+Indices, codes, embeddings and the LM head stay fixed. Objective, per predicted token: KL(P_orig || P_quant).
 
 - **Teacher**: the reference model runs once per window, before training, and only its top ``distill_topk``
   log-probabilities (+ the log of the mass of all the others) are kept: n x seq x k values, never
@@ -13,8 +14,8 @@ fixed. Objective, per predicted token: KL(P_orig || P_quant).
 - **Data** (``distill_data``): the calibration windows, ``distill_samples`` windows the reference writes itself
   (``sample_windows``: ancestral sampling at temperature 1, the teacher's top-k taken from the sampling's own
   logits), or both. The held-out windows are always calibration windows.
-- **Student**: the quantized model with its quantized linears replaced by ``finetune.CodebookLinear``
-  (the weight gathered from the codebooks in each forward), each decoder block under activation
+- **Student**: the quantized model with its quantized linears replaced by ``finetune.trainable_linear``
+  (the weight gathered from the codebooks, or scaled codes, in each forward), each decoder block under activation
   checkpointing (``distill_checkpointing``) and the LM head + loss in checkpointed chunks of tokens, so
   memory holds one block's activations and one chunk's logits; bf16 autocast for the training steps
   (``train_dtype``), float32 parameters and Adam state.
@@ -23,8 +24,8 @@ fixed. Objective, per predicted token: KL(P_orig || P_quant).
   wins, the starting point
   included: distillation never leaves the model worse on those windows.
 
-The result is written back in place: the states' codebooks (and biases), the fake-quant model's linear
-weights (dequantized) and its norm weights, so ``save_quantized(qmodel, ...)`` writes the distilled model.
+The result is written back in place: the states' codebooks or scales (and biases), the fake-quant model's
+linear weights (dequantized) and its norm weights, so ``save_quantized(qmodel, ...)`` writes the distilled model.
 """
 
 from __future__ import annotations
@@ -41,10 +42,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .blocks import decoder_blocks
-from .config import VPTQConfig
+from .config import DistillSettings
 from .finetune import (
     TRAIN_DTYPES,
-    CodebookLinear,
     Snapshot,
     autocast,
     cosine_factor,
@@ -53,9 +53,11 @@ from .finetune import (
     minibatches,
     only_trainable,
     swapped_in,
+    trainable_linear,
     write_back,
 )
-from .states import VQLayerState
+from .methods import ModelHook
+from .states import ScalarLayerState, VQLayerState
 
 OnStep = Callable[[int, float], None]
 HEAD_CHUNK = 1024  # tokens per LM-head chunk: one chunk's full-vocabulary logits live at a time
@@ -65,7 +67,7 @@ WARMUP_FRACTION = 0.05  # of the steps, linear learning-rate warm-up before the 
 SAMPLE_BATCH = 32
 
 
-def eval_every(config: VPTQConfig) -> int:
+def eval_every(config: DistillSettings) -> int:
     """Steps between held-out checks: ``distill_eval_every``, or a quarter of the steps when it is 0."""
     return config.distill_eval_every or max(1, config.distill_iters // 4)
 
@@ -257,9 +259,9 @@ def _restore_on_error(snapshot: Snapshot):
 def distill(
     qmodel: nn.Module,
     reference: nn.Module,
-    states: dict[str, VQLayerState],
+    states: dict[str, VQLayerState | ScalarLayerState],
     windows: torch.Tensor,
-    config: VPTQConfig,
+    config: DistillSettings,
     on_step: OnStep | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> dict:
@@ -268,10 +270,12 @@ def distill(
     Args:
         qmodel: its linears named in ``states`` hold the dequantized weights; trained on its own device.
         reference: the original model (any dtype/device, e.g. bf16), same vocabulary.
-        states: full module name -> ``VQLayerState`` of ``qmodel``'s quantized linears (updated in place).
+        states: full module name -> ``VQLayerState`` / ``ScalarLayerState`` of ``qmodel``'s quantized linears
+            (updated in place).
         windows: token ids [n, seq]; the last ``holdout_count(n, config.distill_holdout)`` are held out.
-        config: a ``VPTQConfig``: ``distill_iters`` steps of ``distill_batch`` windows, ``distill_lr``
-            (codebooks), ``distill_norm_lr`` (1-D tensors), ``distill_topk``, ``distill_eval_every``,
+        config: any method's config (``DistillSettings``): ``distill_iters`` steps of ``distill_batch`` windows,
+            ``distill_lr`` (codebooks; log-scales of scalar layers), ``distill_norm_lr`` (1-D tensors),
+            ``distill_topk``, ``distill_eval_every``,
             ``distill_checkpointing``, ``train_dtype``, ``seed``.
         on_step: called after every step with (step, training KL per token of that step's windows).
         should_stop: polled before every step; when true the run stops there and keeps the best check so far.
@@ -283,9 +287,10 @@ def distill(
     t_start = time.perf_counter()
     if not states:
         raise ValueError("states must name the quantized linears of qmodel")
-    bad = [name for name, st in states.items() if not isinstance(st, VQLayerState)]
+    bad = [name for name, st in states.items() if not isinstance(st, (VQLayerState, ScalarLayerState))]
     if bad:
-        raise TypeError(f"distill trains VPTQ codebooks; {bad[0]!r} is not a VQLayerState")
+        raise TypeError(f"distill trains VPTQ codebooks or scalar scales; {bad[0]!r} is a "
+                        f"{type(states[bad[0]]).__name__}, not a VQLayerState or ScalarLayerState")
     if windows.dim() != 2 or windows.shape[0] < 1 or windows.shape[1] < 2:
         raise ValueError(f"windows must be token ids [n, seq >= 2], got shape {tuple(windows.shape)}")
     ref_vocab = reference.get_output_embeddings().out_features
@@ -354,8 +359,8 @@ def distill(
                 total += float(student.kl_sum(windows[i : i + 1], teacher, torch.tensor([i], device=device)))
         return total / (val.numel() * tokens_per_window)
 
-    def make(name: str, linear: nn.Module) -> CodebookLinear:
-        return CodebookLinear(states[name], linear.bias, device)
+    def make(name: str, linear: nn.Module) -> nn.Module:
+        return trainable_linear(states[name], linear.bias, device)
 
     try:
         for p in dense:  # train 1-D tensors in float32 (put back in their dtype after)
@@ -422,3 +427,13 @@ def distill(
         qmodel.train(was_training)
     metrics.update(kl_after=best_kl, best_step=best_step, seconds=time.perf_counter() - t_start)
     return metrics
+
+
+def _distill_hook(ctx) -> dict | None:
+    steps = ctx.config.distill_iters
+    return distill(ctx.model, ctx.reference, ctx.states, ctx.calib_ids, ctx.config,
+                   on_step=lambda step, kl: ctx.on_step("distill", step, steps, kl), should_stop=ctx.should_stop)
+
+
+# Every built-in method's after-model step (its config's ``distill_iters`` > 0).
+DISTILL_HOOK = ModelHook("distill", lambda config: config.distill_iters > 0, _distill_hook)

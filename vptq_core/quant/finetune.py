@@ -29,9 +29,10 @@ from torch import nn
 
 from kernels.reference import as_index
 
+from .act_quant import quantize_activations
 from .config import VPTQConfig
 from .methods import Cancelled
-from .states import VQLayerState
+from .states import ScalarLayerState, VQLayerState
 
 # The float tensors of a VQ layer that training moves (indices, permutation and shapes never change).
 TRAINED_TENSORS = ("centroids", "res_centroids", "outlier_centroids", "weight_scale", "weight_bias")
@@ -108,6 +109,60 @@ class CodebookLinear(nn.Module):
     def trained_state(self) -> VQLayerState:
         """A copy of the state with the current float tensors (the state itself is not changed)."""
         return dataclasses.replace(self.state, **self.trained())
+
+
+class ScaleLinear(nn.Module):
+    """A scalar-quantized linear whose per-group scales train (as log-scales), codes and zero points fixed.
+
+    forward(x) = F.linear(q(x), scales[:, g] * (codes - zeros[:, g]), bias), with ``q`` the state's activation
+    fake-quantization (W4A8 / W8A8; straight-through, as at run time) and ``scales = scales0 * exp(log_scale)``:
+    the step ``distill_lr`` moves each scale by a fraction of itself, whatever its magnitude. The codes and
+    zero points stay on their integer grid, so the packed format holds the trained layer exactly.
+    """
+
+    def __init__(self, state: ScalarLayerState, bias: nn.Parameter | None = None, device=None) -> None:
+        super().__init__()
+        device = torch.device(device) if device is not None else state.scales.device
+        self.state = state
+        self._scales0 = state.scales.detach().to(device, torch.float32).clone()
+        self.params = nn.ParameterDict({"log_scale": nn.Parameter(torch.zeros_like(self._scales0))})
+        group = torch.arange(state.in_features, device=device) // state.group_size
+        self._group = None if self._scales0.shape[1] == 1 else group
+        zeros = state.zeros.detach().to(device, torch.float32)
+        self._centered = state.codes.to(device, torch.float32) - (zeros if self._group is None else zeros[:, group])
+        self.bias = bias
+
+    def scales(self) -> torch.Tensor:
+        return self._scales0 * torch.exp(self.params["log_scale"])
+
+    def stored_weight(self) -> torch.Tensor:
+        """Ŵ [out, in] float32, differentiable in the log-scales."""
+        scales = self.scales()
+        return self._centered * (scales if self._group is None else scales[:, self._group])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        st = self.state
+        if st.act_bits < 16:
+            x = quantize_activations(x, st.act_bits, st.act_granularity, st.act_scale)
+        return F.linear(x, self.stored_weight(), self.bias)
+
+    def trained(self) -> dict[str, torch.Tensor]:
+        """The current scales, detached, in the state's dtype and on its device."""
+        ref = self.state.scales
+        return {"scales": self.scales().detach().to(ref.device, ref.dtype).clone()}
+
+    def trained_state(self) -> ScalarLayerState:
+        return dataclasses.replace(self.state, **self.trained())
+
+
+def trainable_linear(state: VQLayerState | ScalarLayerState, bias: nn.Parameter | None = None,
+                     device=None) -> CodebookLinear | ScaleLinear:
+    """The trainable form of a layer state: codebooks of a VQ layer, log-scales of a scalar one."""
+    if isinstance(state, VQLayerState):
+        return CodebookLinear(state, bias, device)
+    if isinstance(state, ScalarLayerState):
+        return ScaleLinear(state, bias, device)
+    raise TypeError(f"no trainable form for {type(state).__name__}; expected a VQLayerState or ScalarLayerState")
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -202,8 +257,8 @@ def only_trainable(root: nn.Module, trainable: Iterable[nn.Parameter]):
             p.requires_grad_(flag)
 
 
-def write_back(linears: dict[str, nn.Module], trainables: dict[str, CodebookLinear],
-               states: dict[str, VQLayerState]) -> None:
+def write_back(linears: dict[str, nn.Module], trainables: dict[str, CodebookLinear | ScaleLinear],
+               states: dict[str, VQLayerState | ScalarLayerState]) -> None:
     """Put the trained float tensors into ``states`` (in place: the pipeline's result holds the same objects),
     copy each linear's bias into its state and the dequantized weight into the (fake-quant) linear."""
     with torch.no_grad():

@@ -28,6 +28,7 @@ from torch import nn
 
 from .act_quant import ACTIVATION_HOOK, calibrate_static_scales, quantize_activations
 from .config import LRQConfig
+from .distill import DISTILL_HOOK
 from .hessian import proxy_loss, single_thread_torch
 from .methods import BlockContext, Cancelled, Method, QuantResult, register
 from .rtn import describe_scalar, effective_group_size, rtn_quantize, scalar_config_bits
@@ -463,11 +464,13 @@ def _quantize_block(ctx: BlockContext) -> None:
 # per-channel grids work (SmolLM2 W3A16: ppl 71.7 vs RTN per-channel 597).
 # Named by total bits per weight, an upper bound: per-channel grids add 32 bits per output row (3.06 and
 # 4.06 total on SmolLM2).
-PRESETS = {"2.5 bits": {"bits": 2, "group_size": 64}, "3.5 bits": {"bits": 3, "group_size": 0},
-           "4.5 bits": {"bits": 4, "group_size": 0}}
+PRESETS = {"2.5 bits": {"bits": 2, "group_size": 64, "distill_iters": 0},
+           "3.5 bits": {"bits": 3, "group_size": 0, "distill_iters": 0},
+           "4.5 bits": {"bits": 4, "group_size": 0, "distill_iters": 0}}
 
 METHOD = register(Method(
     name="lrq", label="LRQ", config_class=LRQConfig, bits=scalar_config_bits, describe=describe_scalar,
     presets=PRESETS, description="scalar grids with a learned low-rank weight scaling, trained per block",
     quantize_block=_quantize_block, block_phase="lrq_train", after_block=(ACTIVATION_HOOK,),
+    after_model=(DISTILL_HOOK,),
 ))

@@ -11,6 +11,7 @@ import torch
 from .act_quant import ACTIVATION_HOOK
 from .bits import BitsInfo, scalar_bits
 from .config import ScalarConfig
+from .distill import DISTILL_HOOK
 from .hessian import proxy_loss
 from .methods import Method, QuantResult, register
 from .states import ScalarLayerState
@@ -123,13 +124,15 @@ def describe_scalar(settings) -> str:
     return text
 
 
-# Named by total bits per weight: group 64 adds a 16-bit scale and zero point per 64 weights (0.5 bits).
-SCALAR_PRESETS = {"2.5 bits": {"bits": 2, "group_size": 64}, "3.5 bits": {"bits": 3, "group_size": 64},
-                  "4.5 bits": {"bits": 4, "group_size": 64}}
+# Named by total bits per weight: group 64 adds a 16-bit scale and zero point per 64 weights (0.5 bits). Every
+# preset names its distillation steps (here none), so picking it never keeps another method's.
+SCALAR_PRESETS = {"2.5 bits": {"bits": 2, "group_size": 64, "distill_iters": 0},
+                  "3.5 bits": {"bits": 3, "group_size": 64, "distill_iters": 0},
+                  "4.5 bits": {"bits": 4, "group_size": 64, "distill_iters": 0}}
 
 METHOD = register(Method(
     name="rtn", label="RTN", config_class=ScalarConfig, bits=scalar_config_bits, describe=describe_scalar,
     presets=SCALAR_PRESETS, description="round-to-nearest on per-channel or per-group grids (the baseline)",
     quantize_linear=lambda W, H, config, bias, cache: rtn_layer(W, H, config, bias),
-    after_block=(ACTIVATION_HOOK,),
+    after_block=(ACTIVATION_HOOK,), after_model=(DISTILL_HOOK,),
 ))

@@ -18,11 +18,11 @@ import torch.nn.functional as F
 
 from .bits import BitsInfo, vq_bits
 from .config import VPTQConfig
-from .distill import distill
+from .distill import DISTILL_HOOK
 from .finetune import finetune_block_centroids
 from .hessian import inverse_hessian_cholesky, prepare_hessian, proxy_loss
 from .kmeans import CodebookSearch, weighted_kmeans
-from .methods import BlockHook, Method, ModelHook, QuantResult, register
+from .methods import BlockHook, Method, QuantResult, register
 from .refit import CodebookUse, refit_codebooks
 from .states import VQLayerState
 from .sweep import error_feedback_sweep
@@ -332,12 +332,6 @@ def _finetune_hook(ctx) -> dict | None:
                                     should_stop=ctx.should_stop)
 
 
-def _distill_hook(ctx) -> dict | None:
-    steps = ctx.config.distill_iters
-    return distill(ctx.model, ctx.reference, ctx.states, ctx.calib_ids, ctx.config,
-                   on_step=lambda step, kl: ctx.on_step("distill", step, steps, kl), should_stop=ctx.should_stop)
-
-
 # Presets are named by TOTAL bits per weight (codebooks, outliers, permutation included) and hold on any
 # model: no layer exceeds the cap, where a layer's codebook is expensive it gets a shorter vector at the same
 # index bits (SmolLM2-135M: "2.5 bits" is 2.37 total, "3.5 bits" 3.31, "4.5 bits" 4.11; allocate.cap_for_budget
@@ -349,7 +343,8 @@ PRESETS = {
                  "distill_iters": 16},
     "3.5 bits": {"vector_len": 4, "num_centroids": 4096, "num_res_centroids": 0, "layer_bits_cap": 3.5,
                  "distill_iters": 16},
-    "4.5 bits": {"vector_len": 4, "num_centroids": 256, "num_res_centroids": 256, "layer_bits_cap": 4.5},
+    "4.5 bits": {"vector_len": 4, "num_centroids": 256, "num_res_centroids": 256, "layer_bits_cap": 4.5,
+                 "distill_iters": 0},
 }
 
 # Distillation trains the whole model in memory next to the original (no block streaming): the presets that
@@ -373,5 +368,5 @@ METHOD = register(Method(
     description="vector quantization: Hessian-weighted k-means codebooks with second-order error feedback",
     quantize_linear=lambda W, H, config, bias, cache: vptq_quantize(W, H, config, bias, hessian_cache=cache),
     after_block=(BlockHook("finetune", lambda config: config.finetune_iters > 0, _finetune_hook),),
-    after_model=(ModelHook("distill", lambda config: config.distill_iters > 0, _distill_hook),),
+    after_model=(DISTILL_HOOK,),
 ))

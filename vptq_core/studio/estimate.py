@@ -183,7 +183,7 @@ _KD_SAMPLE_S = 4.3 / _KD_TOKENS
 
 
 def distill_estimate(params: int, config, samples: int, seqlen: int) -> float:
-    """Rough seconds of a VPTQ config's end-to-end distillation (0 when off) for a model of ``params``
+    """Rough seconds of a config's end-to-end distillation (any method; 0 when off) for a model of ``params``
     parameters calibrated on ``samples`` windows of ``seqlen`` tokens: the teacher's pass over the calibration
     windows it uses, the sampled windows, the training steps and the held-out checks."""
     settings = config.to_dict()
@@ -220,10 +220,9 @@ def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
             bits += math.log2(settings["num_res_centroids"])
         scale = (bits / 12.0) * (6.0 / max(settings["vector_len"], 1))
         seconds += weights * scale * (_KMEANS_S * settings.get("kmeans_iters", 5) / 5.0 + _SWEEP_S)
-        seconds += distill_estimate(params, config, samples, seqlen)
     elif "rank" in settings and "iters" in settings:
         steps = settings["iters"] * settings.get("batch_size", 1) * max(int(seqlen), 1)
         seconds += 3 * _FORWARD_S * weights * steps
     else:
         seconds += (_GPTQ_SWEEP_S if "act_order" in settings else _ROUND_S) * weights
-    return seconds
+    return seconds + distill_estimate(params, config, samples, seqlen)
