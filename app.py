@@ -283,14 +283,15 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
         demo.load(app.hub_status, outputs=[push_note, push_btn], api_visibility="private", show_progress="hidden")
 
         # Settings: presets fill the fields they fix; editing a field by hand switches the preset to "custom".
-        def apply_preset(method: str, preset: str) -> list:  # (the parameter names are the API's)
-            values = form.preset_values(method, preset, fields)
-            return [values.get(key, gr.skip()) for key in fields]
+        def apply_preset(method: str, preset: str, model: str | None = None,
+                         custom_model: str | None = None) -> list:  # (the parameter names are the API's)
+            return app.preset_form(method, preset, model, custom_model)
 
         def show_groups(method_name: str) -> list:
             return [gr.Group(visible=form.uses(method_name, keys)) for keys in groups.values()]
 
-        gr.on([method.change, preset.change], apply_preset, inputs=[method, preset], outputs=list(fields.values()),
+        gr.on([method.change, preset.change], apply_preset, inputs=[method, preset, model, custom_model],
+              outputs=list(fields.values()),
               api_name="preset", show_progress="hidden")
         method.change(show_groups, inputs=method, outputs=list(groups), api_visibility="private",
                       show_progress="hidden")

@@ -50,6 +50,7 @@ KD = {"distill_iters": 32, "distill_lr": 2e-4, "distill_norm_lr": 2e-4, "distill
 KD16 = {**KD, "distill_iters": 16, "distill_eval_every": 4}
 KD64 = {**KD, "distill_iters": 64, "distill_eval_every": 16}
 KD16_LR5 = {**KD16, "distill_lr": 5e-4, "distill_norm_lr": 5e-4}
+MIXED16 = {"distill_data": "mixed", "distill_samples": 16}
 
 ROWS: dict[str, tuple[str, object, str]] = {
     "rtn-2": ("rtn", ScalarConfig(bits=2, group_size=64), "RTN 2-bit g64"),
@@ -83,6 +84,10 @@ ROWS: dict[str, tuple[str, object, str]] = {
                         'preset "2.5 bits" + distillation 16 steps, lr 5e-4'),
     "preset-3.5-kd16": ("vptq", VPTQConfig(**{**PRESETS["3.5 bits"], **KD16_LR5}),
                         'preset "3.5 bits" + distillation 16 steps, lr 5e-4'),
+    "preset-2.5-kd16-mixed16": ("vptq", VPTQConfig(**{**PRESETS["2.5 bits"], **KD16_LR5, **MIXED16}),
+                                'preset "2.5 bits" + distillation 16 steps on calibration + 16 sampled windows'),
+    "preset-3.5-kd16-mixed16": ("vptq", VPTQConfig(**{**PRESETS["3.5 bits"], **KD16_LR5, **MIXED16}),
+                                'preset "3.5 bits" + distillation 16 steps on calibration + 16 sampled windows'),
     "vptq-2.5-alloc-kd16": ("vptq", allocated(2.5, vector_len=6, num_centroids=4096, **KD16),
                             "VPTQ 2.5 total bits (allocator) + distillation 16 steps"),
     "vptq-2-v6k4096-kd32": ("vptq", VPTQConfig(vector_len=6, num_centroids=4096, **KD),

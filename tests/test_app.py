@@ -355,14 +355,23 @@ def test_bad_settings_give_clear_errors(served, gated, monkeypatch):
     client.close()
 
 
-def test_presets_fill_exactly_what_they_fix(served):
+def test_presets_fill_exactly_what_they_fix(served, tmp_path):
     client = Client(served.url, verbose=False)
     keys = list(served.demo.settings_form)
     for method, name in (("vptq", "3.5 bits"), ("lrq", "3.5 bits"), ("gptq", form.CUSTOM)):
         fixed = methods.get(method).presets.get(name, {})
-        values = client.predict(method, name, api_name="/preset")
+        values = client.predict(method, name, "smollm2-135m-instruct", "", api_name="/preset")
         assert dict(zip(keys, values)) == {k: fixed.get(k, gr.skip()) for k in keys}, (method, name)
     client.close()
+    # picking a preset sizes it for the chosen model as picking the model does (no distillation for 7B)
+    LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=32, vocab_size=32000).save_pretrained(tmp_path / "big")
+    got = dict(zip(keys, served.studio.preset_form("vptq", "2.5 bits", form.OTHER_MODEL, str(tmp_path / "big"))))
+    assert got["distill_iters"] == 0 and got["vector_len"] == methods.get("vptq").presets["2.5 bits"]["vector_len"]
+    small = dict(zip(keys, served.studio.preset_form("vptq", "2.5 bits", "smollm2-135m-instruct", "")))
+    assert small["distill_iters"] == methods.get("vptq").presets["2.5 bits"]["distill_iters"] > 0
+    unreadable = dict(zip(keys, served.studio.preset_form("vptq", "2.5 bits", form.OTHER_MODEL, "no such")))
+    assert unreadable == small
 
 
 @pytest.mark.slow  # subprocesses or a served app: seconds each

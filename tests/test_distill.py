@@ -201,6 +201,9 @@ def test_the_run_label_names_the_distillation_data():
     assert describe({"vector_len": 6, "num_centroids": 4096, "distill_iters": 64}).endswith(" kd64")
     assert describe({"vector_len": 6, "num_centroids": 4096, "distill_iters": 64,
                      "distill_data": "mixed"}).endswith(" kd64-mixed")
+    assert methods.get("lrq").describe({"bits": 4, "group_size": 0, "rank": 0, "act_bits": 8, "act_granularity": "token",
+                                        "distill_iters": 32}) == "4b per-channel rankauto A8 kd32"
+    assert methods.get("gptq").describe({"bits": 3, "group_size": 64}) == "3b g64"
 
 
 def test_the_time_estimate_counts_distillation_as_measured():

@@ -429,6 +429,14 @@ def distill(
     return metrics
 
 
+def distill_label(settings) -> str:
+    """The run label's distillation part (every method's): `` kd16``, `` kd64-mixed``, or "" when off."""
+    if not settings.get("distill_iters"):
+        return ""
+    data = settings.get("distill_data", "calibration")
+    return f" kd{settings['distill_iters']}" + ("" if data == "calibration" else f"-{data}")
+
+
 def _distill_hook(ctx) -> dict | None:
     steps = ctx.config.distill_iters
     return distill(ctx.model, ctx.reference, ctx.states, ctx.calib_ids, ctx.config,

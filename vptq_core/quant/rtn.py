@@ -11,7 +11,7 @@ import torch
 from .act_quant import ACTIVATION_HOOK
 from .bits import BitsInfo, scalar_bits
 from .config import ScalarConfig
-from .distill import DISTILL_HOOK
+from .distill import DISTILL_HOOK, distill_label
 from .hessian import proxy_loss
 from .methods import Method, QuantResult, register
 from .states import ScalarLayerState
@@ -121,7 +121,7 @@ def describe_scalar(settings) -> str:
         text += f" rank{settings['rank'] or 'auto'}"
     if (settings.get("act_bits") or 16) < 16:
         text += f" A{settings['act_bits']}{'' if settings.get('act_granularity') == 'token' else ' static'}"
-    return text
+    return text + distill_label(settings)
 
 
 # Named by total bits per weight: group 64 adds a 16-bit scale and zero point per 64 weights (0.5 bits). Every

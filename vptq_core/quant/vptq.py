@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .bits import BitsInfo, vq_bits
 from .config import VPTQConfig
-from .distill import DISTILL_HOOK
+from .distill import DISTILL_HOOK, distill_label
 from .finetune import finetune_block_centroids
 from .hessian import inverse_hessian_cholesky, prepare_hessian, proxy_loss
 from .kmeans import CodebookSearch, weighted_kmeans
@@ -320,11 +320,7 @@ def describe(settings) -> str:
         text += f" cap{settings['layer_bits_cap']:g}"
     if settings.get("finetune_iters"):
         text += f" ft{settings['finetune_iters']}"
-    if settings.get("distill_iters"):
-        text += f" kd{settings['distill_iters']}"
-        if settings.get("distill_data", "calibration") != "calibration":
-            text += f"-{settings['distill_data']}"
-    return text
+    return text + distill_label(settings)
 
 
 def _finetune_hook(ctx) -> dict | None:

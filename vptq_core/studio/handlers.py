@@ -220,6 +220,25 @@ class Studio:
         return rough, ("rough: scaled from one measured SmolLM2 run on 2 idle CPU cores; a busy server is slower, "
                        "fine-tuning is not counted")
 
+    @staticmethod
+    def _sized(values: dict, info) -> dict:
+        """A preset's form values for the model ``info`` describes (distillation only up to the size limit)."""
+        if values.get("distill_iters"):
+            values = sized_preset(values, info.linear_weights + info.other_params)[0]
+        return values
+
+    def preset_form(self, method, preset, model=None, custom_model=None) -> list:
+        """The preset changed (or the method): one value per form field in ``form`` order, ``gr.skip()`` where
+        the preset fixes nothing, sized for the chosen model when it can be read (as ``model_defaults``)."""
+        keys = list(self.field_keys)
+        values = form.preset_values(method, preset, keys)
+        if model is not None:
+            try:
+                values = self._sized(values, model_info(self.model_name(model, custom_model)))
+            except ValueError:
+                pass  # an unreadable model keeps the preset as it is (its note says why)
+        return [values.get(k, gr.skip()) for k in keys]
+
     def model_defaults(self, model, custom_model, method, preset):
         """The model changed: settings sized for it. Narrow models (the tiny test model) get small codebooks
         and calibration (the presets are sized for SmolLM2); others get the chosen preset back (the 2-bit one
@@ -236,9 +255,7 @@ class Studio:
             samples, seqlen = form.SMALL_MODEL_CALIB
             return [form.CUSTOM, samples, seqlen, *(form.SMALL_MODEL_VALUES.get(k, gr.skip()) for k in keys)]
         chosen = preset if preset in form.preset_names() else form.DEFAULT_PRESET
-        values = form.preset_values(method, chosen, keys)
-        if values.get("distill_iters"):
-            values = sized_preset(values, info.linear_weights + info.other_params)[0]
+        values = self._sized(form.preset_values(method, chosen, keys), info)
         samples, seqlen = form.MODEL_CALIB
         return [chosen, samples, seqlen, *(values.get(k, gr.skip()) for k in keys)]
 
