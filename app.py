@@ -166,7 +166,10 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                                 fields["distill_data"] = gr.Dropdown(
                                     list(DISTILL_DATA), value=initial["distill_data"],
                                     label=labels["distill_data"] + " (sampled = text the original writes)")
-                            groups[distill_group] = ("distill_iters", "distill_data")
+                                fields["distill_samples"] = number("distill_samples", " (sampled / mixed data)")
+                                fields["distill_eval_every"] = number("distill_eval_every", " (steps; 0 = quarter)")
+                            groups[distill_group] = ("distill_iters", "distill_data", "distill_samples",
+                                                     "distill_eval_every")
                             for group, keys in groups.items():
                                 group.visible = form.uses(method.value, keys)
                             gr.Markdown("**Calibration**")

@@ -173,13 +173,14 @@ _ROUND_S = 0.02e-6  # per weight, rounding to a grid
 # measured runs on SmolLM2-135M (134.5 M parameters, 511 predicted tokens per window, 2 threads, alone on the
 # machine; bench/distill_variants.py, 64 and 128 steps; the "2.5 bits" preset's 16): a training step 4.14 s
 # (forward, recomputation, backward), a held-out check 1.65-3.6 s per window (2.6 taken), the teacher's pass
-# 1.15-1.31 s per window, sampling 9.0 s per window when 8 windows were sampled at once; distillation now
-# samples 32 at once (distill.SAMPLE_BATCH): 32 windows of 512 tokens in 138.6 s, 4.3 s a window.
+# 1.15-1.31 s per window. Sampling (up to distill.SAMPLE_BATCH = 32 windows at once, one token at a time):
+# 32 windows of 512 tokens in 138.6 s, 16 in 87.9 s, so 37.4 s per batched pass + 3.16 s per window.
 _KD_TOKENS = 134.5e6 * 511
 _KD_STEP_S = 4.14 / _KD_TOKENS
 _KD_CHECK_S = 2.6 / _KD_TOKENS
 _KD_TEACHER_S = 1.31 / _KD_TOKENS
-_KD_SAMPLE_S = 4.3 / _KD_TOKENS
+_KD_SAMPLE_S = 3.16 / _KD_TOKENS
+_KD_SAMPLE_PASS_S = 37.4 / _KD_TOKENS
 
 
 def distill_estimate(params: int, config, samples: int, seqlen: int) -> float:
@@ -190,6 +191,7 @@ def distill_estimate(params: int, config, samples: int, seqlen: int) -> float:
     steps = settings.get("distill_iters", 0)
     if not steps:
         return 0.0
+    from ..quant.distill import SAMPLE_BATCH
     from ..quant.finetune import holdout_count
 
     samples = max(int(samples), 1)
@@ -198,9 +200,10 @@ def distill_estimate(params: int, config, samples: int, seqlen: int) -> float:
     data = settings.get("distill_data", "calibration")
     teacher = n_val if data == "sampled" else samples
     sampled = settings.get("distill_samples", 0) if data != "calibration" else 0
+    passes = math.ceil(sampled / SAMPLE_BATCH)
     every = settings.get("distill_eval_every") or max(1, steps // 4)  # as distill.eval_every
     checks = 1 + math.ceil(steps / every)
-    return per_window * (_KD_TEACHER_S * teacher + _KD_SAMPLE_S * sampled
+    return per_window * (_KD_TEACHER_S * teacher + _KD_SAMPLE_S * sampled + _KD_SAMPLE_PASS_S * passes
                          + _KD_STEP_S * steps * settings.get("distill_batch", 1) + _KD_CHECK_S * checks * n_val)
 
 
