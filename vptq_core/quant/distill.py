@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -108,7 +109,7 @@ def _stack_teacher(rows: list[dict[str, torch.Tensor]], dim: int = 0, cat: bool 
 @torch.no_grad()
 def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed: int = 0, batch: int = 8,
                    temperature: float = 1.0, should_stop: Callable[[], bool] | None = None,
-                   topk: int = 0, device: torch.device | None = None):
+                   topk: int = 0, device: torch.device | None = None, rows: torch.Tensor | None = None):
     """Windows of ``seqlen`` tokens sampled from ``reference`` itself -> [n, seqlen] int64 on the CPU.
 
     Row i begins with ``starts[i]`` ([n, s] token ids, 1 <= s < seqlen; e.g. the BOS token, or a calibration
@@ -119,7 +120,8 @@ def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed
     distillation towards it should match. Reproducible from ``seed``. None if ``should_stop`` turned true
     (polled before every token). With ``topk`` > 0 it returns (windows, teacher): the reference's top-k
     log-probabilities at every predicted position, as ``teacher_topk`` gives them (on ``device``), taken from
-    the logits the sampling computed anyway.
+    the logits the sampling computed anyway. ``rows`` [n]: the row numbers that seed each row's generator
+    (default 0..n-1), so any subset of a larger draw gets exactly that draw's rows.
     """
     starts = torch.as_tensor(starts, dtype=torch.long)
     if starts.dim() != 2 or starts.shape[0] < 1 or not 1 <= starts.shape[1] < seqlen:
@@ -128,12 +130,16 @@ def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed
         raise ValueError(f"batch must be >= 1, got {batch}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    rows = torch.arange(starts.shape[0]) if rows is None else torch.as_tensor(rows, dtype=torch.long).cpu()
+    if tuple(rows.shape) != (starts.shape[0],):
+        raise ValueError(f"rows must name one row number per start, got shape {tuple(rows.shape)} for "
+                         f"{starts.shape[0]} starts")
     ref_device = next(reference.parameters()).device
     out, teachers = [], []
     for lo in range(0, starts.shape[0], batch):
         ids = starts[lo : lo + batch].cpu()
         # one generator per row: a row's tokens do not depend on the batch it was sampled in
-        gens = [torch.Generator().manual_seed(seed * 1_000_003 + lo + r) for r in range(ids.shape[0])]
+        gens = [torch.Generator().manual_seed(seed * 1_000_003 + int(r)) for r in rows[lo : lo + batch]]
         step_in, past, steps = ids, None, []
         while ids.shape[1] < seqlen:
             if should_stop is not None and should_stop():
@@ -317,31 +323,43 @@ def distill(
     train_calib = data != "sampled"
     val_rows = torch.arange(n_train, n) if n_val else torch.arange(n)
     calib_rows = torch.arange(n) if train_calib else val_rows
+    # The training pool: calibration windows 0..n_train-1 (calibration modes), then distill_samples sampled
+    # windows (sampled modes). Which pool windows the steps draw depends on the seed alone, so only those (and
+    # the held-out windows) get a teacher pass or are sampled: 16 steps of a 44-window pool need 16, not 44.
+    n_calib_pool = n_train if train_calib else 0
+    pool = n_calib_pool + (config.distill_samples if data != "calibration" else 0)
+    draws = list(itertools.islice(minibatches(pool, config.distill_batch, config.seed), config.distill_iters))
+    drawn = torch.unique(torch.cat(draws)) if draws else torch.zeros(0, dtype=torch.long)
+    calib_rows = torch.unique(torch.cat([drawn[drawn < n_calib_pool], val_rows]))
+    sample_rows = drawn[drawn >= n_calib_pool] - n_calib_pool
     t0 = time.perf_counter()
     teacher = teacher_topk(reference, windows[calib_rows], config.distill_topk, device, should_stop)
     metrics["teacher_seconds"] = time.perf_counter() - t0
     if teacher is None:
         return cancelled()
     used = windows[calib_rows].to(device)
-    # rows of ``used``: all calibration windows in order, or (sampled) only the held-out ones
-    val = val_rows if train_calib else torch.arange(val_rows.numel())
-    train = torch.arange(n_train) if train_calib else torch.zeros(0, dtype=torch.long)
-    if data != "calibration":
+    # where[i]: the row of ``used`` (and of the teacher) holding pool window i (-1: never drawn)
+    where = torch.full((pool,), -1, dtype=torch.long)
+    position = torch.full((n,), -1, dtype=torch.long)
+    position[calib_rows] = torch.arange(calib_rows.numel())
+    where[:n_calib_pool] = position[:n_calib_pool]
+    val = position[val_rows]
+    if sample_rows.numel():
         # windows sampled from the original model, each started from a training window's first token
         t0 = time.perf_counter()
-        starts = windows[torch.arange(config.distill_samples) % n_train, :1]
+        starts = windows[sample_rows % n_train, :1]
         got = sample_windows(reference, starts, windows.shape[1], seed=config.seed, batch=SAMPLE_BATCH,
-                             should_stop=should_stop, topk=config.distill_topk, device=device)
+                             should_stop=should_stop, topk=config.distill_topk, device=device, rows=sample_rows)
         metrics["sample_seconds"] = time.perf_counter() - t0
         if got is None:
             return cancelled()
         sampled, sampled_teacher = got
-        train = torch.cat([train, torch.arange(used.shape[0], used.shape[0] + sampled.shape[0])])
+        where[n_calib_pool + sample_rows] = torch.arange(used.shape[0], used.shape[0] + sampled.shape[0])
         used = torch.cat([used, sampled.to(device)])
         teacher = _stack_teacher([teacher, sampled_teacher], cat=True)
-        metrics["sampled_windows"] = sampled.shape[0]
+    metrics["sampled_windows"] = int(sample_rows.numel())
     windows = used
-    metrics["train_windows"] = train.numel()
+    metrics.update(train_windows=pool, drawn_windows=int(drawn.numel()), teacher_windows=int(calib_rows.numel()))
 
     linears = {name: qmodel.get_submodule(name) for name in states}
     dense = dense_parameters(qmodel) if config.distill_norm_lr > 0 else []
@@ -385,7 +403,7 @@ def distill(
             iters = config.distill_iters
             every = eval_every(config)
             warmup = int(iters * WARMUP_FRACTION)
-            batches = (train[rows] for rows in minibatches(train.numel(), config.distill_batch, config.seed))
+            batches = (where[rows] for rows in minibatches(pool, config.distill_batch, config.seed))
             with only_trainable(qmodel, trained), torch.enable_grad(), _restore_on_error(start):
                 before = heldout_kl()
                 best_kl, best_step = before, 0
