@@ -235,6 +235,11 @@ def test_the_time_estimate_counts_distillation_as_measured():
     mixed16 = VPTQConfig(distill_iters=16, distill_data="mixed", distill_samples=16)
     drawn_only = 40.4 / 32 * (10 + 4) + (37.4 + 3.16 * 6) + 104
     assert distill_estimate(params, mixed16, 32, 512) == pytest.approx(drawn_only, rel=0.12)
+    # the "2.5 bits" preset through the CLI (checks every 8 steps), drawn windows only: 161 s of distillation
+    from vptq_core.quant.vptq import PRESETS
+
+    preset = VPTQConfig(**PRESETS["2.5 bits"])
+    assert distill_estimate(params, preset, 32, 512) == pytest.approx(161, rel=0.12)
     # sampling is the cost "calibration" does not pay; "sampled" skips the training windows' teacher pass
     calib64 = dataclasses.replace(mixed64, distill_data="calibration")
     sampled64 = dataclasses.replace(mixed64, distill_data="sampled")
