@@ -178,8 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _sized_preset(settings: dict, model: str) -> dict:
-    """The preset sized for ``model`` (``vptq.sized_preset``), saying on stderr what it left out."""
-    from .quant.vptq import sized_preset
+    """The preset sized for ``model`` (``distill.sized_preset``), saying on stderr what it left out."""
+    from .quant.distill import sized_preset
     from .studio.estimate import model_info
 
     try:

@@ -261,6 +261,29 @@ def _restore_on_error(snapshot: Snapshot):
         raise
 
 
+def drawn_windows(n: int, config: DistillSettings) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What distillation of ``n`` calibration windows under ``config`` prepares, before any work.
+
+    The training pool is the calibration windows 0..n_train-1 (calibration modes), then ``distill_samples``
+    sampled windows (sampled modes). Which pool windows the steps draw depends on the seed alone, so only those
+    (and the held-out windows) get a teacher pass or are sampled: 16 steps of a 44-window pool need 16, not 44.
+    Returns (pool size, drawn pool indices, calibration rows needing a teacher pass, sampled rows to draw).
+    """
+    n_val = holdout_count(n, config.distill_holdout)
+    n_train = n - n_val
+    val_rows = torch.arange(n_train, n) if n_val else torch.arange(n)
+    n_calib_pool = n_train if config.distill_data != "sampled" else 0
+    pool = n_calib_pool + (config.distill_samples if config.distill_data != "calibration" else 0)
+    seen = torch.zeros(pool, dtype=torch.bool)
+    for rows in itertools.islice(minibatches(pool, config.distill_batch, config.seed), config.distill_iters):
+        seen[rows] = True
+        if bool(seen.all()):  # every pool window drawn: the remaining steps add none
+            break
+    drawn = seen.nonzero().flatten()
+    calib_rows = torch.unique(torch.cat([drawn[drawn < n_calib_pool], val_rows]))
+    return pool, drawn, calib_rows, drawn[drawn >= n_calib_pool] - n_calib_pool
+
+
 # ------------------------------------------------------------------------------------------------ api
 def distill(
     qmodel: nn.Module,
@@ -319,19 +342,11 @@ def distill(
 
     # The windows trained on and checked, and the teacher's top-k on each: calibration windows need a
     # teacher pass; sampled windows get theirs from the sampling. Held-out: the last n_val calibration
-    # windows (all of them when n_val is 0, then also trained on in the calibration modes).
-    train_calib = data != "sampled"
+    # windows (all of them when n_val is 0, then also trained on in the calibration modes). Only the windows
+    # the steps draw are prepared (``drawn_windows``).
     val_rows = torch.arange(n_train, n) if n_val else torch.arange(n)
-    calib_rows = torch.arange(n) if train_calib else val_rows
-    # The training pool: calibration windows 0..n_train-1 (calibration modes), then distill_samples sampled
-    # windows (sampled modes). Which pool windows the steps draw depends on the seed alone, so only those (and
-    # the held-out windows) get a teacher pass or are sampled: 16 steps of a 44-window pool need 16, not 44.
-    n_calib_pool = n_train if train_calib else 0
-    pool = n_calib_pool + (config.distill_samples if data != "calibration" else 0)
-    draws = list(itertools.islice(minibatches(pool, config.distill_batch, config.seed), config.distill_iters))
-    drawn = torch.unique(torch.cat(draws)) if draws else torch.zeros(0, dtype=torch.long)
-    calib_rows = torch.unique(torch.cat([drawn[drawn < n_calib_pool], val_rows]))
-    sample_rows = drawn[drawn >= n_calib_pool] - n_calib_pool
+    pool, drawn, calib_rows, sample_rows = drawn_windows(n, config)
+    n_calib_pool = n_train if data != "sampled" else 0
     t0 = time.perf_counter()
     teacher = teacher_topk(reference, windows[calib_rows], config.distill_topk, device, should_stop)
     metrics["teacher_seconds"] = time.perf_counter() - t0
@@ -453,6 +468,22 @@ def distill_label(settings) -> str:
         return ""
     data = settings.get("distill_data", "calibration")
     return f" kd{settings['distill_iters']}" + ("" if data == "calibration" else f"-{data}")
+
+
+# Distillation trains the whole model in memory next to the original (no block streaming): the presets that
+# include it keep it for models up to this many parameters and leave it out above (``sized_preset``).
+PRESET_DISTILL_MAX_PARAMS = 1_500_000_000
+
+
+def sized_preset(settings: dict, params: int) -> tuple[dict, str]:
+    """A preset's ``settings`` for a model of ``params`` parameters, and a note when something was left out."""
+    if settings.get("distill_iters") and params > PRESET_DISTILL_MAX_PARAMS:
+        note = (f"the preset's {settings['distill_iters']} distillation steps are left out for a model of "
+                f"{params / 1e9:.1f}B parameters (presets distil models up to "
+                f"{PRESET_DISTILL_MAX_PARAMS / 1e9:g}B: it holds the whole model and the original in memory); "
+                "set the distillation steps to distil anyway")
+        return {**settings, "distill_iters": 0}, note
+    return settings, ""
 
 
 def _distill_hook(ctx) -> dict | None:

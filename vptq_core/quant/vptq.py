@@ -345,22 +345,6 @@ PRESETS = {
                  "distill_iters": 0},
 }
 
-# Distillation trains the whole model in memory next to the original (no block streaming): the presets that
-# include it keep it for models up to this many parameters and leave it out above (``sized_preset``).
-PRESET_DISTILL_MAX_PARAMS = 1_500_000_000
-
-
-def sized_preset(settings: dict, params: int) -> tuple[dict, str]:
-    """A preset's ``settings`` for a model of ``params`` parameters, and a note when something was left out."""
-    if settings.get("distill_iters") and params > PRESET_DISTILL_MAX_PARAMS:
-        note = (f"the preset's {settings['distill_iters']} distillation steps are left out for a model of "
-                f"{params / 1e9:.1f}B parameters (presets distil models up to "
-                f"{PRESET_DISTILL_MAX_PARAMS / 1e9:g}B: it holds the whole model and the original in memory); "
-                "set the distillation steps to distil anyway")
-        return {**settings, "distill_iters": 0}, note
-    return settings, ""
-
-
 METHOD = register(Method(
     name="vptq", label="VPTQ", config_class=VPTQConfig, bits=config_bits, describe=describe, presets=PRESETS,
     description="vector quantization: Hessian-weighted k-means codebooks with second-order error feedback",

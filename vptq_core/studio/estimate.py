@@ -191,25 +191,17 @@ def distill_estimate(params: int, config, samples: int, seqlen: int) -> float:
     steps = settings.get("distill_iters", 0)
     if not steps:
         return 0.0
-    from ..quant.distill import SAMPLE_BATCH
+    from ..quant.distill import SAMPLE_BATCH, drawn_windows, eval_every
     from ..quant.finetune import holdout_count
 
     samples = max(int(samples), 1)
     per_window = params * max(int(seqlen) - 1, 1)
-    held = holdout_count(samples, settings.get("distill_holdout", 0.125))
-    n_val = held or samples
-    data = settings.get("distill_data", "calibration")
-    # only the pool windows the steps draw get a teacher pass or are sampled (distill.distill): within the first
-    # pass over the pool every draw is a new window, in proportion to the pool's two parts
-    calib_pool = samples - held if data != "sampled" else 0
-    sampled_pool = settings.get("distill_samples", 0) if data != "calibration" else 0
-    pool = max(calib_pool + sampled_pool, 1)
-    drawn = min(pool, steps * settings.get("distill_batch", 1))
-    teacher = round(drawn * calib_pool / pool) + n_val if held else samples  # no hold-out: every window checks
-    sampled = drawn - round(drawn * calib_pool / pool)
+    n_val = holdout_count(samples, settings.get("distill_holdout", 0.125)) or samples
+    # exactly the windows distillation prepares: the teacher pass and the sampling run only for drawn windows
+    _, _, calib_rows, sample_rows = drawn_windows(samples, config)
+    teacher, sampled = calib_rows.numel(), sample_rows.numel()
     passes = math.ceil(sampled / SAMPLE_BATCH)
-    every = settings.get("distill_eval_every") or max(1, steps // 4)  # as distill.eval_every
-    checks = 1 + math.ceil(steps / every)
+    checks = 1 + math.ceil(steps / eval_every(config))
     return per_window * (_KD_TEACHER_S * teacher + _KD_SAMPLE_S * sampled + _KD_SAMPLE_PASS_S * passes
                          + _KD_STEP_S * steps * settings.get("distill_batch", 1) + _KD_CHECK_S * checks * n_val)
 

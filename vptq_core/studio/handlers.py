@@ -46,7 +46,7 @@ from ..eval import evaluate
 from ..models import BUNDLED, TINY, load_model
 from ..quant import methods
 from ..quant.config import CalibConfig
-from ..quant.vptq import sized_preset
+from ..quant.distill import sized_preset
 from ..storage.archive import (
     DEFAULT_MAX_BYTES,
     DEFAULT_MAX_ENTRY_BYTES,
@@ -223,9 +223,7 @@ class Studio:
     @staticmethod
     def _sized(values: dict, info) -> dict:
         """A preset's form values for the model ``info`` describes (distillation only up to the size limit)."""
-        if values.get("distill_iters"):
-            values = sized_preset(values, info.linear_weights + info.other_params)[0]
-        return values
+        return sized_preset(values, info.linear_weights + info.other_params)[0]
 
     def preset_form(self, method, preset, model=None, custom_model=None) -> list:
         """The preset changed (or the method): one value per form field in ``form`` order, ``gr.skip()`` where
