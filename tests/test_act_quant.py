@@ -28,6 +28,39 @@ def test_per_token_within_half_step_and_on_grid(bits):
     torch.testing.assert_close(q.abs().amax(dim=-1), x.abs().amax(dim=-1))
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_asymmetric_per_token_grid(bits):
+    """Levels 0 .. 2^b - 1 with a zero point per token: within half a step (plus the zero point's rounding at the
+    ends), 0 exact, and on skewed (post-SiLU-like) tokens about half the symmetric grid's error."""
+    x = _activations()
+    top = 2**bits - 1
+    q = quantize_activations(x, bits, "token_asym")
+    assert q.shape == x.shape and q.dtype == x.dtype
+    lo, hi = x.amin(dim=-1, keepdim=True).clamp(max=0), x.amax(dim=-1, keepdim=True).clamp(min=0)
+    step = ((hi - lo) / top).clamp(min=1e-8)
+    zero = torch.round(-lo / step)
+    levels = q / step + zero
+    torch.testing.assert_close(levels, levels.round(), rtol=0, atol=1e-3)
+    assert levels.min() >= -1e-3 and levels.max() <= top + 1e-3
+    raw = torch.round(x / step) + zero
+    inside = (raw >= 0) & (raw <= top)  # not clipped
+    assert inside.float().mean() > 0.95
+    assert torch.all((q - x).abs()[inside] <= step.expand_as(x)[inside] / 2 * (1 + 1e-4))
+    assert torch.all((q - x).abs() <= step)  # at the ends the shifted grid clips by at most half a step more
+    torch.testing.assert_close(q[2, 4], torch.zeros(32))
+    torch.testing.assert_close(quantize_activations(torch.zeros(2, 8), bits, "token_asym"), torch.zeros(2, 8))
+    # skewed inputs: SiLU outputs live in [-0.28, inf), so the symmetric grid wastes its negative half
+    gen = torch.Generator().manual_seed(3)
+    s = torch.nn.functional.silu(torch.randn(64, 256, generator=gen) * 2)
+    err_asym = (quantize_activations(s, bits, "token_asym") - s).pow(2).mean()
+    err_sym = (quantize_activations(s, bits, "token") - s).pow(2).mean()
+    assert err_asym < 0.45 * err_sym
+    # straight-through gradient: 1 inside the grid, 0 where a value clipped
+    xg = x.clone().requires_grad_(True)
+    quantize_activations(xg, bits, "token_asym").sum().backward()
+    torch.testing.assert_close(xg.grad, inside.float())
+
+
 def test_per_token_outlier_only_hurts_its_own_token():
     x = _activations()
     q = quantize_activations(x, 8, "token")

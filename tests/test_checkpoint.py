@@ -37,7 +37,7 @@ def vq_states(model: nn.Module) -> dict:
 def scalar_states(model: nn.Module) -> dict:
     states = {}
     for i, (name, m) in enumerate(block_linears(model).items()):
-        act = {"act_bits": 8, "act_granularity": ("token", "tensor")[i % 2]} if "mlp" in name else {}
+        act = {"act_bits": 8, "act_granularity": ("token", "tensor", "token_asym")[i % 3]} if "mlp" in name else {}
         states[name] = random_scalar_state(
             m.in_features,
             m.out_features,

@@ -30,7 +30,7 @@ def test_vptq_config_errors_name_field_value_and_allowed(kwargs, match):
 def test_scalar_lrq_calib_errors():
     with pytest.raises(ValueError, match="bits must be in 1..8, got 9"):
         ScalarConfig(bits=9)
-    with pytest.raises(ValueError, match="act_granularity must be 'token' or 'tensor'"):
+    with pytest.raises(ValueError, match="act_granularity must be 'token'.*'token_asym'.*got 'channel'"):
         LRQConfig(act_granularity="channel")
     with pytest.raises(ValueError, match="seqlen must be in 8..131072, got 4"):
         CalibConfig(seqlen=4)

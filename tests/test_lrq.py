@@ -246,6 +246,20 @@ def test_per_token_activation_quantization():
     torch.testing.assert_close(mse(with_states(block, w4a4.states), x, y), w4a4.loss_after, rtol=1e-5, atol=0)
 
 
+def test_asymmetric_per_token_activations_fit_skewed_inputs_better():
+    """The down projection's input is a GELU output (skewed): a zero point per token halves its grid step."""
+    block = TinyBlock()
+    x, y = tiny_data(block)
+    sym = lrq_quantize_block(block, NAMES, x, y, call, LRQConfig(bits=4, iters=0, act_bits=4))
+    asym = lrq_quantize_block(block, NAMES, x, y, call, LRQConfig(bits=4, iters=30, lr=1e-2, act_bits=4,
+                                                                   act_granularity="token_asym"))
+    state = asym.states["mlp.down"]
+    assert (state.act_bits, state.act_granularity, state.act_scale) == (4, "token_asym", None)
+    assert asym.loss_before < 0.8 * sym.loss_before
+    assert asym.loss_after < asym.loss_before
+    torch.testing.assert_close(mse(with_states(block, asym.states), x, y), asym.loss_after, rtol=1e-5, atol=0)
+
+
 def test_per_tensor_static_scales_calibrated_or_given():
     block = TinyBlock()
     x, y = tiny_data(block)
@@ -301,7 +315,7 @@ def test_llama_decoder_layer():
         ({"rank": -1}, "rank must be in 0..8192"),
         ({"lr": 0.0}, r"lr must be in \(0.0, 1.0\]"),
         ({"act_bits": 6}, "act_bits must be 4, 8 or 16"),
-        ({"act_granularity": "channel"}, "act_granularity must be 'token' or 'tensor'"),
+        ({"act_granularity": "channel"}, "act_granularity must be 'token' .*'token_asym' .*or 'tensor'"),
         ({"full_scale": 1}, "full_scale must be true or false"),
     ],
 )

@@ -216,7 +216,7 @@ def test_scalar_linear_matches_state_dequantize(bits, group_size, bias):
     )
 
 
-@pytest.mark.parametrize("granularity", ["token", "tensor"])
+@pytest.mark.parametrize("granularity", ["token", "token_asym", "tensor"])
 def test_scalar_linear_quantizes_activations(granularity):
     state = random_scalar_state(32, 16, bits=4, group_size=16, act_bits=8, act_granularity=granularity, seed=1)
     module = ScalarQLinear.from_state(state, torch.float32)
@@ -231,7 +231,7 @@ def test_scalar_linear_quantizes_activations(granularity):
     assert "act_bits=8" in repr(module)
 
 
-@pytest.mark.parametrize("granularity", ["token", "tensor"])
+@pytest.mark.parametrize("granularity", ["token", "token_asym", "tensor"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inference_activation_quant_equals_the_checked_one(granularity, dtype):
     """The module's no-grad fake-quant (fewer ops) gives exactly quantize_activations' values, input untouched."""

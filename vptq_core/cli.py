@@ -79,8 +79,9 @@ METHOD_FLAGS: dict[str, dict[str, tuple[str, str, str]]] = {
         "--iters": ("iters", "int", "LRQ training iterations per block"),
         "--full-scale": ("full_scale", "true", "LRQ: learn a full per-weight scale (FlexRound-style)"),
         "--act-bits": ("act_bits", "int", "activation bits: 16 = weight-only, 8 = W?A8"),
-        "--act-granularity": ("act_granularity", "choice:token,tensor",
-                              "activation quantizer: token = dynamic per token, tensor = static per tensor"),
+        "--act-granularity": ("act_granularity", "choice:token,token_asym,tensor",
+                              "activation quantizer: token = dynamic per token, token_asym = dynamic per token with "
+                              "a zero point, tensor = static per tensor"),
         "--act-clip": ("act_clip", "choice:absmax,mse",
                        "static activation scales: absmax, or the clip with the least output error"),
     },

@@ -1,10 +1,21 @@
-"""Fake quantization of input activations: symmetric signed integers, per token (dynamic) or per tensor (static).
+"""Fake quantization of input activations: integers per token (dynamic) or per tensor (static).
 
 Used by LRQ during block reconstruction (METHODS.md section 2: W8A8 with per-tensor static activations, W4A8
-with per-token activations) and by the quantized linear modules at run time. The grid for ``bits`` b is the
-symmetric range ``-(2**(b-1) - 1) .. 2**(b-1) - 1`` (e.g. -127..127 for 8 bits)::
+with per-token activations) and by the quantized linear modules at run time. Granularities:
 
-    q(x) = clamp(round(x / scale), -qmax, qmax) * scale
+- "token": symmetric, one dynamic scale per token; the grid for ``bits`` b is
+  ``-(2**(b-1) - 1) .. 2**(b-1) - 1`` (e.g. -127..127 for 8 bits)::
+
+      q(x) = clamp(round(x / scale), -qmax, qmax) * scale,   scale = absmax(x_token) / qmax
+
+- "token_asym": asymmetric, a dynamic scale and zero point per token over ``0 .. 2**b - 1`` (as in the LRQ
+  reference code): the grid spans [min, max] of the token instead of [-absmax, absmax], so skewed inputs (the
+  down projection's, after SiLU) get up to twice the levels::
+
+      q(x) = (clamp(round(x / scale) + zero, 0, 2**b - 1) - zero) * scale,
+      scale = (max - min) / (2**b - 1),  zero = round(-min / scale)
+
+- "tensor": symmetric, one static scale from calibration.
 
 Rounding uses a straight-through estimator so the functions can sit inside a training graph: the gradient
 with respect to ``x`` is 1 inside the grid range and 0 where the value was clipped.
@@ -17,9 +28,10 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from .config import ACT_GRANULARITIES
 from .methods import BlockContext, BlockHook
 
-GRANULARITIES = ("token", "tensor")
+GRANULARITIES = ACT_GRANULARITIES
 _EPS = 1e-8
 
 
@@ -40,16 +52,31 @@ class _FakeQuant(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, step, qmax: int, clip: bool):
+    def forward(ctx, x, step, qmax: int, clip: bool, zero=None):
         levels = torch.round(x.float() / step)
-        clamped = torch.clamp(levels, -qmax, qmax)
+        if zero is None:
+            clamped = torch.clamp(levels, -qmax, qmax)
+        else:  # asymmetric: levels + zero in 0 .. qmax
+            levels = levels.add_(zero)
+            clamped = torch.clamp(levels, 0, qmax)
         ctx.save_for_backward(clamped == levels if clip else None)
+        if zero is not None:
+            clamped = clamped.sub_(zero)
         return clamped.mul_(step).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         (inside,) = ctx.saved_tensors
-        return (grad if inside is None else grad * inside), None, None, None
+        return (grad if inside is None else grad * inside), None, None, None, None
+
+
+def asym_token_grid(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(step, zero) of the per-token asymmetric grid, float32 [..., 1] each (``x`` detached, any float dtype)."""
+    xf = x.detach().float()
+    lo = xf.amin(dim=-1, keepdim=True).clamp(max=0.0)  # the grid always holds 0 exactly (zero padding stays 0)
+    hi = xf.amax(dim=-1, keepdim=True).clamp(min=0.0)
+    step = ((hi - lo) / (2**bits - 1)).clamp(min=_EPS)
+    return step, torch.round(-lo / step)
 
 
 def quantize_activations(
@@ -69,8 +96,8 @@ def quantize_activations(
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     if bits >= 16:
         return x
-    if granularity == "token" and scale is not None:
-        raise ValueError("scale must be None for granularity 'token' (the scale is computed per token)")
+    if granularity != "tensor" and scale is not None:
+        raise ValueError(f"scale must be None for granularity {granularity!r} (the scale is computed per token)")
     if granularity == "tensor":
         if scale is None:
             raise ValueError("granularity 'tensor' needs a static scale (from calibrate_act_scale), got None")
@@ -78,6 +105,10 @@ def quantize_activations(
             raise ValueError(f"scale must be a tensor with one element, got {scale!r}")
     if x.ndim == 0:
         raise ValueError("x must have at least one dimension (features last)")
+    if granularity == "token_asym":
+        step, zero = asym_token_grid(x, bits)
+        # round(-min / step) can move the grid by half a step, so the extreme value may clip by one level.
+        return _FakeQuant.apply(x, step, 2**bits - 1, True, zero)
     qmax = _qmax(bits)
     if granularity == "token":
         # The dynamic scale is treated as a constant: gradients flow through the rounding only.

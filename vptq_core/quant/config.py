@@ -217,11 +217,15 @@ def check_target_chain(value) -> None:
                          f"'fp' (the original model's own block outputs), got {value!r}")
 
 
+ACT_GRANULARITIES = ("token", "token_asym", "tensor")
+
+
 def check_act(act_bits, act_granularity, act_clip: str = "absmax") -> None:
     if isinstance(act_bits, bool) or act_bits not in (4, 8, 16):
         raise ValueError(f"act_bits must be 4, 8 or 16 (16 = no activation quantization), got {act_bits!r}")
-    if act_granularity not in ("token", "tensor"):
-        raise ValueError(f"act_granularity must be 'token' or 'tensor', got {act_granularity!r}")
+    if act_granularity not in ACT_GRANULARITIES:
+        raise ValueError(f"act_granularity must be 'token' (dynamic, symmetric), 'token_asym' (dynamic, scale and "
+                         f"zero point per token) or 'tensor' (static), got {act_granularity!r}")
     if act_clip not in ("absmax", "mse"):
         raise ValueError(f"act_clip must be 'absmax' or 'mse' (static scales: clip by output error), got {act_clip!r}")
 

@@ -120,7 +120,8 @@ def describe_scalar(settings) -> str:
     if "rank" in settings and settings["rank"] is not None:
         text += f" rank{settings['rank'] or 'auto'}"
     if (settings.get("act_bits") or 16) < 16:
-        text += f" A{settings['act_bits']}{'' if settings.get('act_granularity') == 'token' else ' static'}"
+        kind = {"token": "", "token_asym": " asym"}.get(settings.get("act_granularity"), " static")
+        text += f" A{settings['act_bits']}{kind}"
     return text + distill_label(settings)
 
 

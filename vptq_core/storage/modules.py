@@ -43,7 +43,8 @@ from kernels import (
 )
 
 from ..quant.act_quant import _EPS as _ACT_EPS
-from ..quant.act_quant import quantize_activations
+from ..quant.act_quant import asym_token_grid, quantize_activations
+from ..quant.config import ACT_GRANULARITIES
 from ..quant.states import ScalarLayerState, VQLayerState
 
 # Keys of a public ``config_for_layers`` entry; the ignored ones are constructor arguments of the public
@@ -379,8 +380,8 @@ def scalar_config_from_dict(layer_config: dict) -> dict:
             raise ValueError(f"{key} must be {allowed}, got {value!r}")
     if config["group_size"] > config["in_features"]:
         raise ValueError(f"group_size ({config['group_size']}) must be <= in_features ({config['in_features']})")
-    if config["act_granularity"] not in ("token", "tensor"):
-        raise ValueError(f"act_granularity must be 'token' or 'tensor', got {config['act_granularity']!r}")
+    if config["act_granularity"] not in ACT_GRANULARITIES:
+        raise ValueError(f"act_granularity must be one of {ACT_GRANULARITIES}, got {config['act_granularity']!r}")
     if not isinstance(config["method"], str):
         raise ValueError(f"method must be a string, got {config['method']!r}")  # noqa: TRY004 - a config value
     _flag("bias", config["bias"])
@@ -494,8 +495,11 @@ class ScalarQLinear(_BoundLinear):
 def _fake_quant_inference(x: torch.Tensor, bits: int, granularity: str, scale: torch.Tensor | None) -> torch.Tensor:
     """``quantize_activations`` without autograd and its argument checks (the module checked them at
     construction): the same values with in-place ops, a third of the small ops per call."""
-    qmax = 2 ** (bits - 1) - 1
     xf = x.to(torch.float32, copy=True)
+    if granularity == "token_asym":
+        step, zero = asym_token_grid(xf, bits)
+        return xf.div_(step).round_().add_(zero).clamp_(0, 2**bits - 1).sub_(zero).mul_(step).to(x.dtype)
+    qmax = 2 ** (bits - 1) - 1
     if granularity == "token":
         step = xf.abs().amax(dim=-1, keepdim=True).div_(qmax).clamp_(min=_ACT_EPS)
         return xf.div_(step).round_().mul_(step).to(x.dtype)  # absmax steps: nothing to clip

@@ -24,6 +24,7 @@ WEIGHT_ONLY = "16-bit (weight-only)"
 ACTIVATIONS = {  # dropdown label -> (act_bits, act_granularity)
     WEIGHT_ONLY: (16, "token"),
     "8-bit per token (dynamic)": (8, "token"),
+    "8-bit per token, asymmetric (dynamic)": (8, "token_asym"),
     "8-bit per tensor (static, calibrated)": (8, "tensor"),
 }
 ACT_FIELD = "activations"
