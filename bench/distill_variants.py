@@ -87,6 +87,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="a bundled model (vptq_core.models)")
     parser.add_argument("--row", default="vptq-2.5-alloc-kd64", help="a row of bench/quality.py")
     parser.add_argument("--variants", nargs="+", required=True, help="NAME:setting=value,... (the row's config "
                         "fields)")
@@ -101,14 +102,15 @@ def main() -> None:
     variants = [parse_variant(v) for v in args.variants]
     for _name, overrides in variants:
         dataclasses.replace(config, **overrides)  # a bad setting fails before any work
-    cache = Path(args.cache or f"/tmp/distill_variants/{args.row}-{args.calib_samples}")
+    model_tag = "" if args.model == "smollm2-135m-instruct" else f"{args.model}-"
+    cache = Path(args.cache or f"/tmp/distill_variants/{model_tag}{args.row}-{args.calib_samples}")
     results = Path(args.results)
     done = set()
     if results.is_file():
         done = {(r["row"], r["variant"]) for r in map(json.loads, results.read_text().splitlines())}
 
-    model, tok = load_model("smollm2-135m-instruct", dtype=torch.float32)
-    reference, _ = load_model("smollm2-135m-instruct", dtype=torch.bfloat16)
+    model, tok = load_model(args.model, dtype=torch.float32)
+    reference, _ = load_model(args.model, dtype=torch.bfloat16)
     calib = calibration_windows(tok, "wiki", args.calib_samples, 512, seed=0)
     if (cache / "states.json").is_file():
         states, meta = load_states(cache)
@@ -148,8 +150,8 @@ def main() -> None:
         if name != "none":
             with torch.enable_grad():
                 metrics = distill(qmodel, model, own, calib, cfg)
-        rec = {"row": args.row, "variant": name, "overrides": overrides, "config": cfg.to_dict(), "quant": meta,
-               "distill": metrics, "scores": scores(qmodel), "load": os.getloadavg(), "threads": args.threads,
+        rec = {"model": args.model, "row": args.row, "variant": name, "overrides": overrides, "config": cfg.to_dict(),
+               "quant": meta, "distill": metrics, "scores": scores(qmodel), "load": os.getloadavg(), "threads": args.threads,
                "calib_samples": args.calib_samples, "windows": args.windows}
         with open(results, "a") as f:
             f.write(json.dumps(rec) + "\n")
