@@ -39,12 +39,32 @@ def test_bucket_kl_is_the_full_kl_when_k_covers_the_vocabulary():
     assert 0 < float(bucket_kl(s, top, index, rest)) <= full + 1e-6
 
 
+def test_codebook_steps_are_relative_to_each_codebook_rms():
+    """distill_lr is a relative step: a codebook tensor's Adam lr is distill_lr x its RMS (10x larger weights,
+    10x larger steps), scalar log-scales keep distill_lr as it is."""
+    from vptq_core.quant.distill import lr_groups
+    from vptq_core.quant.finetune import trainable_linear
+
+    from tests.factories import random_scalar_state, random_vq_state
+
+    vq = random_vq_state(32, 16, vector_len=4, num_centroids=16, seed=0)
+    big = dataclasses.replace(vq, centroids=vq.centroids * 10)
+    sc = random_scalar_state(32, 16, bits=3, group_size=16, seed=1)
+    layers = {"a": trainable_linear(vq), "b": trainable_linear(big), "c": trainable_linear(sc)}
+    groups, rms = lr_groups(layers, 2.5e-3)
+    rms_a = float(vq.centroids.float().pow(2).mean().sqrt())
+    assert rms == pytest.approx([rms_a, 10 * rms_a], rel=1e-5)
+    lrs = [g["lr"] for g in groups]
+    assert lrs == pytest.approx([2.5e-3 * rms_a, 2.5e-3 * 10 * rms_a, 2.5e-3], rel=1e-5)
+    assert groups[-1]["params"] == [layers["c"].params["log_scale"]]
+
+
 def test_distillation_lowers_the_kl_on_its_training_windows(tiny_model, windows):
     model, _ = tiny_model
     qmodel, result = quantize_model(model, windows, "vptq", TINY)
     before = _kl(qmodel, model, windows)
     norms = {n: p.detach().clone() for n, p in qmodel.named_parameters() if p.dim() == 1}
-    cfg = dataclasses.replace(TINY, distill_iters=12, distill_lr=3e-3, distill_norm_lr=3e-3, distill_holdout=0.0,
+    cfg = dataclasses.replace(TINY, distill_iters=12, distill_lr=0.17, distill_norm_lr=3e-3, distill_holdout=0.0,
                               distill_topk=259, train_dtype="float32")
     steps = []
     metrics = distill(qmodel, model, result.states, windows, cfg, on_step=lambda i, kl: steps.append((i, kl)))
@@ -62,7 +82,7 @@ def test_distillation_lowers_the_kl_on_its_training_windows(tiny_model, windows)
 
 def test_pipeline_distillation_round_trips_through_the_packed_checkpoint(tmp_path, tiny_model, windows):
     model, tok = tiny_model
-    cfg = dataclasses.replace(TINY, distill_iters=8, distill_lr=3e-3, distill_norm_lr=3e-3, distill_holdout=0.25,
+    cfg = dataclasses.replace(TINY, distill_iters=8, distill_lr=0.17, distill_norm_lr=3e-3, distill_holdout=0.25,
                               distill_eval_every=2, distill_topk=32)
     seen = []
     qmodel, result = quantize_model(model, windows, "vptq", cfg, on_step=lambda *a: seen.append(a))
@@ -85,7 +105,7 @@ def test_cancel_during_distillation_keeps_the_best_check_and_marks_the_run(tiny_
         calls.append(1)
         return len(calls) > 40
 
-    cfg = dataclasses.replace(TINY, distill_iters=1000, distill_lr=1e-3)
+    cfg = dataclasses.replace(TINY, distill_iters=1000, distill_lr=0.06)
     qmodel, result = quantize_model(model, windows, "vptq", cfg, should_stop=stop)
     metrics = result.model_metrics["distill"]
     assert result.cancelled and metrics["cancelled"] and 0 < metrics["steps"] < 1000
@@ -118,7 +138,7 @@ def test_quantize_to_dir_distils_and_writes_the_distilled_model(tmp_path, tiny_m
     from vptq_core.quant.config import CalibConfig
 
     model, _ = tiny_model
-    cfg = dataclasses.replace(TINY, distill_iters=4, distill_lr=3e-3, distill_norm_lr=3e-3, distill_holdout=0.0,
+    cfg = dataclasses.replace(TINY, distill_iters=4, distill_lr=0.17, distill_norm_lr=3e-3, distill_holdout=0.0,
                               distill_eval_every=1, distill_topk=16)
     steps = []
     out, summary = quantize_to_dir("tiny-random-llama", "vptq", cfg, CalibConfig(samples=4, seqlen=32),
@@ -178,7 +198,7 @@ def test_distillation_trains_on_the_windows_its_data_setting_names(tiny_model, w
     calib_kls, sampled_kls = _window_kls(qmodel, model, windows[:6]), _window_kls(qmodel, model, sampled)
     heldout_before = _kl(qmodel, model, windows[-2:])
     steps = []
-    cfg = dataclasses.replace(TINY, distill_iters=4, distill_lr=3e-3, distill_norm_lr=3e-3, distill_holdout=0.25,
+    cfg = dataclasses.replace(TINY, distill_iters=4, distill_lr=0.17, distill_norm_lr=3e-3, distill_holdout=0.25,
                               distill_topk=259, train_dtype="float32", distill_data=data, distill_samples=6)
     metrics = distill(qmodel, model, result.states, windows, cfg, on_step=lambda i, kl: steps.append(kl))
     assert metrics["heldout_windows"] == 2  # the last 2 calibration windows, never trained on, in every mode
@@ -219,7 +239,7 @@ def test_the_time_estimate_counts_distillation_as_measured():
     from vptq_core.studio.estimate import distill_estimate
 
     params = 134.5e6  # SmolLM2-135M, embedding included
-    base = VPTQConfig(vector_len=6, num_centroids=4096, distill_lr=5e-4)
+    base = VPTQConfig(vector_len=6, num_centroids=4096)
     assert distill_estimate(params, base, 32, 512) == 0.0
     # the two runs the constants come from (bench/distill_variants.py, 32 calibration windows x 512 tokens):
     # mixed data, 64 steps checked every 16 -> 669 s; 128 steps checked every 32 -> 926 s; both sampled 8

@@ -46,6 +46,7 @@ from .blocks import decoder_blocks
 from .config import DistillSettings
 from .finetune import (
     TRAIN_DTYPES,
+    CodebookLinear,
     Snapshot,
     autocast,
     cosine_factor,
@@ -284,6 +285,27 @@ def drawn_windows(n: int, config: DistillSettings) -> tuple[int, torch.Tensor, t
     return pool, drawn, calib_rows, drawn[drawn >= n_calib_pool] - n_calib_pool
 
 
+def lr_groups(trainables: dict[str, nn.Module], lr: float) -> tuple[list[dict], list[float]]:
+    """Adam groups of the trainable layers' tensors, and the RMS of each VPTQ codebook tensor.
+
+    A VPTQ codebook tensor's step is ``lr`` times its own RMS, so ``lr`` is a relative step whatever the model's
+    weight scale (SmolLM2-135M's codebooks have an RMS near 0.19, Gemma-3-270M's weights are 5-12x smaller); the
+    scalar layers' log-scales are relative already and take ``lr`` as it is.
+    """
+    groups, plain, rms = [], [], []
+    for layer in trainables.values():
+        for p in layer.params.values():
+            if isinstance(layer, CodebookLinear):
+                r = float(p.detach().float().pow(2).mean().sqrt())
+                rms.append(r)
+                groups.append({"params": [p], "lr": lr * max(r, 1e-8)})
+            else:
+                plain.append(p)
+    if plain:
+        groups.append({"params": plain, "lr": lr})
+    return groups, rms
+
+
 # ------------------------------------------------------------------------------------------------ api
 def distill(
     qmodel: nn.Module,
@@ -410,7 +432,10 @@ def distill(
             best = start
             groups = []
             if codebooks_trained:
-                groups.append({"params": codebooks_trained, "lr": config.distill_lr})
+                groups, rms = lr_groups(trainables, config.distill_lr)
+                if rms:
+                    rms.sort()
+                    metrics["codebook_rms"] = [rms[0], rms[len(rms) // 2], rms[-1]]
             if dense:
                 groups.append({"params": dense, "lr": config.distill_norm_lr})
             base_lrs = [g["lr"] for g in groups]
