@@ -39,24 +39,25 @@ def test_bucket_kl_is_the_full_kl_when_k_covers_the_vocabulary():
     assert 0 < float(bucket_kl(s, top, index, rest)) <= full + 1e-6
 
 
-def test_codebook_steps_are_relative_to_each_codebook_rms():
-    """distill_lr is a relative step: a codebook tensor's Adam lr is distill_lr x its RMS (10x larger weights,
-    10x larger steps), scalar log-scales keep distill_lr as it is."""
+def test_codebook_steps_are_relative_to_the_models_codebook_rms():
+    """distill_lr is a relative step: the codebooks' Adam lr is distill_lr x the median RMS of the model's
+    codebook tensors (10x larger weights, 10x larger steps); scalar log-scales keep distill_lr as it is."""
+    from tests.factories import random_scalar_state, random_vq_state
     from vptq_core.quant.distill import lr_groups
     from vptq_core.quant.finetune import trainable_linear
 
-    from tests.factories import random_scalar_state, random_vq_state
-
-    vq = random_vq_state(32, 16, vector_len=4, num_centroids=16, seed=0)
-    big = dataclasses.replace(vq, centroids=vq.centroids * 10)
+    vqs = [random_vq_state(32, 16, vector_len=4, num_centroids=16, seed=s) for s in range(3)]
     sc = random_scalar_state(32, 16, bits=3, group_size=16, seed=1)
-    layers = {"a": trainable_linear(vq), "b": trainable_linear(big), "c": trainable_linear(sc)}
-    groups, rms = lr_groups(layers, 2.5e-3)
-    rms_a = float(vq.centroids.float().pow(2).mean().sqrt())
-    assert rms == pytest.approx([rms_a, 10 * rms_a], rel=1e-5)
-    lrs = [g["lr"] for g in groups]
-    assert lrs == pytest.approx([2.5e-3 * rms_a, 2.5e-3 * 10 * rms_a, 2.5e-3], rel=1e-5)
-    assert groups[-1]["params"] == [layers["c"].params["log_scale"]]
+    rms = sorted(float(st.centroids.float().pow(2).mean().sqrt()) for st in vqs)
+    for factor in (1.0, 10.0):
+        layers = {f"v{i}": trainable_linear(dataclasses.replace(st, centroids=st.centroids * factor))
+                  for i, st in enumerate(vqs)}
+        layers["s"] = trainable_linear(sc)
+        groups, got = lr_groups(layers, 2.5e-3)
+        assert sorted(got) == pytest.approx([factor * r for r in rms], rel=1e-5)
+        assert groups[0]["lr"] == pytest.approx(2.5e-3 * factor * rms[1], rel=1e-5)  # the median
+        assert len(groups[0]["params"]) == 3
+        assert groups[1] == {"params": [layers["s"].params["log_scale"]], "lr": 2.5e-3}
 
 
 def test_distillation_lowers_the_kl_on_its_training_windows(tiny_model, windows):

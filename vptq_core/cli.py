@@ -67,8 +67,8 @@ METHOD_FLAGS: dict[str, dict[str, tuple[str, str, str]]] = {
         "--distill-data": ("distill_data", "choice:calibration,sampled,mixed",
                            "what distillation trains on: the calibration windows, windows sampled from the original "
                            "model (every domain it knows), or both"),
-        "--distill-lr": ("distill_lr", "float", "distillation learning rate, relative: a VPTQ codebook steps by "
-                         "this times its RMS; scalar methods: the lr of the log-scales"),
+        "--distill-lr": ("distill_lr", "float", "distillation learning rate, relative: VPTQ codebooks step by "
+                         "this times the model's median codebook RMS; scalar methods: the lr of the log-scales"),
     },
     "GPTQ / RTN / LRQ": {
         "--bits": ("bits", "int", "bits per weight"),

@@ -78,10 +78,11 @@ class DistillSettings(ConfigBase):
     # Autocast dtype of the training steps of fine-tuning and distillation (held-out checks run in float32).
     train_dtype: str = "bfloat16"
     distill_iters: int = 0
-    # distill_lr is relative: a VPTQ codebook tensor steps by distill_lr x its own RMS (scalar methods: the lr of
-    # the log-scales, relative too). 2.5e-3 is the absolute 5e-4 measured best on SmolLM2 at 2.5 bits (64 steps
-    # at 5e-4 beat 128 at 2e-4 on both held-out texts; README, "What distillation trains on") over SmolLM2's
-    # codebook RMS of ~0.19; an absolute 5e-4 was 5-12x too large a step for Gemma-3-270M's smaller weights.
+    # distill_lr is relative: VPTQ codebooks step by distill_lr x the median RMS of the model's codebook tensors
+    # (scalar methods: the lr of the log-scales, relative too). 2.5e-3 is the absolute 5e-4 measured best on
+    # SmolLM2 at 2.5 bits (64 steps at 5e-4 beat 128 at 2e-4 on both held-out texts; README, "What distillation
+    # trains on") over SmolLM2's median codebook RMS of 0.195; an absolute 5e-4 was 5-12x too large a step for
+    # Gemma-3-270M's smaller weights.
     # distill_norm_lr: absolute, for the 1-D tensors (norms, biases).
     distill_lr: float = DISTILL_LR
     distill_norm_lr: float = 5e-4

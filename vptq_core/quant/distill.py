@@ -34,6 +34,7 @@ import contextlib
 import functools
 import itertools
 import math
+import statistics
 import time
 from collections.abc import Callable
 
@@ -288,19 +289,21 @@ def drawn_windows(n: int, config: DistillSettings) -> tuple[int, torch.Tensor, t
 def lr_groups(trainables: dict[str, nn.Module], lr: float) -> tuple[list[dict], list[float]]:
     """Adam groups of the trainable layers' tensors, and the RMS of each VPTQ codebook tensor.
 
-    A VPTQ codebook tensor's step is ``lr`` times its own RMS, so ``lr`` is a relative step whatever the model's
-    weight scale (SmolLM2-135M's codebooks have an RMS near 0.19, Gemma-3-270M's weights are 5-12x smaller); the
+    The VPTQ codebooks step by ``lr`` times the median RMS of the model's codebook tensors, so ``lr`` is a step
+    relative to the model's weight scale (SmolLM2-135M's median codebook RMS is 0.195, Gemma-3-270M's 0.036); the
     scalar layers' log-scales are relative already and take ``lr`` as it is.
     """
-    groups, plain, rms = [], [], []
+    vq, plain, rms = [], [], []
     for layer in trainables.values():
         for p in layer.params.values():
             if isinstance(layer, CodebookLinear):
-                r = float(p.detach().float().pow(2).mean().sqrt())
-                rms.append(r)
-                groups.append({"params": [p], "lr": lr * max(r, 1e-8)})
+                vq.append(p)
+                rms.append(float(p.detach().float().pow(2).mean().sqrt()))
             else:
                 plain.append(p)
+    groups = []
+    if vq:
+        groups.append({"params": vq, "lr": lr * max(statistics.median(rms), 1e-8)})
     if plain:
         groups.append({"params": plain, "lr": lr})
     return groups, rms
