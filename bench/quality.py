@@ -126,6 +126,11 @@ ROWS: dict[str, tuple[str, object, str]] = {
                                  "mixed"),
     "lrq-w4a8-asym-fp": ("lrq", LRQConfig(bits=4, act_bits=8, act_granularity="token_asym", target_chain="fp"),
                          "LRQ W4A8 (per-token asymmetric), FP-chain targets"),
+    "lrq-w4a8-asym-fp-kd64-mixed": ("lrq", LRQConfig(bits=4, act_bits=8, act_granularity="token_asym",
+                                                     target_chain="fp", distill_iters=64, distill_data="mixed",
+                                                     distill_lr=5e-3),
+                                    "LRQ W4A8 (per-token asymmetric), FP-chain targets + distillation, 64 steps, "
+                                    "mixed"),
     "lrq-w4a8-asym-fp64-kd64-mixed": ("lrq", LRQConfig(bits=4, act_bits=8, act_granularity="token_asym",
                                                        target_chain="fp", iters=64, distill_iters=64,
                                                        distill_data="mixed", distill_lr=5e-3),
