@@ -64,7 +64,7 @@ class ConfigBase:
 # Scalar methods distil log-scales: on SmolLM2 W4A8 (LRQ, 32 steps on the calibration windows) lr 2e-3 took
 # pydocs from 1.42x to 1.39x bf16, 5e-4 left it at 1.42x (README, "Distilling scalar checkpoints").
 SCALAR_DISTILL_LR = 2e-3
-DISTILL_LR = 2.5e-3  # VPTQ codebooks, relative to each codebook tensor's RMS
+DISTILL_LR = 2.5e-3  # VPTQ codebooks: a step of this times the model's median codebook RMS
 
 
 @dataclass(frozen=True)

@@ -328,7 +328,8 @@ def distill(
             (updated in place).
         windows: token ids [n, seq]; the last ``holdout_count(n, config.distill_holdout)`` are held out.
         config: any method's config (``DistillSettings``): ``distill_iters`` steps of ``distill_batch`` windows,
-            ``distill_lr`` (codebooks; log-scales of scalar layers), ``distill_norm_lr`` (1-D tensors),
+            ``distill_lr`` (relative: codebooks step by it times the model's median codebook RMS, ``lr_groups``;
+            log-scales of scalar layers), ``distill_norm_lr`` (1-D tensors, absolute),
             ``distill_topk``, ``distill_eval_every``,
             ``distill_checkpointing``, ``train_dtype``, ``seed``.
         on_step: called after every step with (step, training KL per token of that step's windows).
@@ -336,7 +337,7 @@ def distill(
 
     Returns metrics: ``steps`` done, ``cancelled``, ``heldout_windows``, ``kl_before`` / ``kl_after`` (held-out
     bucket KL per token; after <= before), ``best_step`` (0 = nothing kept), ``train_kl_first`` /
-    ``train_kl_last``, ``teacher_seconds``, ``seconds``.
+    ``train_kl_last``, ``teacher_seconds``, ``seconds``, ``codebook_rms`` (VPTQ: min, median, max).
     """
     t_start = time.perf_counter()
     if not states:
@@ -436,9 +437,8 @@ def distill(
             groups = []
             if codebooks_trained:
                 groups, rms = lr_groups(trainables, config.distill_lr)
-                if rms:
-                    rms.sort()
-                    metrics["codebook_rms"] = [rms[0], rms[len(rms) // 2], rms[-1]]
+                if rms:  # min, median, max
+                    metrics["codebook_rms"] = [min(rms), statistics.median(rms), max(rms)]
             if dense:
                 groups.append({"params": dense, "lr": config.distill_norm_lr})
             base_lrs = [g["lr"] for g in groups]
