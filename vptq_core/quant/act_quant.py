@@ -54,15 +54,11 @@ class _FakeQuant(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, step, qmax: int, clip: bool, zero=None):
         levels = torch.round(x.float() / step)
-        if zero is None:
-            clamped = torch.clamp(levels, -qmax, qmax)
-        else:  # asymmetric: levels + zero in 0 .. qmax
+        if zero is not None:  # asymmetric: levels + zero in 0 .. qmax
             levels = levels.add_(zero)
-            clamped = torch.clamp(levels, 0, qmax)
+        clamped = torch.clamp(levels, -qmax if zero is None else 0, qmax)
         ctx.save_for_backward(clamped == levels if clip else None)
-        if zero is not None:
-            clamped = clamped.sub_(zero)
-        return clamped.mul_(step).to(x.dtype)
+        return (clamped if zero is None else clamped.sub_(zero)).mul_(step).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):

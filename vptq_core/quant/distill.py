@@ -37,6 +37,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -263,13 +264,20 @@ def _restore_on_error(snapshot: Snapshot):
         raise
 
 
-def drawn_windows(n: int, config: DistillSettings) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+class Drawn(NamedTuple):
+    pool: int  # training pool size: calibration windows 0..calib_pool-1, then the sampled windows
+    calib_pool: int
+    drawn: torch.Tensor  # pool indices the steps draw
+    calib_rows: torch.Tensor  # calibration rows that need a teacher pass (drawn + held out)
+    sample_rows: torch.Tensor  # sampled rows to draw
+
+
+def drawn_windows(n: int, config: DistillSettings) -> Drawn:
     """What distillation of ``n`` calibration windows under ``config`` prepares, before any work.
 
     The training pool is the calibration windows 0..n_train-1 (calibration modes), then ``distill_samples``
     sampled windows (sampled modes). Which pool windows the steps draw depends on the seed alone, so only those
     (and the held-out windows) get a teacher pass or are sampled: 16 steps of a 44-window pool need 16, not 44.
-    Returns (pool size, drawn pool indices, calibration rows needing a teacher pass, sampled rows to draw).
     """
     n_val = holdout_count(n, config.distill_holdout)
     n_train = n - n_val
@@ -283,7 +291,7 @@ def drawn_windows(n: int, config: DistillSettings) -> tuple[int, torch.Tensor, t
             break
     drawn = seen.nonzero().flatten()
     calib_rows = torch.unique(torch.cat([drawn[drawn < n_calib_pool], val_rows]))
-    return pool, drawn, calib_rows, drawn[drawn >= n_calib_pool] - n_calib_pool
+    return Drawn(pool, n_calib_pool, drawn, calib_rows, drawn[drawn >= n_calib_pool] - n_calib_pool)
 
 
 def lr_groups(trainables: dict[str, nn.Module], lr: float) -> tuple[list[dict], list[float]]:
@@ -371,8 +379,7 @@ def distill(
     # windows (all of them when n_val is 0, then also trained on in the calibration modes). Only the windows
     # the steps draw are prepared (``drawn_windows``).
     val_rows = torch.arange(n_train, n) if n_val else torch.arange(n)
-    pool, drawn, calib_rows, sample_rows = drawn_windows(n, config)
-    n_calib_pool = n_train if data != "sampled" else 0
+    pool, n_calib_pool, drawn, calib_rows, sample_rows = drawn_windows(n, config)
     t0 = time.perf_counter()
     teacher = teacher_topk(reference, windows[calib_rows], config.distill_topk, device, should_stop)
     metrics["teacher_seconds"] = time.perf_counter() - t0

@@ -198,8 +198,8 @@ def distill_estimate(params: int, config, samples: int, seqlen: int) -> float:
     per_window = params * max(int(seqlen) - 1, 1)
     n_val = holdout_count(samples, settings.get("distill_holdout", 0.125)) or samples
     # exactly the windows distillation prepares: the teacher pass and the sampling run only for drawn windows
-    _, _, calib_rows, sample_rows = drawn_windows(samples, config)
-    teacher, sampled = calib_rows.numel(), sample_rows.numel()
+    drawn = drawn_windows(samples, config)
+    teacher, sampled = drawn.calib_rows.numel(), drawn.sample_rows.numel()
     passes = math.ceil(sampled / SAMPLE_BATCH)
     checks = 1 + math.ceil(steps / eval_every(config))
     return per_window * (_KD_TEACHER_S * teacher + _KD_SAMPLE_S * sampled + _KD_SAMPLE_PASS_S * passes
