@@ -390,3 +390,15 @@ def prepare_scalar(codes_packed, scales=None, zeros=None, bias=None, bits: int |
 def scalar_linear(x: torch.Tensor, prepared) -> torch.Tensor:  # noqa: ANN001
     """x [..., in] -> y [..., out] (x.dtype) for a layer from ``prepare_scalar``."""
     return prepared(x)
+
+
+ACT_MODES = {"token": 0, "token_asym": 1, "tensor": 2}
+
+
+def act_quant(x: torch.Tensor, granularity: str, bits: int, scale: float = 0.0) -> torch.Tensor:
+    """Fake-quantize ``x`` [..., features] (CPU, bf16 or fp32; other float dtypes via fp32) in one C++ pass:
+    the values ``vptq_core.quant.act_quant.quantize_activations`` gives, without autograd. ``granularity``
+    "token" / "token_asym" (per row of the last dimension) or "tensor" (the static step ``scale`` > 0)."""
+    if granularity not in ACT_MODES:
+        raise ValueError(f"granularity must be one of {sorted(ACT_MODES)}, got {granularity!r}")
+    return _ext().act_quant(x, ACT_MODES[granularity], int(bits), float(scale))

@@ -366,6 +366,26 @@ def test_scalar_distillation_trains_the_scales_and_the_checkpoint_holds_them(tmp
                                    rtol=1e-4, atol=1e-4)
 
 
+def test_the_distillation_check_windows_are_held_out_of_the_block_stage(tiny_model, windows):
+    """With distillation on, its held-out windows (the last 2 of 8 here) never reach the block-by-block stage:
+    GPTQ's codes (fixed by distillation) are exactly those of a run on the first 6 windows alone, and differ
+    from a run on all 8 (the Hessians differ)."""
+    from vptq_core.quant.finetune import layerwise_count
+
+    model, _ = tiny_model
+    config = ScalarConfig(bits=3, group_size=16)
+    cfg = dataclasses.replace(config, distill_iters=2, distill_holdout=0.25, distill_topk=16, train_dtype="float32")
+    assert layerwise_count(8, cfg) == 6 and layerwise_count(8, config) == 8
+    assert layerwise_count(8, dataclasses.replace(cfg, distill_holdout=0.0)) == 8
+    _, distilled = quantize_model(model, windows, "gptq", cfg)
+    assert distilled.model_metrics["distill"]["heldout_windows"] == 2
+    _, first6 = quantize_model(model, windows[:6], "gptq", config)
+    _, all8 = quantize_model(model, windows, "gptq", config)
+    for name, st in distilled.states.items():
+        assert torch.equal(st.codes, first6.states[name].codes), name
+    assert any(not torch.equal(st.codes, all8.states[name].codes) for name, st in distilled.states.items())
+
+
 def test_every_method_takes_the_distillation_settings(tmp_path):
     from vptq_core.cli import build_parser, method_config_from_args
     from vptq_core.quant import methods

@@ -280,6 +280,42 @@ def test_scalar_1bit_threads_and_isas(ext, threads):
         native.set_isa("auto")
 
 
+# --------------------------------------------------------------------------------------- activations
+def test_act_quant_equals_the_python_fake_quant_exactly(ext, threads):
+    """The C++ activation fake-quant gives bit for bit quantize_activations' values: every granularity, 4 and 8
+    bits, fp32 / bf16 / fp16 inputs, widths that leave vector tails, all-zero tokens, every ISA, 1 and 2 threads."""
+    from vptq_core.quant.act_quant import quantize_activations
+
+    gen = torch.Generator().manual_seed(3)
+    levels = ["scalar", "avx2", "avx512"]
+    try:
+        for isa in levels[: levels.index(native.cpu_isa()) + 1]:
+            native.set_isa(isa)
+            for num_threads in (1, 2):
+                threads(num_threads)
+                for width in (5, 96, 577):
+                    x = torch.randn(70, width, generator=gen) * torch.logspace(-3, 1, width)
+                    x[3] = 0  # the EPS floor
+                    x[4] = x[4].abs()  # one-signed tokens: the asymmetric grid's zero sits at an end
+                    x[5] = -x[5].abs()
+                    x[6, 0] = 300.0  # a massive activation
+                    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                        xd = x.to(dtype).reshape(7, 10, width)
+                        for granularity in ("token", "token_asym", "tensor"):
+                            scale = torch.tensor(0.02) if granularity == "tensor" else None
+                            for bits in (4, 8):
+                                want = quantize_activations(xd, bits, granularity, scale)
+                                got = native.act_quant(xd, granularity, bits, 0.02 if scale is not None else 0.0)
+                                assert got.dtype == dtype and got.shape == xd.shape
+                                assert torch.equal(got, want), (isa, num_threads, width, dtype, granularity, bits)
+    finally:
+        native.set_isa("auto")
+    with pytest.raises(ValueError, match="granularity must be one of"):
+        native.act_quant(torch.zeros(2, 4), "channel", 8)
+    with pytest.raises(RuntimeError, match="static scale must be positive"):
+        native.act_quant(torch.zeros(2, 4), "tensor", 8, 0.0)
+
+
 # --------------------------------------------------------------------------------------- status / fallback
 @pytest.mark.slow  # subprocesses or a served app: seconds each
 def test_disabled_by_environment(monkeypatch):

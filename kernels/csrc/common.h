@@ -101,6 +101,10 @@ struct IsaTable {
   // y[n][o] (dtype) = acc[n][o] + off[n] + bias[o] for o in [o0, o1); out_kind 0 fp32, 1 bf16.
   void (*finish)(const float* acc, int64_t as, const float* off, const float* bias, void* y, int64_t ys,
                  int out_kind, int64_t nt, int64_t o0, int64_t o1);
+  // Activation fake quantization of rows [0, nt) of x[nt][in] into y (same dtype: bf16 when bf16, else fp32),
+  // as vptq_core.quant.act_quant computes it in fp32: mode 0 per token symmetric, 1 per token asymmetric,
+  // 2 static step ``scale``.
+  void (*act_quant)(const void* x, void* y, int64_t nt, int64_t in, bool bf16, int mode, int bits, float scale);
 };
 
 const IsaTable* isa_scalar();

@@ -1152,6 +1152,94 @@ static void finish(const float* acc, int64_t as, const float* off, const float* 
   }
 }
 
+// ------------------------------------------------------------------------------------------ activations
+// Each value: q = round_half_even(x / step) (+ zero, clamped), (q - zero) * step, in fp32 with the same IEEE
+// divisions as torch, then rounded to bf16 when x is bf16. Row reductions (absmax, min, max) are exact in any
+// order.
+constexpr float kActEps = 1e-8f;
+
+static VN_FI float act_rd(const void* x, int64_t j, bool bf16) {
+  return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(x)[j]) : static_cast<const float*>(x)[j];
+}
+static VN_FI void act_wr(void* y, int64_t j, bool bf16, float v) {
+  if (bf16)
+    static_cast<uint16_t*>(y)[j] = f32_to_bf16(v);
+  else
+    static_cast<float*>(y)[j] = v;
+}
+#if VN_LEVEL >= 1
+static VN_FI __m256 act_ld8(const void* x, int64_t j, bool bf16) {
+  return bf16 ? cvt8_bf16(static_cast<const uint16_t*>(x) + j) : _mm256_loadu_ps(static_cast<const float*>(x) + j);
+}
+static VN_FI void act_st8(void* y, int64_t j, bool bf16, __m256 v) {
+  if (bf16)
+    st8_bf16(static_cast<uint16_t*>(y) + j, v);
+  else
+    _mm256_storeu_ps(static_cast<float*>(y) + j, v);
+}
+static VN_FI float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  return _mm_cvtss_f32(m);
+}
+#endif
+
+static void act_quant(const void* x, void* y, int64_t nt, int64_t in, bool bf16, int mode, int bits, float scale) {
+  const float qmax = float((1 << (bits - 1)) - 1), levels = float((1 << bits) - 1);
+  const int64_t esz = bf16 ? 2 : 4;
+  for (int64_t n = 0; n < nt; ++n) {
+    const void* xr = static_cast<const char*>(x) + n * in * esz;
+    void* yr = static_cast<char*>(y) + n * in * esz;
+    // the row's grid: step, zero, and the clamp range [lo_q, hi_q] of the levels (+ zero)
+    float lo = 0.f, hi = 0.f;
+    if (mode != 2) {
+      int64_t j = 0;
+#if VN_LEVEL >= 1
+      __m256 vlo = _mm256_setzero_ps(), vhi = _mm256_setzero_ps();
+      for (; j + 8 <= in; j += 8) {
+        const __m256 v = act_ld8(xr, j, bf16);
+        vlo = _mm256_min_ps(vlo, v);
+        vhi = _mm256_max_ps(vhi, v);
+      }
+      lo = -hmax8(_mm256_sub_ps(_mm256_setzero_ps(), vlo));
+      hi = hmax8(vhi);
+#endif
+      for (; j < in; ++j) {
+        const float v = act_rd(xr, j, bf16);
+        lo = std::min(lo, v);
+        hi = std::max(hi, v);
+      }
+    }
+    float step, zero = 0.f, qlo = -qmax, qhi = qmax;
+    if (mode == 0) {
+      step = std::max(std::max(hi, -lo) / qmax, kActEps);
+    } else if (mode == 1) {
+      step = std::max((hi - lo) / levels, kActEps);
+      zero = __builtin_nearbyintf(-lo / step);
+      qlo = 0.f;
+      qhi = levels;
+    } else {
+      step = scale;
+    }
+    int64_t j = 0;
+#if VN_LEVEL >= 1
+    const __m256 vs = _mm256_set1_ps(step), vz = _mm256_set1_ps(zero), vl = _mm256_set1_ps(qlo),
+                 vh = _mm256_set1_ps(qhi);
+    for (; j + 8 <= in; j += 8) {
+      __m256 q = _mm256_round_ps(_mm256_div_ps(act_ld8(xr, j, bf16), vs), _MM_FROUND_TO_NEAREST_INT |
+                                                                                _MM_FROUND_NO_EXC);
+      q = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(q, vz), vl), vh);
+      act_st8(yr, j, bf16, _mm256_mul_ps(_mm256_sub_ps(q, vz), vs));
+    }
+#endif
+    for (; j < in; ++j) {
+      const float q = std::min(std::max(__builtin_nearbyintf(act_rd(xr, j, bf16) / step) + zero, qlo), qhi);
+      act_wr(yr, j, bf16, (q - zero) * step);
+    }
+  }
+}
+
 static const IsaTable kTable = {
 #if VN_LEVEL >= 2
     "avx512",
@@ -1160,7 +1248,7 @@ static const IsaTable kTable = {
 #else
     "scalar",
 #endif
-    &vq_main, &vq_outliers, &vq_dequant, &vq_dequant_vnni, &sc_gemv, &sc_dequant, &finish};
+    &vq_main, &vq_outliers, &vq_dequant, &vq_dequant_vnni, &sc_gemv, &sc_dequant, &finish, &act_quant};
 
 }  // namespace VN_NS
 }  // namespace vptq_native

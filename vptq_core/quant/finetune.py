@@ -173,6 +173,17 @@ def holdout_count(n: int, fraction: float) -> int:
     return min(n - 1, max(1, round(n * fraction)))
 
 
+def layerwise_count(n: int, config) -> int:
+    """Calibration windows of ``n`` the block-by-block stage sees: all of them, except the ones end-to-end
+    distillation (``config.distill_iters`` > 0) checks on. Those are held out of every stage, so the check that
+    picks the kept step scores text no stage has fitted (block-wise training fits its windows closely: an LRQ
+    model scored a KL of 0.14 on windows it trained on against 0.30 on held-out text, and no distillation step
+    ever beat it there)."""
+    if getattr(config, "distill_iters", 0) <= 0:
+        return n
+    return n - holdout_count(n, getattr(config, "distill_holdout", 0.0))
+
+
 def cosine_factor(step: int, total: int, warmup: int = 0) -> float:
     """Learning-rate factor at ``step`` (0-based) of ``total``: linear warm-up, then cosine from 1 to 0."""
     if step < warmup:

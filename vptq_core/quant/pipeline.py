@@ -21,6 +21,7 @@ from . import methods
 from .bits import BitsInfo
 from .blocks import block_linears, blocks_prefix, check_linear_shapes, decoder_blocks
 from .device import return_freed_memory
+from .finetune import layerwise_count
 from .hessian import HessianAccumulator
 from .methods import BlockContext, Cancelled, Method, ModelContext, QuantResult
 from .source import BlockWeights
@@ -403,7 +404,8 @@ def quantize_model(
             default ``model`` itself when it is not quantized in place. Those hooks run after the last block
             on the whole model (not with ``weights``, a resume or ``keep_states=False``), on ``device`` in
             float32, and report their steps through ``on_step(phase, step, steps, loss)``; stopping during
-            them keeps their best check so far and marks the result cancelled.
+            them keeps their best check so far and marks the result cancelled. The windows distillation holds
+            out to check its steps are held out of the block-by-block stage as well (``layerwise_count``).
 
     Returns (fake-quantized model whose linears hold the dequantized weights, ``QuantizeResult`` with the
     per-layer states to pack and save). Only the blocks' linears are quantized; embeddings, norms and the
@@ -438,7 +440,9 @@ def quantize_model(
     model_dtype = next(model.parameters()).dtype
     with result.timed("capture_inputs"):
         stub = weights is not None or capture_dtype is not None
-        inps, kwargs = capture_block_inputs(model, calib_ids, stub_blocks=stub, embeds_dtype=capture_dtype)
+        # distillation's held-out windows are held out of the block-by-block stage too (``layerwise_count``)
+        stage_ids = calib_ids[: layerwise_count(calib_ids.shape[0], config)] if model_hooks else calib_ids
+        inps, kwargs = capture_block_inputs(model, stage_ids, stub_blocks=stub, embeds_dtype=capture_dtype)
         inps = inps.to(dev, torch.float32)
         kwargs = _kwargs_to(kwargs, dev, torch.float32)
     first = 0

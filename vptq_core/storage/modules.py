@@ -41,6 +41,7 @@ from kernels import (
     vq_dequantize,
     vq_linear,
 )
+from kernels.ops import backend_module
 
 from ..quant.act_quant import _EPS as _ACT_EPS
 from ..quant.act_quant import asym_token_grid, quantize_activations
@@ -430,6 +431,7 @@ class ScalarQLinear(_BoundLinear):
         self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=dtype, device=device))
         static = act_bits < 16 and act_granularity == "tensor"
         self.register_buffer("act_scale", torch.ones((), dtype=dtype, device=device) if static else None)
+        self._act_native = None  # (bound kernel, native act_quant, granularity, bits, static step)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
         else:
@@ -482,9 +484,23 @@ class ScalarQLinear(_BoundLinear):
         if self.act_bits < 16:
             if torch.is_grad_enabled() or torch.compiler.is_compiling() or x.ndim == 0:
                 x = quantize_activations(x, self.act_bits, self.act_granularity, self.act_scale)
+            elif self._kernel is not None and self._kernel.backend == "native" and x.device.type == "cpu":
+                x = self._native_act_quant(x)
             else:
                 x = _fake_quant_inference(x, self.act_bits, self.act_granularity, self.act_scale)
         return self._linear(x)
+
+    def _native_act_quant(self, x: torch.Tensor) -> torch.Tensor:
+        """The same values as ``_fake_quant_inference`` in one C++ pass (the layer runs on the native kernels,
+        so the extension is loaded); the static step is read once per binding, not per call."""
+        cached = self._act_native
+        if cached is None or cached[0] is not self._kernel:
+            if self.act_granularity == "tensor" and not bool(self.act_scale.reshape(()) > 0):
+                raise ValueError(f"scale must be positive, got {float(self.act_scale)}")
+            step = float(self.act_scale) if self.act_granularity == "tensor" else 0.0
+            act = backend_module("native").act_quant
+            cached = self._act_native = (self._kernel, act, self.act_granularity, self.act_bits, step)
+        return cached[1](x, cached[2], cached[3], cached[4])
 
     def extra_repr(self) -> str:
         act = f", act_bits={self.act_bits}({self.act_granularity})" if self.act_bits < 16 else ""

@@ -212,8 +212,11 @@ def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
     grow with the index bits per vector element, k-means with its iterations; LRQ trains ``iters`` steps of
     ``batch_size`` windows per block, about three forwards each; a config with ``act_order`` sweeps columns as
     GPTQ does; distillation: ``distill_estimate``). Layer-wise fine-tuning steps are not counted."""
+    from ..quant.finetune import layerwise_count
+
     weights, params = info.linear_weights, info.linear_weights + info.other_params
-    tokens = max(int(samples), 1) * max(int(seqlen), 1)
+    # the block stage runs on the windows distillation does not hold out (``layerwise_count``)
+    tokens = layerwise_count(max(int(samples), 1), config) * max(int(seqlen), 1)
     seconds = _START_S + _FORWARD_S * weights * tokens + _IO_S * params
     settings = config.to_dict()
     if "num_centroids" in settings and "vector_len" in settings:
