@@ -1,7 +1,8 @@
 """End-to-end distillation variants from ONE quantization: what the data, steps and learning rate buy.
 
 Protocol: SmolLM2-135M-Instruct (fp32 teacher), ``--row`` of ``bench/quality.py`` (any method) quantized once
-(distillation off) on 32 wiki calibration windows x 512 tokens (even articles, seed 0); its layer states are
+(distillation off) on 32 wiki calibration windows x 512 tokens (even articles, seed 0) less the ones distillation
+holds out to check its steps (as the pipeline does when it distils: 28 of 32 by default); its layer states are
 cached under ``--cache`` (safetensors + JSON) so later runs skip the quantization. Each variant distils a fresh
 copy of that quantized model with the row's distillation settings overridden by the variant's, then the model is
 evaluated in bf16 against the bf16 original on ``--windows`` held-out 512-token windows of wiki (odd articles) and of
@@ -38,6 +39,7 @@ from vptq_core.eval import evaluate  # noqa: E402
 from vptq_core.models import load_model  # noqa: E402
 from vptq_core.quant.act_quant import install_activation_quant  # noqa: E402
 from vptq_core.quant.distill import distill  # noqa: E402
+from vptq_core.quant.finetune import layerwise_count  # noqa: E402
 from vptq_core.quant.pipeline import quantize_model  # noqa: E402
 from vptq_core.quant.states import ScalarLayerState, VQLayerState  # noqa: E402
 
@@ -103,7 +105,7 @@ def main() -> None:
     for _name, overrides in variants:
         dataclasses.replace(config, **overrides)  # a bad setting fails before any work
     model_tag = "" if args.model == "smollm2-135m-instruct" else f"{args.model}-"
-    cache = Path(args.cache or f"/tmp/distill_variants/{model_tag}{args.row}-{args.calib_samples}")
+    cache = Path(args.cache or f"/tmp/distill_variants/{model_tag}{args.row}-{args.calib_samples}-heldout")
     results = Path(args.results)
     done = set()
     if results.is_file():
@@ -116,7 +118,10 @@ def main() -> None:
         states, meta = load_states(cache)
     else:
         t0 = time.perf_counter()
-        _, result = quantize_model(model, calib, method, dataclasses.replace(config, distill_iters=0), device="cpu")
+        # as the pipeline does when it distils: the held-out check windows stay out of the block stage
+        stage = layerwise_count(calib.shape[0], dataclasses.replace(config, distill_iters=max(config.distill_iters, 1)))
+        _, result = quantize_model(model, calib[:stage], method, dataclasses.replace(config, distill_iters=0),
+                                   device="cpu")
         meta = {"quant_seconds": time.perf_counter() - t0, "total_bits": result.bits.total_bits_per_weight,
                 "index_bits": result.bits.index_bits_per_weight}
         states = result.states
@@ -151,8 +156,8 @@ def main() -> None:
             with torch.enable_grad():
                 metrics = distill(qmodel, model, own, calib, cfg)
         rec = {"model": args.model, "row": args.row, "variant": name, "overrides": overrides, "config": cfg.to_dict(),
-               "quant": meta, "distill": metrics, "scores": scores(qmodel), "load": os.getloadavg(), "threads": args.threads,
-               "calib_samples": args.calib_samples, "windows": args.windows}
+               "quant": meta, "distill": metrics, "scores": scores(qmodel), "load": os.getloadavg(),
+               "threads": args.threads, "calib_samples": args.calib_samples, "windows": args.windows}
         with open(results, "a") as f:
             f.write(json.dumps(rec) + "\n")
         s = rec["scores"]
