@@ -7,7 +7,9 @@ Two sources:
   --shape 0.5b|smollm2  random weights of a model shape (speed does not depend on the values): a bf16 model
                         and the same model with every block linear replaced by a random packed layer of
                         --layout (vptq2 = VPTQ v6 k4096 + 0.5% outliers v4 k256 + perm, the 2-bit default;
-                        vptq3 = v4 k4096; scalar4 = 4-bit codes, groups of 128); --quantize-head also
+                        vptq3 = v4 k4096; scalar4 = 4-bit codes, groups of 128; scalar4-a8 / scalar4-a8asym =
+                        W4A8 as LRQ makes it: 4-bit per-channel codes, 8-bit per-token activations, symmetric /
+                        asymmetric); --quantize-head also
                         replaces the LM head (untied from the bf16 embedding), as the CLI's --quantize-head.
 
 Protocol: both models in the same process; a fixed chat prompt; one warm-up run per model; then --pairs pairs of
@@ -200,9 +202,14 @@ def random_dense(shape: str) -> nn.Module:
 
 def random_packed(layout: str, out_f: int, in_f: int, bias: bool, seed: int) -> nn.Module:
     """A random packed layer of ``layout`` (bf16 tensors) in place of a [out_f, in_f] linear."""
-    if layout == "scalar4":
-        spec, w = random_scalar_layer(out_f, in_f, 4, 128, seed=seed, dtype=torch.bfloat16, bias=bias)
-        module = ScalarQLinear(in_f, out_f, 4, 128, bias=bias, dtype=torch.bfloat16)
+    if layout.startswith("scalar4"):
+        # scalar4: weight-only, groups of 128; scalar4-a8 / scalar4-a8asym: LRQ's W4A8 (per-channel weights,
+        # 8-bit per-token activations, symmetric / asymmetric)
+        act = {"scalar4": None, "scalar4-a8": "token", "scalar4-a8asym": "token_asym"}[layout]
+        group = 128 if act is None else in_f
+        spec, w = random_scalar_layer(out_f, in_f, 4, group, seed=seed, dtype=torch.bfloat16, bias=bias)
+        module = ScalarQLinear(in_f, out_f, 4, group, bias=bias, act_bits=16 if act is None else 8,
+                               act_granularity=act or "token", dtype=torch.bfloat16)
         tensors = {"codes": w.codes, "scales": w.scales, "zeros": w.zeros, "bias": w.bias}
     else:
         v, k = (6, 4096) if layout == "vptq2" else (4, 4096)
@@ -243,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--shape", choices=sorted(SHAPES), help="random weights of this model shape")
     parser.add_argument("--quantize-head", action="store_true",
                         help="with --shape: the LM head is a packed layer of --layout too (as --quantize-head)")
-    parser.add_argument("--layout", choices=["vptq2", "vptq3", "scalar4"], default="vptq2",
+    parser.add_argument("--layout", choices=["vptq2", "vptq3", "scalar4", "scalar4-a8", "scalar4-a8asym"],
+                        default="vptq2",
                         help="with --shape: the quantized layers")
     parser.add_argument("--original", default="smollm2-135m-instruct", help="with --checkpoint: model or dense dir")
     parser.add_argument("--tokens", type=int, default=64, help="greedy decode steps per run")

@@ -189,7 +189,7 @@ def overhead_table(shapes: list[tuple[int, int]], rounds: int) -> None:
                 dense_w = reference.vq_dequantize(spec, weights)
             linear = nn.Linear(in_f, out_f, bias=False, dtype=torch.bfloat16)
             linear.weight.data.copy_(dense_w)
-            layer = kernel._run  # the native layer object behind the bound kernel
+            layer = kernel.layer  # the native layer object behind the bound kernel
             x = torch.randn(1, 1, in_f, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
             reps = max(20, int(2e7 / (out_f * in_f)))
             with torch.inference_mode():

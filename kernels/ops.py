@@ -237,6 +237,12 @@ class LayerKernel:
             _check_x(x, self._in)
         return self._run(x)
 
+    @property
+    def layer(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """What a call runs: for the native backend the prepared C++ layer object itself (``native.prepare_*``),
+        whose ``forward_act`` (scalar layers) also fake-quantizes the input."""
+        return self._run
+
     def __repr__(self) -> str:
         return f"LayerKernel({type(self.spec).__name__}, backend={self.backend!r}, device={self.device})"
 

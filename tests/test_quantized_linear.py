@@ -234,6 +234,30 @@ def test_scalar_linear_quantizes_activations(granularity):
 
 
 @pytest.mark.parametrize("granularity", ["token", "token_asym", "tensor"])
+def test_bound_a8_module_equals_fake_quant_then_the_bound_kernel(granularity):
+    """Once bound (to the native kernels where they are built) a W4A8 / W8A8 module's call gives exactly the
+    kernel applied to the fake-quantized input, at decode and prefill sizes; a new static scale loaded into the
+    module is used from the next call on."""
+    state = random_scalar_state(96, 40, bits=4, group_size=96, act_bits=8, act_granularity=granularity, seed=2)
+    module = ScalarQLinear.from_state(state, torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        module(torch.randn(1, 96).to(torch.bfloat16))  # binds
+        kernel = module._kernel
+        for tokens in (1, 3, 9, 130):
+            x = (torch.randn(tokens, 96, generator=gen) * 2).to(torch.bfloat16)
+            xq = quantize_activations(x, 8, granularity, module.act_scale)
+            assert torch.equal(module(x), kernel(xq)), tokens
+        if granularity == "tensor":
+            x = torch.randn(2, 96, generator=gen).to(torch.bfloat16)
+            before = module(x)
+            module.load_state_dict({**module.state_dict(), "act_scale": module.act_scale * 4})
+            after = module(x)
+            assert not torch.equal(before, after)
+            assert torch.equal(after, module._kernel(quantize_activations(x, 8, "tensor", module.act_scale)))
+
+
+@pytest.mark.parametrize("granularity", ["token", "token_asym", "tensor"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inference_activation_quant_equals_the_checked_one(granularity, dtype):
     """The module's no-grad fake-quant (fewer ops) gives exactly quantize_activations' values, input untouched."""

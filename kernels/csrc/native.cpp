@@ -896,6 +896,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<ScalarLayer, std::shared_ptr<ScalarLayer>>(m, "ScalarLayer")
       .def("__call__", &scalar_forward, py::arg("x"), py::call_guard<py::gil_scoped_release>())
       .def("forward", &scalar_forward, py::arg("x"), py::call_guard<py::gil_scoped_release>())
+      .def("forward_act", [](const ScalarLayer& L, const Tensor& x, int64_t mode, int64_t bits, double scale) {
+             return scalar_forward(L, act_quant(x, mode, bits, scale));
+           }, py::arg("x"), py::arg("mode"), py::arg("bits"), py::arg("scale"),
+           py::call_guard<py::gil_scoped_release>())
       .def_readonly("in_features", &ScalarLayer::in)
       .def_readonly("out_features", &ScalarLayer::out)
       .def_readonly("bits", &ScalarLayer::bits)

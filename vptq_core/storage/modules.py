@@ -484,22 +484,24 @@ class ScalarQLinear(_BoundLinear):
         if self.act_bits < 16:
             if torch.is_grad_enabled() or torch.compiler.is_compiling() or x.ndim == 0:
                 x = quantize_activations(x, self.act_bits, self.act_granularity, self.act_scale)
-            elif self._kernel is not None and self._kernel.backend == "native" and x.device.type == "cpu":
-                x = self._native_act_quant(x)
             else:
+                kernel = self._kernel
+                if (kernel is not None and kernel.backend == "native" and x.device.type == "cpu"
+                        and kernel.weights[0] is self.codes):
+                    return self._native_act_linear(x)
                 x = _fake_quant_inference(x, self.act_bits, self.act_granularity, self.act_scale)
         return self._linear(x)
 
-    def _native_act_quant(self, x: torch.Tensor) -> torch.Tensor:
-        """The same values as ``_fake_quant_inference`` in one C++ pass (the layer runs on the native kernels,
-        so the extension is loaded); the static step is read once per binding, not per call."""
+    def _native_act_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """Fake-quantize x (the same values as ``_fake_quant_inference``) and run the layer, in one C++ call on
+        the bound native layer; the static step is read once per binding, not per call."""
         cached = self._act_native
         if cached is None or cached[0] is not self._kernel:
             if self.act_granularity == "tensor" and not bool(self.act_scale.reshape(()) > 0):
                 raise ValueError(f"scale must be positive, got {float(self.act_scale)}")
             step = float(self.act_scale) if self.act_granularity == "tensor" else 0.0
-            act = backend_module("native").act_quant
-            cached = self._act_native = (self._kernel, act, self.act_granularity, self.act_bits, step)
+            mode = backend_module("native").ACT_MODES[self.act_granularity]
+            cached = self._act_native = (self._kernel, self._kernel.layer.forward_act, mode, self.act_bits, step)
         return cached[1](x, cached[2], cached[3], cached[4])
 
     def extra_repr(self) -> str:
