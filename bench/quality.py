@@ -140,6 +140,11 @@ ROWS: dict[str, tuple[str, object, str]] = {
                                                      target_chain="fp", distill_iters=64, distill_data="mixed",
                                                      distill_lr=5e-3),
                                     "LRQ W4A8 g128 (per-token), FP-chain targets + distillation, 64 steps, mixed"),
+    "lrq-w4a8-g128-asym-fp-kd64-mixed": ("lrq", LRQConfig(bits=4, group_size=128, act_bits=8,
+                                                          act_granularity="token_asym", target_chain="fp",
+                                                          distill_iters=64, distill_data="mixed", distill_lr=5e-3),
+                                         "LRQ W4A8 g128 (per-token asymmetric), FP-chain targets + distillation, "
+                                         "64 steps, mixed"),
     "lrq-w4a8-64": ("lrq", LRQConfig(bits=4, act_bits=8, act_granularity="token", iters=64),
                     "LRQ W4A8 (per-token), 64 steps/block"),
     "rtn-w4a8-pc": ("rtn", ScalarConfig(bits=4, group_size=0, act_bits=8, act_granularity="token"),
