@@ -1,8 +1,8 @@
 """End-to-end distillation variants from ONE quantization: what the data, steps and learning rate buy.
 
 Protocol: SmolLM2-135M-Instruct (fp32 teacher), ``--row`` of ``bench/quality.py`` (any method) quantized once
-(distillation off) on 32 wiki calibration windows x 512 tokens (even articles, seed 0) less the ones distillation
-holds out to check its steps (as the pipeline does when it distils: 28 of 32 by default); its layer states are
+(distillation off) on 32 wiki calibration windows x 512 tokens (even articles, seed 0); distillation also gets the
+held-out check windows drawn on top of them, as in the pipeline (4 more by default); its layer states are
 cached under ``--cache`` (safetensors + JSON) so later runs skip the quantization. Each variant distils a fresh
 copy of that quantized model with the row's distillation settings overridden by the variant's, then the model is
 evaluated in bf16 against the bf16 original on ``--windows`` held-out 512-token windows of wiki (odd articles) and of
@@ -39,7 +39,7 @@ from vptq_core.eval import evaluate  # noqa: E402
 from vptq_core.models import load_model  # noqa: E402
 from vptq_core.quant.act_quant import install_activation_quant  # noqa: E402
 from vptq_core.quant.distill import distill  # noqa: E402
-from vptq_core.quant.finetune import layerwise_count  # noqa: E402
+from vptq_core.quant.finetune import with_heldout  # noqa: E402
 from vptq_core.quant.pipeline import quantize_model  # noqa: E402
 from vptq_core.quant.states import ScalarLayerState, VQLayerState  # noqa: E402
 
@@ -113,15 +113,15 @@ def main() -> None:
 
     model, tok = load_model(args.model, dtype=torch.float32)
     reference, _ = load_model(args.model, dtype=torch.bfloat16)
-    calib = calibration_windows(tok, "wiki", args.calib_samples, 512, seed=0)
+    # the calibration windows and, drawn on top of them, distillation's held-out check windows (``with_heldout``)
+    calib = calibration_windows(tok, "wiki", with_heldout(args.calib_samples, dataclasses.replace(
+        config, distill_iters=max(config.distill_iters, 1))), 512, seed=0)
     if (cache / "states.json").is_file():
         states, meta = load_states(cache)
     else:
         t0 = time.perf_counter()
-        # as the pipeline does when it distils: the held-out check windows stay out of the block stage
-        stage = layerwise_count(calib.shape[0], dataclasses.replace(config, distill_iters=max(config.distill_iters, 1)))
-        _, result = quantize_model(model, calib[:stage], method, dataclasses.replace(config, distill_iters=0),
-                                   device="cpu")
+        _, result = quantize_model(model, calib[: args.calib_samples], method,
+                                   dataclasses.replace(config, distill_iters=0), device="cpu")
         meta = {"quant_seconds": time.perf_counter() - t0, "total_bits": result.bits.total_bits_per_weight,
                 "index_bits": result.bits.index_bits_per_weight}
         states = result.states

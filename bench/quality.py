@@ -32,6 +32,7 @@ from vptq_core.models import load_model  # noqa: E402
 from vptq_core.quant.allocate import cap_for_budget  # noqa: E402
 from vptq_core.quant.config import LRQConfig, ScalarConfig, VPTQConfig  # noqa: E402
 from vptq_core.quant.distill import distill  # noqa: E402
+from vptq_core.quant.finetune import with_heldout  # noqa: E402
 from vptq_core.quant.pipeline import quantize_model  # noqa: E402
 from vptq_core.quant.vptq import PRESETS  # noqa: E402
 
@@ -172,8 +173,10 @@ def run_row(key: str, model, tok, calib: torch.Tensor, args) -> dict:
     if kd_iters:
         # The same run as quantize_model with distillation (its after-model hook is this distill call), split
         # so the model is also evaluated before distilling: one quantization gives both rows.
-        qmodel, result = quantize_model(model, calib, method, dataclasses.replace(config, distill_iters=0),
-                                        device="cpu")
+        # as the pipeline does: the block stage gets the calibration windows, distillation also the held-out
+        # check windows drawn on top of them (``with_heldout``)
+        qmodel, result = quantize_model(model, calib[: args.calib_samples], method,
+                                        dataclasses.replace(config, distill_iters=0), device="cpu")
         quant_only = time.perf_counter() - t0
         qb = copy.deepcopy(qmodel).to(torch.bfloat16)
         before_kd = {"quant_seconds": quant_only}
@@ -184,12 +187,12 @@ def run_row(key: str, model, tok, calib: torch.Tensor, args) -> dict:
         del qb
         t1 = time.perf_counter()
         with torch.enable_grad():
-            metrics = distill(qmodel, model, result.states, calib, config)
+            metrics = distill(qmodel, model, result.states, calib[: with_heldout(args.calib_samples, config)], config)
         result.model_metrics["distill"] = metrics
         result.timings["distill"] = time.perf_counter() - t1
         seconds = quant_only + result.timings["distill"]
     else:
-        qmodel, result = quantize_model(model, calib, method, config, device="cpu")
+        qmodel, result = quantize_model(model, calib[: args.calib_samples], method, config, device="cpu")
         seconds = time.perf_counter() - t0
     if args.save_dir:
         from vptq_core.storage.checkpoint import save_quantized
@@ -200,7 +203,8 @@ def run_row(key: str, model, tok, calib: torch.Tensor, args) -> dict:
     ev = evaluate(qmodel, tok, text="wiki", seqlen=args.seqlen, max_windows=args.windows, reference=args.reference)
     # The calibration windows themselves (seen while quantizing), against the original on the same windows:
     # the gap to the held-out numbers shows how much a method fitted its calibration text.
-    seen = None if args.skip_calib_eval else evaluate(qmodel, tok, windows=calib, reference=args.reference)
+    seen = None if args.skip_calib_eval else evaluate(qmodel, tok, windows=calib[: args.calib_samples],
+                                                       reference=args.reference)
     other = evaluate(qmodel, tok, text="pydocs", seqlen=args.seqlen, max_windows=args.windows,
                      reference=args.reference)
     return {
@@ -288,7 +292,10 @@ def main() -> None:
     if not args.table_only:
         model, tok = load_model(args.model, dtype=torch.float32)
         args.reference, _ = load_model(args.model, dtype=torch.bfloat16)
-        calib = calibration_windows(tok, "wiki", args.calib_samples, args.calib_seqlen, seed=0)
+        # enough windows for every row; a row takes the first ones (one seed stream: the first n of more are
+        # the n windows themselves)
+        most = max(with_heldout(args.calib_samples, ROWS[key][1]) for key in args.rows)
+        calib = calibration_windows(tok, "wiki", most, args.calib_seqlen, seed=0)
         for key in args.rows:
             if key in done and not args.rerun:
                 continue

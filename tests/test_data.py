@@ -49,3 +49,12 @@ def test_pydocs_splits_by_topic_and_is_another_domain():
     assert calib == "\n\n".join(topics[0::2]) and held_out == "\n\n".join(topics[1::2])
     assert not set(topics[0::2]) & set(topics[1::2])
     assert "def " in held_out or "class " in held_out  # code and technical prose, unlike the wiki text
+
+
+def test_more_calibration_windows_start_with_the_fewer_ones():
+    """Drawing n + k windows gives the n windows of a plain draw first (distillation's held-out windows are
+    drawn on top of the calibration windows this way)."""
+    tok = byte_tokenizer()
+    few = calibration_windows(tok, "wiki", 32, 64, seed=3)
+    more = calibration_windows(tok, "wiki", 36, 64, seed=3)
+    assert torch.equal(more[:32], few) and not torch.equal(more[32:], few[:4])

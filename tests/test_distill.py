@@ -370,13 +370,20 @@ def test_the_distillation_check_windows_are_held_out_of_the_block_stage(tiny_mod
     """With distillation on, its held-out windows (the last 2 of 8 here) never reach the block-by-block stage:
     GPTQ's codes (fixed by distillation) are exactly those of a run on the first 6 windows alone, and differ
     from a run on all 8 (the Hessians differ)."""
-    from vptq_core.quant.finetune import layerwise_count
+    from vptq_core.quant.finetune import layerwise_count, with_heldout
 
     model, _ = tiny_model
     config = ScalarConfig(bits=3, group_size=16)
     cfg = dataclasses.replace(config, distill_iters=2, distill_holdout=0.25, distill_topk=16, train_dtype="float32")
     assert layerwise_count(8, cfg) == 6 and layerwise_count(8, config) == 8
     assert layerwise_count(8, dataclasses.replace(cfg, distill_holdout=0.0)) == 8
+    # the held-out windows are drawn on top of the calibration: 32 samples + 4 with the default fraction
+    default = dataclasses.replace(config, distill_iters=2)
+    assert with_heldout(32, default) == 36 and layerwise_count(36, default) == 32
+    assert with_heldout(6, cfg) == 8 and with_heldout(32, config) == 32 and with_heldout(1, cfg) == 1
+    for samples in range(1, 70):
+        drawn = with_heldout(samples, default)
+        assert layerwise_count(drawn, default) == samples and layerwise_count(drawn - 1, default) < samples
     _, distilled = quantize_model(model, windows, "gptq", cfg)
     assert distilled.model_metrics["distill"]["heldout_windows"] == 2
     _, first6 = quantize_model(model, windows[:6], "gptq", config)

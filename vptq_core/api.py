@@ -21,6 +21,7 @@ from .quant import distributed, methods
 from .quant.blocks import blocks_prefix, decoder_blocks
 from .quant.config import CalibConfig
 from .quant.embedding import TIED, EmbeddingParts, head_and_embedding_names, normed_block_outputs, quantize_embeddings
+from .quant.finetune import with_heldout
 from .quant.pipeline import BlockDone, quantize_model, total_linear_shapes
 from .quant.source import SafetensorsWeights
 from .resume import PartialRun, tensor_digest
@@ -125,7 +126,8 @@ def quantize_to_dir(
         model, tok = source.model, source.tokenizer
     else:
         model, tok = load_model(model_name, dtype="auto")
-    calib_ids = calibration_windows(tok, calib.text, calib.samples, calib.seqlen, calib.seed)
+    # with distillation, its held-out check windows are drawn on top of the calibration windows (``with_heldout``)
+    calib_ids = calibration_windows(tok, calib.text, with_heldout(calib.samples, config), calib.seqlen, calib.seed)
     if on_start:
         on_start(len(total_linear_shapes(model)))
     dev = device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -184,6 +184,18 @@ def layerwise_count(n: int, config) -> int:
     return n - holdout_count(n, getattr(config, "distill_holdout", 0.0))
 
 
+def with_heldout(samples: int, config) -> int:
+    """How many calibration windows to draw so that ``samples`` of them reach the block-by-block stage: the
+    smallest n with ``layerwise_count(n, config) >= samples`` (36 for 32 samples and the default held-out
+    fraction 0.125; ``samples`` itself without distillation). ``data.calibration_windows`` draws its windows
+    from one seed stream, so the first ``samples`` of n are the ``samples`` windows a run without distillation uses:
+    the held-out windows come on top of the calibration instead of out of it."""
+    n = max(int(samples), 1)
+    while layerwise_count(n, config) < samples:
+        n += 1
+    return n
+
+
 def cosine_factor(step: int, total: int, warmup: int = 0) -> float:
     """Learning-rate factor at ``step`` (0-based) of ``total``: linear warm-up, then cosine from 1 to 0."""
     if step < warmup:

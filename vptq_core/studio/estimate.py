@@ -185,16 +185,17 @@ _KD_SAMPLE_PASS_S = 37.4 / _KD_TOKENS
 
 def distill_estimate(params: int, config, samples: int, seqlen: int) -> float:
     """Rough seconds of a config's end-to-end distillation (any method; 0 when off) for a model of ``params``
-    parameters calibrated on ``samples`` windows of ``seqlen`` tokens: the teacher's pass over the calibration
-    windows it uses, the sampled windows, the training steps and the held-out checks."""
+    parameters calibrated on ``samples`` windows of ``seqlen`` tokens (and the held-out windows drawn on top,
+    ``with_heldout``): the teacher's pass over the windows it uses, the sampled windows, the training steps and
+    the held-out checks."""
     settings = config.to_dict()
     steps = settings.get("distill_iters", 0)
     if not steps:
         return 0.0
     from ..quant.distill import SAMPLE_BATCH, drawn_windows, eval_every
-    from ..quant.finetune import holdout_count
+    from ..quant.finetune import holdout_count, with_heldout
 
-    samples = max(int(samples), 1)
+    samples = with_heldout(max(int(samples), 1), config)  # the held-out windows come on top of the calibration
     per_window = params * max(int(seqlen) - 1, 1)
     n_val = holdout_count(samples, settings.get("distill_holdout", 0.125)) or samples
     # exactly the windows distillation prepares: the teacher pass and the sampling run only for drawn windows
@@ -212,11 +213,8 @@ def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
     grow with the index bits per vector element, k-means with its iterations; LRQ trains ``iters`` steps of
     ``batch_size`` windows per block, about three forwards each; a config with ``act_order`` sweeps columns as
     GPTQ does; distillation: ``distill_estimate``). Layer-wise fine-tuning steps are not counted."""
-    from ..quant.finetune import layerwise_count
-
     weights, params = info.linear_weights, info.linear_weights + info.other_params
-    # the block stage runs on the windows distillation does not hold out (``layerwise_count``)
-    tokens = layerwise_count(max(int(samples), 1), config) * max(int(seqlen), 1)
+    tokens = max(int(samples), 1) * max(int(seqlen), 1)
     seconds = _START_S + _FORWARD_S * weights * tokens + _IO_S * params
     settings = config.to_dict()
     if "num_centroids" in settings and "vector_len" in settings:
