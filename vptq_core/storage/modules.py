@@ -431,7 +431,7 @@ class ScalarQLinear(_BoundLinear):
         self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=dtype, device=device))
         static = act_bits < 16 and act_granularity == "tensor"
         self.register_buffer("act_scale", torch.ones((), dtype=dtype, device=device) if static else None)
-        self._act_native = None  # (bound kernel, native act_quant, granularity, bits, static step)
+        self._act_native = None  # (bound kernel, its forward_act, mode, bits, static step)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
         else:
