@@ -441,7 +441,7 @@ def quantize_model(
     with result.timed("capture_inputs"):
         stub = weights is not None or capture_dtype is not None
         # distillation's held-out windows are held out of the block-by-block stage too (``layerwise_count``)
-        stage_ids = calib_ids[: layerwise_count(calib_ids.shape[0], config)] if model_hooks else calib_ids
+        stage_ids = calib_ids[: layerwise_count(calib_ids.shape[0], config)]
         inps, kwargs = capture_block_inputs(model, stage_ids, stub_blocks=stub, embeds_dtype=capture_dtype)
         inps = inps.to(dev, torch.float32)
         kwargs = _kwargs_to(kwargs, dev, torch.float32)

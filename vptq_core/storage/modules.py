@@ -178,11 +178,15 @@ class _BoundLinear(nn.Module):
             weights = self.weights()
             if any(t is not None and t.requires_grad for t in weights.float_tensors()):
                 return self._checked_linear(x, self.spec, weights, backend=self._backend)  # autograd
+        return self._bound(x)(x)
+
+    def _bound(self, x: torch.Tensor):  # noqa: ANN202 - a kernels.LayerKernel
+        """The kernel bound to this module's tensors on x's device, binding it first where needed."""
         kernel = self._kernel
         # A new index tensor (assigned, not edited in place) or another device also needs a new binding.
         if kernel is None or kernel.device != x.device or kernel.weights[0] is not self._buffers[self._INDEX]:
             kernel = self._kernel = self._bind(self.spec, self.weights(), x.device, backend=self._backend)
-        return kernel(x)
+        return kernel
 
     def dequantize(self) -> torch.Tensor:
         """Dense W [out, in] in the module dtype (for tests and evaluation; never used by ``forward``)."""
@@ -485,23 +489,22 @@ class ScalarQLinear(_BoundLinear):
             if torch.is_grad_enabled() or torch.compiler.is_compiling() or x.ndim == 0:
                 x = quantize_activations(x, self.act_bits, self.act_granularity, self.act_scale)
             else:
-                kernel = self._kernel
-                if (kernel is not None and kernel.backend == "native" and x.device.type == "cpu"
-                        and kernel.weights[0] is self.codes):
-                    return self._native_act_linear(x)
-                x = _fake_quant_inference(x, self.act_bits, self.act_granularity, self.act_scale)
+                kernel = self._bound(x)
+                if kernel.backend == "native":
+                    return self._native_act_linear(kernel, x)
+                return kernel(_fake_quant_inference(x, self.act_bits, self.act_granularity, self.act_scale))
         return self._linear(x)
 
-    def _native_act_linear(self, x: torch.Tensor) -> torch.Tensor:
+    def _native_act_linear(self, kernel, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 - a LayerKernel
         """Fake-quantize x (the same values as ``_fake_quant_inference``) and run the layer, in one C++ call on
         the bound native layer; the static step is read once per binding, not per call."""
         cached = self._act_native
-        if cached is None or cached[0] is not self._kernel:
+        if cached is None or cached[0] is not kernel:
             if self.act_granularity == "tensor" and not bool(self.act_scale.reshape(()) > 0):
                 raise ValueError(f"scale must be positive, got {float(self.act_scale)}")
             step = float(self.act_scale) if self.act_granularity == "tensor" else 0.0
             mode = backend_module("native").ACT_MODES[self.act_granularity]
-            cached = self._act_native = (self._kernel, self._kernel.layer.forward_act, mode, self.act_bits, step)
+            cached = self._act_native = (kernel, kernel.layer.forward_act, mode, self.act_bits, step)
         return cached[1](x, cached[2], cached[3], cached[4])
 
     def extra_repr(self) -> str:
