@@ -180,6 +180,8 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                             with gr.Row():
                                 calib_samples = gr.Number(samples0, precision=0, label=labels["samples"])
                                 calib_seqlen = gr.Number(seqlen0, precision=0, label=labels["seqlen"])
+                            with gr.Row():
+                                fields["calib_sampled"] = number("calib_sampled", " (of the samples)")
                                 fields["seed"] = number("seed", " (0..2^64 - 1)")
                         estimate_box = gr.Markdown(elem_id="estimate")
                         with gr.Row():

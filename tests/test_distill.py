@@ -414,3 +414,61 @@ def test_every_method_takes_the_distillation_settings(tmp_path):
         assert (config.distill_iters, config.distill_data, config.distill_lr) == (8, "mixed", 0.002)
     with pytest.raises(ValueError, match="distill_data must be one of calibration, sampled, mixed"):
         LRQConfig(distill_data="wiki")
+
+
+def test_sampled_calibration_replaces_the_last_block_stage_windows(tiny_model, windows):
+    """calib_sampled: the last s windows the block stage sees are the original model's own samples (started
+    from the replaced windows' first tokens, reproducible, not distillation's draws); the text windows before
+    them and distillation's held-out windows after them stay as they were."""
+    from vptq_core.quant.distill import CALIB_SAMPLE_ROWS, sampled_calibration
+
+    model, _ = tiny_model
+    cfg = ScalarConfig(bits=3, group_size=16, calib_sampled=3, distill_iters=2, distill_holdout=0.25)
+    got = sampled_calibration(model, windows, cfg)  # 8 windows: 6 for the blocks (3 sampled), 2 held out
+    assert torch.equal(got[:3], windows[:3]) and torch.equal(got[6:], windows[6:])
+    assert torch.equal(got[3:6, 0], windows[3:6, 0]) and not torch.equal(got[3:6], windows[3:6])
+    expect = sample_windows(model, windows[3:6, :1], 64, seed=0, rows=torch.arange(3, 6) + CALIB_SAMPLE_ROWS)
+    assert torch.equal(got[3:6], expect)
+    assert torch.equal(sampled_calibration(model, windows, cfg), got)
+    assert not torch.equal(sample_windows(model, windows[3:6, :1], 64, seed=0), got[3:6])  # distillation's rows
+    off = dataclasses.replace(cfg, calib_sampled=0)
+    assert sampled_calibration(model, windows, off) is windows
+    with pytest.raises(ValueError, match="calib_sampled must be at most the 6 calibration windows the blocks see"):
+        sampled_calibration(model, windows, dataclasses.replace(cfg, calib_sampled=7))
+    with pytest.raises(ValueError, match=r"calib_sampled must be in 0\.\.1000000, got -1"):
+        dataclasses.replace(cfg, calib_sampled=-1)
+    assert sampled_calibration(model, windows, cfg, should_stop=lambda: True) is None
+
+
+def test_the_block_stage_calibrates_on_the_sampled_windows(tiny_model, windows):
+    """GPTQ with calib_sampled = GPTQ on the windows sampled_calibration returns (codes equal), and not the text's;
+    the sampling's time is its own phase, a cancel during it marks the run, and streamed weights are refused."""
+    from vptq_core.quant.distill import sampled_calibration
+
+    model, _ = tiny_model
+    text = ScalarConfig(bits=3, group_size=16)
+    cfg = dataclasses.replace(text, calib_sampled=4)
+    _, sampled = quantize_model(model, windows, "gptq", cfg)
+    _, same = quantize_model(model, sampled_calibration(model, windows, cfg), "gptq", text)
+    _, plain = quantize_model(model, windows, "gptq", text)
+    for name, st in sampled.states.items():
+        assert torch.equal(st.codes, same.states[name].codes), name
+    assert any(not torch.equal(st.codes, plain.states[name].codes) for name, st in sampled.states.items())
+    assert sampled.timings["sample_calibration"] > 0 and "sample_calibration" not in plain.timings
+    _, stopped = quantize_model(model, windows, "gptq", cfg, should_stop=lambda: True)
+    assert stopped.cancelled and not stopped.states
+    with pytest.raises(ValueError, match="calib_sampled.*not possible with streamed weights"):
+        quantize_model(model, windows, "gptq", cfg, weights=object())
+
+
+def test_quantize_to_dir_loads_the_whole_model_for_sampled_calibration(tmp_path):
+    from vptq_core.api import quantize_to_dir
+    from vptq_core.quant.config import CalibConfig
+
+    cfg = ScalarConfig(bits=4, group_size=16, calib_sampled=2)
+    with pytest.raises(ValueError, match="cannot stream block by block with calib_sampled"):
+        quantize_to_dir("tiny-random-llama", "rtn", cfg, CalibConfig(samples=4, seqlen=32), tmp_path / "a",
+                        device="cpu", stream=True)
+    _, summary = quantize_to_dir("tiny-random-llama", "gptq", cfg, CalibConfig(samples=4, seqlen=32), tmp_path / "b",
+                                 device="cpu")
+    assert summary["streaming"].startswith("off: calib_sampled") and summary["timings"]["sample_calibration"] > 0

@@ -61,12 +61,14 @@ METHOD_FLAGS: dict[str, dict[str, tuple[str, str, str]]] = {
                              "vectors, same index bits, where codebooks are expensive); 0 = off"),
         "--no-second-order": ("second_order", "false", "ablation: plain nearest-centroid assignment"),
     },
-    "distillation (every method)": {
+    "sampled calibration and distillation (every method)": {
         "--distill-iters": ("distill_iters", "int", "end-to-end distillation steps on the whole model (KL to the "
                             "original's next-token distributions; trains VPTQ codebooks or scalar scales, and norms)"),
         "--distill-data": ("distill_data", "choice:calibration,sampled,mixed",
                            "what distillation trains on: the calibration windows, windows sampled from the original "
                            "model (every domain it knows), or both"),
+        "--calib-sampled": ("calib_sampled", "int", "of the calibration windows the blocks see, how many the "
+                            "original model writes itself (sampled at temperature 1) instead of the calibration text"),
         "--distill-lr": ("distill_lr", "float", "distillation learning rate, relative: VPTQ codebooks step by "
                          "this times the model's median codebook RMS; scalar methods: the lr of the log-scales"),
     },

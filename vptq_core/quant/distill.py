@@ -54,6 +54,7 @@ from .finetune import (
     cosine_factor,
     dense_parameters,
     holdout_count,
+    layerwise_count,
     minibatches,
     only_trainable,
     swapped_in,
@@ -102,6 +103,31 @@ def _topk_of(logits: torch.Tensor, k: int, device) -> dict[str, torch.Tensor]:
     top, index = logp.topk(min(k, logp.shape[-1]), dim=-1)
     rest = logp.scatter(-1, index, float("-inf")).logsumexp(-1)
     return {"logp": top.to(device), "index": index.to(device), "rest": rest.to(device)}
+
+
+CALIB_SAMPLE_ROWS = 1 << 20  # generator row numbers of calibration samples (distillation's own start at 0)
+
+
+def sampled_calibration(model: nn.Module, calib_ids: torch.Tensor, config,
+                        should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
+    """``calib_ids`` with the last ``config.calib_sampled`` of the windows the block-by-block stage sees
+    (``layerwise_count``) replaced by windows ``model`` writes itself (``sample_windows``, seeded by
+    ``config.seed``, each started from the first token of the window it replaces); the held-out check windows
+    after them stay text. ``calib_ids`` itself when ``calib_sampled`` is 0; None if ``should_stop`` turned true."""
+    count = getattr(config, "calib_sampled", 0)
+    if not count:
+        return calib_ids
+    stage = layerwise_count(calib_ids.shape[0], config)
+    if count > stage:
+        raise ValueError(f"calib_sampled must be at most the {stage} calibration windows the blocks see, got {count}")
+    rows = torch.arange(stage - count, stage)
+    got = sample_windows(model, calib_ids[rows, :1], calib_ids.shape[1], seed=config.seed, batch=SAMPLE_BATCH,
+                         should_stop=should_stop, rows=rows + CALIB_SAMPLE_ROWS)
+    if got is None:
+        return None
+    out = calib_ids.clone()
+    out[rows] = got.to(out.dtype)
+    return out
 
 
 def _stack_teacher(rows: list[dict[str, torch.Tensor]], dim: int = 0, cat: bool = False) -> dict[str, torch.Tensor]:

@@ -21,6 +21,7 @@ from . import methods
 from .bits import BitsInfo
 from .blocks import block_linears, blocks_prefix, check_linear_shapes, decoder_blocks
 from .device import return_freed_memory
+from .distill import sampled_calibration
 from .finetune import layerwise_count
 from .hessian import HessianAccumulator
 from .methods import BlockContext, Cancelled, Method, ModelContext, QuantResult
@@ -429,12 +430,23 @@ def quantize_model(
         if why:
             raise ValueError(f"{', '.join(h.phase for h in model_hooks)} runs on the whole quantized model against "
                              f"the original; not possible with {why}")
+    if getattr(config, "calib_sampled", 0) and weights is not None:
+        raise ValueError("calib_sampled: the original model writes those calibration windows itself, which needs the "
+                         "whole model in memory; not possible with streamed weights")
     if not inplace and weights is None:
         model = copy.deepcopy(model)
     model.eval()
     start_time = time.perf_counter()
     result = QuantizeResult(method.name, config.to_dict(), {}, [], BitsInfo(0, 0, 0), 0.0)
 
+    if getattr(config, "calib_sampled", 0):
+        with result.timed("sample_calibration"):
+            sampled = sampled_calibration(model, calib_ids, config, should_stop)
+        if sampled is None:
+            result.cancelled = True
+            result.seconds = time.perf_counter() - start_time
+            return model, result
+        calib_ids = sampled  # distillation after the blocks trains and checks on these same windows
     blocks = decoder_blocks(model)
     prefix = blocks_prefix(model)
     model_dtype = next(model.parameters()).dtype

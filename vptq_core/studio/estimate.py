@@ -183,6 +183,17 @@ _KD_SAMPLE_S = 3.16 / _KD_TOKENS
 _KD_SAMPLE_PASS_S = 37.4 / _KD_TOKENS
 
 
+def sampling_estimate(params: int, windows: int, seqlen: int) -> float:
+    """Rough seconds for the original model of ``params`` parameters to write ``windows`` windows of ``seqlen``
+    tokens (``distill.sample_windows``, up to ``SAMPLE_BATCH`` at once)."""
+    if windows <= 0:
+        return 0.0
+    from ..quant.distill import SAMPLE_BATCH
+
+    passes = math.ceil(windows / SAMPLE_BATCH)
+    return params * max(int(seqlen) - 1, 1) * (_KD_SAMPLE_S * windows + _KD_SAMPLE_PASS_S * passes)
+
+
 def distill_estimate(params: int, config, samples: int, seqlen: int) -> float:
     """Rough seconds of a config's end-to-end distillation (any method; 0 when off) for a model of ``params``
     parameters calibrated on ``samples`` windows of ``seqlen`` tokens (and the held-out windows drawn on top,
@@ -192,7 +203,7 @@ def distill_estimate(params: int, config, samples: int, seqlen: int) -> float:
     steps = settings.get("distill_iters", 0)
     if not steps:
         return 0.0
-    from ..quant.distill import SAMPLE_BATCH, drawn_windows, eval_every
+    from ..quant.distill import drawn_windows, eval_every
     from ..quant.finetune import holdout_count, with_heldout
 
     samples = with_heldout(max(int(samples), 1), config)  # the held-out windows come on top of the calibration
@@ -201,10 +212,9 @@ def distill_estimate(params: int, config, samples: int, seqlen: int) -> float:
     # exactly the windows distillation prepares: the teacher pass and the sampling run only for drawn windows
     drawn = drawn_windows(samples, config)
     teacher, sampled = drawn.calib_rows.numel(), drawn.sample_rows.numel()
-    passes = math.ceil(sampled / SAMPLE_BATCH)
     checks = 1 + math.ceil(steps / eval_every(config))
-    return per_window * (_KD_TEACHER_S * teacher + _KD_SAMPLE_S * sampled + _KD_SAMPLE_PASS_S * passes
-                         + _KD_STEP_S * steps * settings.get("distill_batch", 1) + _KD_CHECK_S * checks * n_val)
+    return sampling_estimate(params, sampled, seqlen) + per_window * (
+        _KD_TEACHER_S * teacher + _KD_STEP_S * steps * settings.get("distill_batch", 1) + _KD_CHECK_S * checks * n_val)
 
 
 def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
@@ -212,7 +222,8 @@ def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
     calibration tokens, plus the method's own work scaled from one measured VPTQ run (k-means and sweep cost
     grow with the index bits per vector element, k-means with its iterations; LRQ trains ``iters`` steps of
     ``batch_size`` windows per block, about three forwards each; a config with ``act_order`` sweeps columns as
-    GPTQ does; distillation: ``distill_estimate``). Layer-wise fine-tuning steps are not counted."""
+    GPTQ does; ``calib_sampled`` windows the original writes: ``sampling_estimate``; distillation:
+    ``distill_estimate``). Layer-wise fine-tuning steps are not counted."""
     weights, params = info.linear_weights, info.linear_weights + info.other_params
     tokens = max(int(samples), 1) * max(int(seqlen), 1)
     seconds = _START_S + _FORWARD_S * weights * tokens + _IO_S * params
@@ -228,4 +239,5 @@ def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
         seconds += 3 * _FORWARD_S * weights * steps
     else:
         seconds += (_GPTQ_SWEEP_S if "act_order" in settings else _ROUND_S) * weights
+    seconds += sampling_estimate(params, settings.get("calib_sampled", 0), seqlen)
     return seconds + distill_estimate(params, config, samples, seqlen)
