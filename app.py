@@ -181,7 +181,8 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                                 calib_samples = gr.Number(samples0, precision=0, label=labels["samples"])
                                 calib_seqlen = gr.Number(seqlen0, precision=0, label=labels["seqlen"])
                             with gr.Row():
-                                fields["calib_sampled"] = number("calib_sampled", " (of the samples)")
+                                fields["calib_sampled_share"] = number(
+                                    "calib_sampled_share", " (0..1, written by the model)", integer=False)
                                 fields["seed"] = number("seed", " (0..2^64 - 1)")
                         estimate_box = gr.Markdown(elem_id="estimate")
                         with gr.Row():

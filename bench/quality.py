@@ -31,7 +31,7 @@ from vptq_core.eval import evaluate  # noqa: E402
 from vptq_core.models import load_model  # noqa: E402
 from vptq_core.quant.allocate import cap_for_budget  # noqa: E402
 from vptq_core.quant.config import LRQConfig, ScalarConfig, VPTQConfig  # noqa: E402
-from vptq_core.quant.distill import distill  # noqa: E402
+from vptq_core.quant.distill import distill, sampled_calibration  # noqa: E402
 from vptq_core.quant.finetune import with_heldout  # noqa: E402
 from vptq_core.quant.pipeline import quantize_model  # noqa: E402
 from vptq_core.quant.vptq import PRESETS  # noqa: E402
@@ -91,6 +91,10 @@ ROWS: dict[str, tuple[str, object, str]] = {
                                 'preset "2.5 bits" + distillation 16 steps on calibration + 16 sampled windows'),
     "preset-3.5-kd16-mixed16": ("vptq", VPTQConfig(**{**PRESETS["3.5 bits"], **KD16_LR5, **MIXED16}),
                                 'preset "3.5 bits" + distillation 16 steps on calibration + 16 sampled windows'),
+    "preset-2.5-cs16": ("vptq", VPTQConfig(**{**PRESETS["2.5 bits"], "calib_sampled_share": 0.5}),
+                        'preset "2.5 bits", 16 of the 32 calibration windows written by the original model'),
+    "preset-3.5-cs16": ("vptq", VPTQConfig(**{**PRESETS["3.5 bits"], "calib_sampled_share": 0.5}),
+                        'preset "3.5 bits", 16 of the 32 calibration windows written by the original model'),
     "vptq-2.5-alloc-kd16": ("vptq", allocated(2.5, vector_len=6, num_centroids=4096, **KD16),
                             "VPTQ 2.5 total bits (allocator) + distillation 16 steps"),
     "vptq-2-v6k4096-kd32": ("vptq", VPTQConfig(vector_len=6, num_centroids=4096, **KD),
@@ -146,6 +150,11 @@ ROWS: dict[str, tuple[str, object, str]] = {
                                                           distill_iters=64, distill_data="mixed", distill_lr=5e-3),
                                          "LRQ W4A8 g128 (per-token asymmetric), FP-chain targets + distillation, "
                                          "64 steps, mixed"),
+    "lrq-w4a8-asym-fp-kd64-mixed-cs16": ("lrq", LRQConfig(bits=4, act_bits=8, act_granularity="token_asym",
+                                                          target_chain="fp", distill_iters=64, distill_data="mixed",
+                                                          distill_lr=5e-3, calib_sampled_share=0.5),
+                                         "LRQ W4A8 (per-token asymmetric), FP-chain targets + distillation, 64 steps, "
+                                         "mixed; 16 of the 32 calibration windows written by the original model"),
     "lrq-w4a8-64": ("lrq", LRQConfig(bits=4, act_bits=8, act_granularity="token", iters=64),
                     "LRQ W4A8 (per-token), 64 steps/block"),
     "rtn-w4a8-pc": ("rtn", ScalarConfig(bits=4, group_size=0, act_bits=8, act_granularity="token"),
@@ -175,8 +184,14 @@ def run_row(key: str, model, tok, calib: torch.Tensor, args) -> dict:
         # so the model is also evaluated before distilling: one quantization gives both rows.
         # as the pipeline does: the block stage gets the calibration windows, distillation also the held-out
         # check windows drawn on top of them (``with_heldout``)
-        qmodel, result = quantize_model(model, calib[: args.calib_samples], method,
-                                        dataclasses.replace(config, distill_iters=0), device="cpu")
+        # calib_sampled_share: the windows the original writes are drawn once, for both stages (as in the pipeline)
+        ids = sampled_calibration(model, calib[: with_heldout(args.calib_samples, config)], config)
+        sample_s = time.perf_counter() - t0
+        qmodel, result = quantize_model(model, ids[: args.calib_samples], method,
+                                        dataclasses.replace(config, distill_iters=0, calib_sampled_share=0.0),
+                                        device="cpu")
+        if config.calib_sampled_share:
+            result.timings["sample_calibration"] = sample_s
         quant_only = time.perf_counter() - t0
         qb = copy.deepcopy(qmodel).to(torch.bfloat16)
         before_kd = {"quant_seconds": quant_only}
@@ -187,7 +202,7 @@ def run_row(key: str, model, tok, calib: torch.Tensor, args) -> dict:
         del qb
         t1 = time.perf_counter()
         with torch.enable_grad():
-            metrics = distill(qmodel, model, result.states, calib[: with_heldout(args.calib_samples, config)], config)
+            metrics = distill(qmodel, model, result.states, ids, config)
         result.model_metrics["distill"] = metrics
         result.timings["distill"] = time.perf_counter() - t1
         seconds = quant_only + result.timings["distill"]

@@ -763,7 +763,8 @@ def test_settings_follow_the_model(served, tmp_path):
                 num_key_value_heads=32, vocab_size=32000).save_pretrained(tmp_path / "big")
     preset, _, _, *values = served.studio.model_defaults(form.OTHER_MODEL, str(tmp_path / "big"), "vptq", "2.5 bits")
     got = {k: v for k, v in zip(keys, values) if v != gr.skip()}
-    assert preset == "2.5 bits" and got == {**form.preset_values("vptq", "2.5 bits", keys), "distill_iters": 0}
+    assert preset == "2.5 bits" and got == {**form.preset_values("vptq", "2.5 bits", keys), "distill_iters": 0,
+                                            "calib_sampled_share": 0.0}
     # A model that cannot be read changes nothing (its note says why).
     assert all(v == gr.skip() for v in served.studio.model_defaults(form.OTHER_MODEL, "no such", "vptq", "2.5 bits"))
 

@@ -258,11 +258,17 @@ def test_the_time_estimate_counts_distillation_as_measured():
     mixed16 = VPTQConfig(distill_iters=16, distill_data="mixed", distill_samples=16)
     drawn_only = 40.4 / 32 * (10 + 4) + (37.4 + 3.16 * 6) + 104
     assert distill_estimate(params, mixed16, 32, 512) == pytest.approx(drawn_only, rel=0.12)
-    # the "2.5 bits" preset through the CLI (checks every 8 steps), drawn windows only: 161 s of distillation
+    # the "2.5 bits" preset through the CLI (checks every 8 steps), drawn windows only, its calibration windows
+    # half written by the original model: 90.1 s sampling those 16 windows, 122.6 s of distillation (AMD machine)
     from vptq_core.quant.vptq import PRESETS
+    from vptq_core.studio.estimate import sampling_estimate
 
     preset = VPTQConfig(**PRESETS["2.5 bits"])
-    assert distill_estimate(params, preset, 32, 512) == pytest.approx(161, rel=0.12)
+    assert distill_estimate(params, preset, 32, 512) == pytest.approx(122.6, rel=0.12)
+    assert sampling_estimate(params, 16, 512) == pytest.approx(90.1, rel=0.12)
+    # and the distillation of the preset before (text calibration, + 16 sampled windows, "mixed"): 161 s
+    before = dataclasses.replace(preset, distill_data="mixed", distill_samples=16, calib_sampled_share=0.0)
+    assert distill_estimate(params, before, 32, 512) == pytest.approx(161, rel=0.12)
     # sampling is the cost "calibration" does not pay; "sampled" skips the training windows' teacher pass
     calib64 = dataclasses.replace(mixed64, distill_data="calibration")
     sampled64 = dataclasses.replace(mixed64, distill_data="sampled")
@@ -290,7 +296,10 @@ def test_presets_distil_models_up_to_the_size_limit(tmp_path, capsys):
     assert preset["distill_iters"] == 16
     assert sized_preset(preset, 135_000_000) == (preset, "")
     kept, note = sized_preset(preset, PRESET_DISTILL_MAX_PARAMS + 1)
-    assert kept == {**preset, "distill_iters": 0} and "distillation steps are left out" in note
+    assert kept == {**preset, "distill_iters": 0, "calib_sampled_share": 0.0}
+    assert "16 distillation steps and its self-written calibration windows" in note and "are left out" in note
+    kept, note = sized_preset({**preset, "calib_sampled_share": 0.0}, PRESET_DISTILL_MAX_PARAMS + 1)
+    assert kept["distill_iters"] == 0 and "the preset's 16 distillation steps are left out" in note
     # the CLI sizes the preset from the model's config alone, and an explicit flag still wins
     LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=32, vocab_size=32000).save_pretrained(tmp_path / "big")
@@ -404,7 +413,7 @@ def test_every_method_takes_the_distillation_settings(tmp_path):
         # every preset names its distillation steps, and one that distils every distillation field of the form:
         # picking it never keeps another preset's
         for preset in m.presets.values():
-            assert "distill_iters" in preset
+            assert "distill_iters" in preset and "calib_sampled_share" in preset
             if preset["distill_iters"]:
                 assert {"distill_data", "distill_samples", "distill_eval_every"} <= set(preset)
         args = build_parser().parse_args(["quantize", "--method", m.name, "--model", "tiny-random-llama",
@@ -417,13 +426,13 @@ def test_every_method_takes_the_distillation_settings(tmp_path):
 
 
 def test_sampled_calibration_replaces_the_last_block_stage_windows(tiny_model, windows):
-    """calib_sampled: the last s windows the block stage sees are the original model's own samples (started
-    from the replaced windows' first tokens, reproducible, not distillation's draws); the text windows before
-    them and distillation's held-out windows after them stay as they were."""
-    from vptq_core.quant.distill import CALIB_SAMPLE_ROWS, sampled_calibration
+    """calib_sampled_share: the last share of the windows the block stage sees are the original model's own
+    samples (started from the replaced windows' first tokens, reproducible, not distillation's draws); the text
+    windows before them and distillation's held-out windows after them stay as they were."""
+    from vptq_core.quant.distill import CALIB_SAMPLE_ROWS, sampled_calibration, sampled_count
 
     model, _ = tiny_model
-    cfg = ScalarConfig(bits=3, group_size=16, calib_sampled=3, distill_iters=2, distill_holdout=0.25)
+    cfg = ScalarConfig(bits=3, group_size=16, calib_sampled_share=0.5, distill_iters=2, distill_holdout=0.25)
     got = sampled_calibration(model, windows, cfg)  # 8 windows: 6 for the blocks (3 sampled), 2 held out
     assert torch.equal(got[:3], windows[:3]) and torch.equal(got[6:], windows[6:])
     assert torch.equal(got[3:6, 0], windows[3:6, 0]) and not torch.equal(got[3:6], windows[3:6])
@@ -431,23 +440,27 @@ def test_sampled_calibration_replaces_the_last_block_stage_windows(tiny_model, w
     assert torch.equal(got[3:6], expect)
     assert torch.equal(sampled_calibration(model, windows, cfg), got)
     assert not torch.equal(sample_windows(model, windows[3:6, :1], 64, seed=0), got[3:6])  # distillation's rows
-    off = dataclasses.replace(cfg, calib_sampled=0)
+    off = dataclasses.replace(cfg, calib_sampled_share=0.0)
     assert sampled_calibration(model, windows, off) is windows
-    with pytest.raises(ValueError, match="calib_sampled must be at most the 6 calibration windows the blocks see"):
-        sampled_calibration(model, windows, dataclasses.replace(cfg, calib_sampled=7))
-    with pytest.raises(ValueError, match=r"calib_sampled must be in 0\.\.1000000, got -1"):
-        dataclasses.replace(cfg, calib_sampled=-1)
+    # the share rounds half up, and a share > 0 samples at least one window
+    share = dataclasses.replace(off, calib_sampled_share=0.5)
+    assert [sampled_count(n, share) for n in (0, 1, 2, 5, 6, 32)] == [0, 1, 1, 3, 3, 16]
+    assert sampled_count(32, dataclasses.replace(off, calib_sampled_share=0.01)) == 1
+    assert sampled_count(32, dataclasses.replace(off, calib_sampled_share=1.0)) == 32
+    assert sampled_count(32, off) == 0
+    with pytest.raises(ValueError, match=r"calib_sampled_share must be in \[0\.0, 1\.0\], got 1\.5"):
+        dataclasses.replace(cfg, calib_sampled_share=1.5)
     assert sampled_calibration(model, windows, cfg, should_stop=lambda: True) is None
 
 
 def test_the_block_stage_calibrates_on_the_sampled_windows(tiny_model, windows):
-    """GPTQ with calib_sampled = GPTQ on the windows sampled_calibration returns (codes equal), and not the text's;
-    the sampling's time is its own phase, a cancel during it marks the run, and streamed weights are refused."""
+    """GPTQ with calib_sampled_share = GPTQ on the windows sampled_calibration returns (codes equal), not on the
+    text's; the sampling's time is its own phase, a cancel during it marks the run, streamed weights are refused."""
     from vptq_core.quant.distill import sampled_calibration
 
     model, _ = tiny_model
     text = ScalarConfig(bits=3, group_size=16)
-    cfg = dataclasses.replace(text, calib_sampled=4)
+    cfg = dataclasses.replace(text, calib_sampled_share=0.5)
     _, sampled = quantize_model(model, windows, "gptq", cfg)
     _, same = quantize_model(model, sampled_calibration(model, windows, cfg), "gptq", text)
     _, plain = quantize_model(model, windows, "gptq", text)
@@ -457,7 +470,7 @@ def test_the_block_stage_calibrates_on_the_sampled_windows(tiny_model, windows):
     assert sampled.timings["sample_calibration"] > 0 and "sample_calibration" not in plain.timings
     _, stopped = quantize_model(model, windows, "gptq", cfg, should_stop=lambda: True)
     assert stopped.cancelled and not stopped.states
-    with pytest.raises(ValueError, match="calib_sampled.*not possible with streamed weights"):
+    with pytest.raises(ValueError, match="calib_sampled_share.*not possible with streamed weights"):
         quantize_model(model, windows, "gptq", cfg, weights=object())
 
 
@@ -465,10 +478,10 @@ def test_quantize_to_dir_loads_the_whole_model_for_sampled_calibration(tmp_path)
     from vptq_core.api import quantize_to_dir
     from vptq_core.quant.config import CalibConfig
 
-    cfg = ScalarConfig(bits=4, group_size=16, calib_sampled=2)
-    with pytest.raises(ValueError, match="cannot stream block by block with calib_sampled"):
+    cfg = ScalarConfig(bits=4, group_size=16, calib_sampled_share=0.5)
+    with pytest.raises(ValueError, match="cannot stream block by block with calib_sampled_share"):
         quantize_to_dir("tiny-random-llama", "rtn", cfg, CalibConfig(samples=4, seqlen=32), tmp_path / "a",
                         device="cpu", stream=True)
     _, summary = quantize_to_dir("tiny-random-llama", "gptq", cfg, CalibConfig(samples=4, seqlen=32), tmp_path / "b",
                                  device="cpu")
-    assert summary["streaming"].startswith("off: calib_sampled") and summary["timings"]["sample_calibration"] > 0
+    assert summary["streaming"].startswith("off: calib_sampled_share") and summary["timings"]["sample_calibration"] > 0

@@ -85,8 +85,8 @@ def quantize_to_dir(
     device is refused (ValueError saying what differs). ``resume=False`` starts over, discarding an
     unfinished run. The partial directory is removed once the checkpoint is written.
 
-    ``calib_sampled`` (any method) has the original model write some calibration windows itself before the
-    blocks are quantized: the model is then loaded whole too.
+    ``calib_sampled_share`` (any method) has the original model write a share of the calibration windows itself
+    before the blocks are quantized: the model is then loaded whole too.
 
     End-to-end distillation (VPTQ ``distill_iters``; any method's after-model hooks) trains the whole
     quantized model against the original (loaded a second time): the model is then loaded whole (no
@@ -117,11 +117,11 @@ def quantize_to_dir(
     source, stream_note = None, "off"
     if whole:
         stream, stream_note = False, f"off: {', '.join(whole)} trains the whole model"
-    elif getattr(config, "calib_sampled", 0):
+    elif getattr(config, "calib_sampled_share", 0):
         if stream is True:
-            raise ValueError("cannot stream block by block with calib_sampled: the original model writes those "
+            raise ValueError("cannot stream block by block with calib_sampled_share: the original model writes those "
                              "calibration windows itself, which needs the whole model")
-        stream, stream_note = False, "off: calib_sampled samples from the whole model"
+        stream, stream_note = False, "off: calib_sampled_share samples from the whole model"
     if stream is not False:
         try:
             source = open_streaming(model_name)

@@ -67,8 +67,9 @@ METHOD_FLAGS: dict[str, dict[str, tuple[str, str, str]]] = {
         "--distill-data": ("distill_data", "choice:calibration,sampled,mixed",
                            "what distillation trains on: the calibration windows, windows sampled from the original "
                            "model (every domain it knows), or both"),
-        "--calib-sampled": ("calib_sampled", "int", "of the calibration windows the blocks see, how many the "
-                            "original model writes itself (sampled at temperature 1) instead of the calibration text"),
+        "--calib-sampled-share": ("calib_sampled_share", "float", "share (0..1) of the calibration windows the blocks "
+                                  "see that the original model writes itself (sampled at temperature 1) instead of "
+                                  "the calibration text"),
         "--distill-lr": ("distill_lr", "float", "distillation learning rate, relative: VPTQ codebooks step by "
                          "this times the model's median codebook RMS; scalar methods: the lr of the log-scales"),
     },

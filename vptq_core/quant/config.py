@@ -96,12 +96,12 @@ class DistillSettings(ConfigBase):
     # only the calibration text's) or "mixed" (both). The held-out windows are always calibration windows.
     distill_data: str = "calibration"
     distill_samples: int = 32
-    # Calibration of the block-by-block stage itself: of the windows it sees, the last ``calib_sampled`` are
-    # written by the original model (ancestral sampling at temperature 1, each started from the first token of
-    # the text window it replaces) instead of taken from the calibration text, so the Hessians and block
-    # targets cover what the model writes, not only the calibration text's domain. Needs the whole model in
-    # memory (no block streaming). 0 = the calibration text only.
-    calib_sampled: int = 0
+    # Calibration of the block-by-block stage itself: this share of the windows it sees (the last ones,
+    # round(share x windows), at least one when > 0) is written by the original model (ancestral sampling at
+    # temperature 1, each window started from the first token of the text window it replaces) instead of taken
+    # from the calibration text, so the Hessians and block targets cover what the model writes, not only the
+    # calibration text's domain. Needs the whole model in memory (no block streaming). 0 = the text only.
+    calib_sampled_share: float = 0.0
     seed: int = 0
 
     def check_distill(self) -> None:
@@ -115,7 +115,7 @@ class DistillSettings(ConfigBase):
         check_float("distill_holdout", self.distill_holdout, 0.0, 0.5)
         check_int("distill_eval_every", self.distill_eval_every, 0, 1000000)
         check_int("distill_samples", self.distill_samples, 1, 1000000)
-        check_int("calib_sampled", self.calib_sampled, 0, 1000000)
+        check_float("calib_sampled_share", self.calib_sampled_share, 0.0, 1.0)
         if self.distill_data not in DISTILL_DATA:
             raise ValueError(f"distill_data must be one of {', '.join(DISTILL_DATA)}, got {self.distill_data!r}")
         check_int("seed", self.seed, 0)

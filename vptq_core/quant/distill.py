@@ -108,18 +108,26 @@ def _topk_of(logits: torch.Tensor, k: int, device) -> dict[str, torch.Tensor]:
 CALIB_SAMPLE_ROWS = 1 << 20  # generator row numbers of calibration samples (distillation's own start at 0)
 
 
+def sampled_count(windows: int, config) -> int:
+    """How many of the ``windows`` the block-by-block stage sees are written by the original model:
+    round(``config.calib_sampled_share`` x windows), at least 1 when the share is > 0."""
+    share = getattr(config, "calib_sampled_share", 0.0)
+    if share <= 0 or windows < 1:
+        return 0
+    return min(windows, max(1, math.floor(share * windows + 0.5)))
+
+
 def sampled_calibration(model: nn.Module, calib_ids: torch.Tensor, config,
                         should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
-    """``calib_ids`` with the last ``config.calib_sampled`` of the windows the block-by-block stage sees
+    """``calib_ids`` with the last ``sampled_count`` of the windows the block-by-block stage sees
     (``layerwise_count``) replaced by windows ``model`` writes itself (``sample_windows``, seeded by
     ``config.seed``, each started from the first token of the window it replaces); the held-out check windows
-    after them stay text. ``calib_ids`` itself when ``calib_sampled`` is 0; None if ``should_stop`` turned true."""
-    count = getattr(config, "calib_sampled", 0)
+    after them stay text. ``calib_ids`` itself when ``calib_sampled_share`` is 0; None if ``should_stop`` turned
+    true."""
+    stage = layerwise_count(calib_ids.shape[0], config)
+    count = sampled_count(stage, config)
     if not count:
         return calib_ids
-    stage = layerwise_count(calib_ids.shape[0], config)
-    if count > stage:
-        raise ValueError(f"calib_sampled must be at most the {stage} calibration windows the blocks see, got {count}")
     rows = torch.arange(stage - count, stage)
     got = sample_windows(model, calib_ids[rows, :1], calib_ids.shape[1], seed=config.seed, batch=SAMPLE_BATCH,
                          should_stop=should_stop, rows=rows + CALIB_SAMPLE_ROWS)
@@ -537,14 +545,25 @@ PRESET_DISTILL_MAX_PARAMS = 1_500_000_000
 
 
 def sized_preset(settings: dict, params: int) -> tuple[dict, str]:
-    """A preset's ``settings`` for a model of ``params`` parameters, and a note when something was left out."""
-    if settings.get("distill_iters") and params > PRESET_DISTILL_MAX_PARAMS:
-        note = (f"the preset's {settings['distill_iters']} distillation steps are left out for a model of "
-                f"{params / 1e9:.1f}B parameters (presets distil models up to "
-                f"{PRESET_DISTILL_MAX_PARAMS / 1e9:g}B: it holds the whole model and the original in memory); "
-                "set the distillation steps to distil anyway")
-        return {**settings, "distill_iters": 0}, note
-    return settings, ""
+    """A preset's ``settings`` for a model of ``params`` parameters, and a note when something was left out:
+    above ``PRESET_DISTILL_MAX_PARAMS`` its distillation steps and its self-written calibration windows (both
+    hold the whole model in memory, distillation the original too)."""
+    if params <= PRESET_DISTILL_MAX_PARAMS:
+        return settings, ""
+    parts, kept = [], dict(settings)
+    if settings.get("distill_iters"):
+        parts.append(f"{settings['distill_iters']} distillation steps")
+        kept["distill_iters"] = 0
+    if settings.get("calib_sampled_share"):
+        parts.append(f"{'its ' if parts else ''}self-written calibration windows "
+                     f"({settings['calib_sampled_share']:g} of them)")
+        kept["calib_sampled_share"] = 0.0
+    if not parts:
+        return settings, ""
+    note = (f"the preset's {' and '.join(parts)} are left out for a model of {params / 1e9:.1f}B parameters "
+            f"(presets do these for models up to {PRESET_DISTILL_MAX_PARAMS / 1e9:g}B: they hold the whole model in "
+            "memory); set them to have them anyway")
+    return kept, note
 
 
 def _distill_hook(ctx) -> dict | None:

@@ -430,16 +430,16 @@ def quantize_model(
         if why:
             raise ValueError(f"{', '.join(h.phase for h in model_hooks)} runs on the whole quantized model against "
                              f"the original; not possible with {why}")
-    if getattr(config, "calib_sampled", 0) and weights is not None:
-        raise ValueError("calib_sampled: the original model writes those calibration windows itself, which needs the "
-                         "whole model in memory; not possible with streamed weights")
+    if getattr(config, "calib_sampled_share", 0) and weights is not None:
+        raise ValueError("calib_sampled_share: the original model writes those calibration windows itself, which "
+                         "needs the whole model in memory; not possible with streamed weights")
     if not inplace and weights is None:
         model = copy.deepcopy(model)
     model.eval()
     start_time = time.perf_counter()
     result = QuantizeResult(method.name, config.to_dict(), {}, [], BitsInfo(0, 0, 0), 0.0)
 
-    if getattr(config, "calib_sampled", 0):
+    if getattr(config, "calib_sampled_share", 0):
         with result.timed("sample_calibration"):
             sampled = sampled_calibration(model, calib_ids, config, should_stop)
         if sampled is None:

@@ -222,7 +222,7 @@ def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
     calibration tokens, plus the method's own work scaled from one measured VPTQ run (k-means and sweep cost
     grow with the index bits per vector element, k-means with its iterations; LRQ trains ``iters`` steps of
     ``batch_size`` windows per block, about three forwards each; a config with ``act_order`` sweeps columns as
-    GPTQ does; ``calib_sampled`` windows the original writes: ``sampling_estimate``; distillation:
+    GPTQ does; the ``calib_sampled_share`` windows the original writes: ``sampling_estimate``; distillation:
     ``distill_estimate``). Layer-wise fine-tuning steps are not counted."""
     weights, params = info.linear_weights, info.linear_weights + info.other_params
     tokens = max(int(samples), 1) * max(int(seqlen), 1)
@@ -239,5 +239,9 @@ def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
         seconds += 3 * _FORWARD_S * weights * steps
     else:
         seconds += (_GPTQ_SWEEP_S if "act_order" in settings else _ROUND_S) * weights
-    seconds += sampling_estimate(params, settings.get("calib_sampled", 0), seqlen)
+    from ..quant.distill import sampled_count
+    from ..quant.finetune import layerwise_count, with_heldout
+
+    stage = layerwise_count(with_heldout(max(int(samples), 1), config), config)
+    seconds += sampling_estimate(params, sampled_count(stage, config), seqlen)
     return seconds + distill_estimate(params, config, samples, seqlen)
