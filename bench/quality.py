@@ -155,6 +155,13 @@ ROWS: dict[str, tuple[str, object, str]] = {
                                                           distill_lr=5e-3, calib_sampled_share=0.5),
                                          "LRQ W4A8 (per-token asymmetric), FP-chain targets + distillation, 64 steps, "
                                          "mixed; 16 of the 32 calibration windows written by the original model"),
+    "lrq-w4a8-asym-fp-kd128s64-mixed-cs": ("lrq", LRQConfig(bits=4, act_bits=8, act_granularity="token_asym",
+                                                            target_chain="fp", distill_iters=128, distill_samples=64,
+                                                            distill_eval_every=32, distill_data="mixed",
+                                                            distill_lr=5e-3, calib_sampled_share=0.5),
+                                           "LRQ W4A8 (per-token asymmetric), FP-chain targets + distillation, 128 "
+                                           "steps, calibration + 64 sampled; half the calibration written by the "
+                                           "original model"),
     "lrq-w4a8-64": ("lrq", LRQConfig(bits=4, act_bits=8, act_granularity="token", iters=64),
                     "LRQ W4A8 (per-token), 64 steps/block"),
     "rtn-w4a8-pc": ("rtn", ScalarConfig(bits=4, group_size=0, act_bits=8, act_granularity="token"),
