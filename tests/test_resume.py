@@ -26,6 +26,8 @@ CASES = [
     ("lrq", LRQConfig(bits=3, iters=3)),  # target_chain "fp" (the default): the original's activations resume too
     ("lrq", LRQConfig(bits=3, iters=3, target_chain="quantized")),
     ("gptq", ScalarConfig(bits=4, group_size=32, act_bits=8, act_granularity="tensor")),
+    # half the calibration written by the model: sampled once, before block 0; the resume reuses the activations
+    ("gptq", ScalarConfig(bits=4, group_size=32, calib_sampled_share=0.5)),
 ]
 
 

@@ -439,7 +439,9 @@ def quantize_model(
     start_time = time.perf_counter()
     result = QuantizeResult(method.name, config.to_dict(), {}, [], BitsInfo(0, 0, 0), 0.0)
 
-    if getattr(config, "calib_sampled_share", 0):
+    # a resume starts from saved activations: the windows matter again only to a whole-model hook
+    resumed = resume is not None and resume.blocks_done > 0
+    if getattr(config, "calib_sampled_share", 0) and (model_hooks or not resumed):
         with result.timed("sample_calibration"):
             sampled = sampled_calibration(model, calib_ids, config, should_stop)
         if sampled is None:
