@@ -240,8 +240,7 @@ def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
     else:
         seconds += (_GPTQ_SWEEP_S if "act_order" in settings else _ROUND_S) * weights
     from ..quant.distill import sampled_count
-    from ..quant.finetune import layerwise_count, with_heldout
 
-    stage = layerwise_count(with_heldout(max(int(samples), 1), config), config)
-    seconds += sampling_estimate(params, sampled_count(stage, config), seqlen)
+    # the block stage sees exactly ``samples`` windows (distillation's check windows are drawn on top)
+    seconds += sampling_estimate(params, sampled_count(max(int(samples), 1), config), seqlen)
     return seconds + distill_estimate(params, config, samples, seqlen)
