@@ -348,7 +348,7 @@ def test_bad_settings_give_clear_errors(served, gated, monkeypatch):
     assert "**1.000 index bits**" in good and "14 linears in 2 blocks" in good
     assert served.studio.estimate_md(**estimate_kwargs())[1].interactive is True
     # The duration is shown before Start, with what it rests on.
-    assert re.search(r"Takes ≈ \*\*\d+ s\*\*.*rough: scaled from one measured SmolLM2 run", good), good
+    assert re.search(r"Takes ≈ \*\*\d+ s\*\*.*rough: from runs measured on 2 idle CPU cores", good), good
     assert "**3.000 index bits**" in client.predict(**estimate_kwargs(method="gptq", bits=3), api_name="/estimate")
     with pytest.raises(AppError, match=r"evaluation windows must be in 1\.\.512, got 0"):
         client.predict("anything", 0, 64, api_name="/evaluate")

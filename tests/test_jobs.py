@@ -330,6 +330,48 @@ def test_estimate_counts_codebooks_and_kept_weights():
     assert est.dense_bytes == 2 * (weights + info.other_params)
 
 
+def test_time_estimate_sums_each_layer_with_its_own_settings():
+    import dataclasses
+
+    from vptq_core.quant.vptq import layer_config
+    from vptq_core.studio.estimate import vptq_layer_phases
+
+    capped = VPTQConfig(vector_len=6, num_centroids=4096, layer_bits_cap=2.5)
+    # SmolLM2's k/v projection (192x576) does not fit 2.5 bits at v6 k4096: it is estimated as the v4 k256 the
+    # run will use, and costs less than the uncapped layer
+    small = layer_config(capped, 192, 576)
+    assert (small.vector_len, small.num_centroids) == (4, 256)
+    assert vptq_layer_phases(192, 576, capped) == vptq_layer_phases(192, 576, small)
+    assert vptq_layer_phases(192, 576, capped)["whole"] < vptq_layer_phases(
+        192, 576, dataclasses.replace(capped, layer_bits_cap=0.0))["whole"]
+    # a residual codebook adds its k-means and a second sweep; more k-means iterations cost more
+    plain = VPTQConfig(vector_len=4, num_centroids=256, outlier_percent=0.0)
+    res = dataclasses.replace(plain, num_res_centroids=256)
+    p, r = vptq_layer_phases(1536, 576, plain), vptq_layer_phases(1536, 576, res)
+    assert r["kmeans"] == pytest.approx(2 * p["kmeans"]) and r["sweep"] > 2 * p["sweep"]
+    assert vptq_layer_phases(1536, 576, dataclasses.replace(plain, kmeans_iters=10))["kmeans"] > p["kmeans"]
+    # a layer with fewer vectors than centroids needs no k-means (every vector is a centroid)
+    assert vptq_layer_phases(16, 64, VPTQConfig(vector_len=8, num_centroids=256, outlier_percent=0.0))[
+        "kmeans"] == 0.0
+
+
+def test_time_estimate_of_the_presets_matches_their_runs():
+    """The runs the constants were checked against (CLI, SmolLM2-135M, 32 x 512 calibration tokens, 2 threads,
+    alone on the AMD machine; README "Quantization time"): the pipeline's seconds in quant_report.json."""
+    from vptq_core.quant.vptq import PRESETS
+    from vptq_core.studio.estimate import time_estimate, vptq_layer_phases
+
+    info = model_info("smollm2-135m-instruct")
+    two = VPTQConfig(**PRESETS["2.5 bits"])
+    three = VPTQConfig(**{**PRESETS["3.5 bits"], "calib_sampled_share": 0.5})
+    # per layer: the sum of the 210 layers' seconds (k-means, sweep, the rest) in the run
+    assert sum(vptq_layer_phases(o, i, two)["whole"] for o, i in info.linear_shapes) == pytest.approx(116, rel=0.15)
+    assert sum(vptq_layer_phases(o, i, three)["whole"] for o, i in info.linear_shapes) == pytest.approx(78, rel=0.15)
+    # whole runs: 416 s ("2.5 bits"), 440 s ("3.5 bits" with half self-written calibration)
+    assert time_estimate(info, two, 32, 512) == pytest.approx(416, rel=0.1)
+    assert time_estimate(info, three, 32, 512) == pytest.approx(440, rel=0.1)
+
+
 def test_model_cache_loads_once_evicts_and_does_not_cache_errors():
     cache = ModelCache(max_items=2)
     calls: list = []

@@ -331,19 +331,19 @@ def _finetune_hook(ctx) -> dict | None:
 # Presets are named by TOTAL bits per weight (codebooks, outliers, permutation included) and hold on any
 # model: no layer exceeds the cap, where a layer's codebook is expensive it gets a shorter vector at the same
 # index bits (SmolLM2-135M: "2.5 bits" is 2.37 total, "3.5 bits" 3.31, "4.5 bits" 4.11; allocate.cap_for_budget
-# finds a looser cap for one model's budget). In "2.5 bits" and "3.5 bits" half of the calibration windows are
-# written by the original model itself (``calib_sampled_share``), and the run ends with 16 steps of end-to-end
-# distillation on those calibration windows: on SmolLM2 (AMD machine) "2.5 bits" went from 2.52x / 3.45x
-# (wiki / pydocs, text calibration, distillation on calibration + 16 sampled windows) to 2.69x / 2.85x, in
-# 7:51 instead of 8:03 on 2 cores (README, "Calibrating on text the model writes itself").
+# finds a looser cap for one model's budget). In "2.5 bits" and "3.5 bits" a share of the calibration windows is
+# written by the original model itself (``calib_sampled_share``) and the run ends with end-to-end distillation on
+# those calibration windows, as many steps as fit 10 minutes on 2 cores for SmolLM2 (AMD machine, CLI, wiki /
+# pydocs x bf16 perplexity; README, "Calibrating on text the model writes itself"): "2.5 bits" with 3/4
+# self-written windows and 32 steps 2.57x / 2.62x in 7:03 (half and 16 steps: 2.69x / 2.85x in 7:51), "3.5 bits"
+# with half and 48 steps 1.36x / 1.35x in 7:27 (16 steps: 1.40x / 1.41x in 5:55).
 # (distill_samples is named so that picking the preset resets every distillation field of the form)
-_PRESET_DISTILL = {"distill_iters": 16, "distill_data": "calibration", "distill_samples": 16, "distill_eval_every": 8,
-                   "calib_sampled_share": 0.5}
+_PRESET_DISTILL = {"distill_data": "calibration", "distill_samples": 16, "distill_eval_every": 8}
 PRESETS = {
     "2.5 bits": {"vector_len": 6, "num_centroids": 4096, "num_res_centroids": 0, "layer_bits_cap": 2.5,
-                 **_PRESET_DISTILL},
+                 "distill_iters": 32, "calib_sampled_share": 0.75, **_PRESET_DISTILL},
     "3.5 bits": {"vector_len": 4, "num_centroids": 4096, "num_res_centroids": 0, "layer_bits_cap": 3.5,
-                 **_PRESET_DISTILL},
+                 "distill_iters": 48, "calib_sampled_share": 0.75, **_PRESET_DISTILL},
     "4.5 bits": {"vector_len": 4, "num_centroids": 256, "num_res_centroids": 256, "layer_bits_cap": 4.5,
                  "distill_iters": 0, "calib_sampled_share": 0.0},
 }

@@ -158,31 +158,101 @@ def estimate(info: ModelInfo, method: str, config) -> Estimate:
 
 
 # ------------------------------------------------------------------------------------------- time
-# Seconds per quantized weight on this project's 2-core CPU machine, idle, from one measured run
-# (README "Quantization time": SmolLM2-135M, 106 M linear weights, VPTQ v6 k4096, 5 k-means iterations, 32 × 512
-# calibration tokens: k-means 160.7 s, sweep 122.5 s, block forwards 60.1 s, load and save 9 s).
+# Seconds on this project's 2-core CPU machine (AMD EPYC), idle. Block forwards, per linear weight per
+# calibration token (both passes: Hessians and targets, then the quantized outputs): 66-73 s for SmolLM2-135M's
+# 106 M linear weights over 32 x 512 tokens (three runs of the presets, quant_report.json timings).
 _REF_TOKENS = 32 * 512
-_FORWARD_S = 60.1 / 106.2e6 / _REF_TOKENS  # per weight per calibration token (both passes)
-_KMEANS_S = 160.7 / 106.2e6  # per weight at v6 k4096, 5 iterations
-_SWEEP_S = 122.5 / 106.2e6  # per weight at v6 k4096
+_FORWARD_S = 69.0 / 106.2e6 / _REF_TOKENS
 _IO_S = 9.0 / 135e6  # loading and saving, per parameter
 _START_S = 5.0  # starting a job whatever its size (imports, tokenizer, calibration text), seen on the tiny model
 _GPTQ_SWEEP_S = 0.3e-6  # per weight, a column sweep with one rounding per weight (not measured apart: rough)
 _ROUND_S = 0.02e-6  # per weight, rounding to a grid
-# End-to-end distillation, per model parameter (embedding and head included) per token of a window, from two
-# measured runs on SmolLM2-135M (134.5 M parameters, 511 predicted tokens per window, 2 threads, alone on the
-# machine; bench/distill_variants.py, 64 and 128 steps; the "2.5 bits" preset's 16): a training step 4.14 s
-# (forward, recomputation, backward), a held-out check 1.65-3.6 s per window (2.6 taken), the teacher's pass
-# 1.15-1.31 s per window. Sampling (up to distill.SAMPLE_BATCH = 32 windows at once, one token at a time):
-# 32 windows of 512 tokens in 138.6 s, 16 in 87.9 s, so 37.4 s per batched pass + 3.16 s per window.
+
+# VPTQ, layer by layer (``vptq_layer_phases``), fitted on 124 layers quantized alone on the machine with their
+# real Hessians (bench/quant_cost.py: 4 SmolLM2 shapes x 31 settings, d 2-16, k 256-65536; README "Quantization
+# time"). A nearest-centroid query through the k-d tree (d <= 8 with k >= 1024, or d <= 4 with k >= 256) costs
+# exp(a + b d + c log2 k + e d log2 k) microseconds on one thread (fitted on 21 (d, k) pairs, each within ±30%:
+# 0.21 us at d2 k256, 3.1 us at d6 k4096, 16 us at d8 k16384; ``_KD_QUERY_2T`` with k-means' two workers), by
+# brute force 0.06 ns per centroid coordinate. A sweep column costs a fixed 63 us per codebook search on top, the
+# error feedback 0.17 us per weight; a k-means iteration 3.7 ms on top of its queries; the rest of a layer
+# (Hessian preparation, inverse Cholesky, dequantization, proxy loss) 5 ms + 23 ns per weight + 30 ps per
+# in_features³. These held for a pipeline run in the same hour (102 s predicted, 102 s measured over the 210
+# layers), but the machine ran 1.3-1.4x slower then than during the presets' other runs (the same 16-window
+# evaluation took 22.1 s against 15.5 s), whose layers took 0.75-0.84x the prediction: ``_VPTQ_SCALE`` brings
+# the estimate to the machine alone and unhurried, as the other constants are.
+_VPTQ_SCALE = 0.78
+_KD_QUERY = (-2.124, 0.0111, -0.0192, 0.0457)
+_KD_QUERY_2T = (-2.046, 0.0233, 0.0140, 0.0327)
+_BRUTE_S = 0.06e-9
+_SEARCH_CALL_S = 63e-6
+_FEEDBACK_S = 0.17e-6
+_KMEANS_ITER_S = 3.7e-3
+_LAYER_S = 5e-3
+_LAYER_WEIGHT_S = 23e-9
+_LAYER_HESSIAN_S = 31e-12
+# End-to-end distillation, per model parameter (embedding and head included) per token of a window, from the
+# presets' runs on SmolLM2-135M (134.5 M parameters, 511 predicted tokens per window, 2 threads, alone on the
+# machine; README "Calibrating on text the model writes itself"): a training step 3.0 s (forward,
+# recomputation, backward; the progress bar's step times), a held-out check 1.5 s per window, the teacher's
+# pass 1.1 s per window (37-41 s for 36 windows). Sampling (up to distill.SAMPLE_BATCH = 32 windows at once, one
+# token at a time): 16 windows in 65-100 s, 24 in 73 s, so 50 s per batched pass + 1.5 s per window.
 _KD_TOKENS = 134.5e6 * 511
-_KD_STEP_S = 4.14 / _KD_TOKENS
-_KD_CHECK_S = 2.6 / _KD_TOKENS
-_KD_TEACHER_S = 1.31 / _KD_TOKENS
-_KD_SAMPLE_S = 3.16 / _KD_TOKENS
-_KD_SAMPLE_PASS_S = 37.4 / _KD_TOKENS
+_KD_STEP_S = 3.0 / _KD_TOKENS
+_KD_CHECK_S = 1.5 / _KD_TOKENS
+_KD_TEACHER_S = 1.1 / _KD_TOKENS
+_KD_SAMPLE_S = 1.5 / _KD_TOKENS
+_KD_SAMPLE_PASS_S = 50.0 / _KD_TOKENS
 
 
+def _query_seconds(d: int, k: int, threads: int = 1) -> float:
+    """Seconds of one nearest-centroid query of a d-vector among k centroids (``kmeans.CodebookSearch``)."""
+    from ..quant.kmeans import _use_kdtree
+
+    if not _use_kdtree(d, k):
+        return _BRUTE_S * d * k
+    a, b, c, e = _KD_QUERY_2T if threads > 1 else _KD_QUERY
+    bits = math.log2(k)
+    return 1e-6 * math.exp(a + b * d + c * bits + e * d * bits)
+
+
+def _kmeans_seconds(n: int, d: int, k: int, config, threads: int) -> float:
+    """Seconds of ``weighted_kmeans`` on n d-vectors: (iters + 1) searches of the fitted sample (none when
+    n <= k: every vector is its own centroid)."""
+    if n <= k:
+        return 0.0
+    from ..quant.vptq import _fit_sample
+
+    fit = min(n, _fit_sample(config, k))
+    return (config.kmeans_iters + 1) * (fit * _query_seconds(d, k, threads) + _KMEANS_ITER_S)
+
+
+def vptq_layer_phases(out_features: int, in_features: int, config, threads: int = 2) -> dict[str, float]:
+    """Seconds the phases of ``vptq_quantize`` take for one [out, in] layer under ``config`` (its per-layer
+    settings, ``vptq.layer_config``): k-means per codebook segment (outliers, groups, residual), the sweep (one
+    search call per column and codebook; with a residual codebook a first sweep, then one with both), and the
+    rest (Hessian preparation, inverse Cholesky, dequantization and proxy loss). Keys kmeans, sweep, other,
+    whole."""
+    from ..quant.vptq import layer_config, outlier_columns
+
+    lc = layer_config(config, out_features, in_features)
+    outliers = outlier_columns(in_features, lc.outlier_percent, lc.group_num)
+    segments = [(outliers, lc.outlier_vector_len, lc.outlier_centroids, 0)] if outliers else []
+    group = (in_features - outliers) // lc.group_num
+    segments += [(group, lc.vector_len, lc.num_centroids, lc.num_res_centroids)] * lc.group_num
+    kmeans = sweep = 0.0
+    for columns, d, k, k_res in segments:
+        rows = math.ceil(out_features / d)
+        kmeans += _kmeans_seconds(rows * columns, d, k, lc, threads)
+        call = _SEARCH_CALL_S + rows * _query_seconds(d, k)
+        if k_res:
+            kmeans += _kmeans_seconds(rows * columns, d, k_res, lc, threads)
+            call = 2 * call + _SEARCH_CALL_S + rows * _query_seconds(d, k_res)
+        sweep += columns * call
+    sweep += _FEEDBACK_S * out_features * in_features * (2 if lc.num_res_centroids else 1)
+    other = _LAYER_S + _LAYER_WEIGHT_S * out_features * in_features + _LAYER_HESSIAN_S * in_features ** 3
+    phases = {"kmeans": kmeans, "sweep": sweep, "other": other}
+    phases = {name: _VPTQ_SCALE * seconds for name, seconds in phases.items()}
+    return {**phases, "whole": sum(phases.values())}
 def sampling_estimate(params: int, windows: int, seqlen: int) -> float:
     """Rough seconds for the original model of ``params`` parameters to write ``windows`` windows of ``seqlen``
     tokens (``distill.sample_windows``, up to ``SAMPLE_BATCH`` at once)."""
@@ -219,21 +289,20 @@ def distill_estimate(params: int, config, samples: int, seqlen: int) -> float:
 
 def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
     """Rough seconds a run takes on a 2-core CPU like this project's (idle): block forwards over the
-    calibration tokens, plus the method's own work scaled from one measured VPTQ run (k-means and sweep cost
-    grow with the index bits per vector element, k-means with its iterations; LRQ trains ``iters`` steps of
-    ``batch_size`` windows per block, about three forwards each; a config with ``act_order`` sweeps columns as
-    GPTQ does; the ``calib_sampled_share`` windows the original writes: ``sampling_estimate``; distillation:
-    ``distill_estimate``). Layer-wise fine-tuning steps are not counted."""
+    calibration tokens, plus the method's own work (VPTQ: ``vptq_layer_phases`` of every block linear, with its
+    per-layer settings; LRQ trains ``iters`` steps of ``batch_size`` windows per block, about three forwards each;
+    a config with ``act_order`` sweeps columns as GPTQ does; the ``calib_sampled_share`` windows the original
+    writes: ``sampling_estimate``; distillation: ``distill_estimate``). Layer-wise fine-tuning steps are not
+    counted."""
     weights, params = info.linear_weights, info.linear_weights + info.other_params
     tokens = max(int(samples), 1) * max(int(seqlen), 1)
     seconds = _START_S + _FORWARD_S * weights * tokens + _IO_S * params
     settings = config.to_dict()
     if "num_centroids" in settings and "vector_len" in settings:
-        bits = math.log2(max(settings["num_centroids"], 2))
-        if settings.get("num_res_centroids"):
-            bits += math.log2(settings["num_res_centroids"])
-        scale = (bits / 12.0) * (6.0 / max(settings["vector_len"], 1))
-        seconds += weights * scale * (_KMEANS_S * settings.get("kmeans_iters", 5) / 5.0 + _SWEEP_S)
+        shapes: dict[tuple[int, int], int] = {}
+        for shape in info.linear_shapes:
+            shapes[shape] = shapes.get(shape, 0) + 1
+        seconds += sum(count * vptq_layer_phases(*shape, config)["whole"] for shape, count in shapes.items())
     elif "rank" in settings and "iters" in settings:
         steps = settings["iters"] * settings.get("batch_size", 1) * max(int(seqlen), 1)
         seconds += 3 * _FORWARD_S * weights * steps

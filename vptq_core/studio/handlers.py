@@ -217,8 +217,8 @@ class Studio:
                                     f"{factor:.2g}× the rough estimate")
         if self.settings.device != "cpu":
             return None, f"no estimate on {self.settings.device} until a run has finished here"
-        return rough, ("rough: scaled from one measured SmolLM2 run on 2 idle CPU cores; a busy server is slower, "
-                       "fine-tuning is not counted")
+        return rough, ("rough: from runs measured on 2 idle CPU cores (VPTQ layer by layer, with each layer's own "
+                       "settings); a busy server is slower, layer-wise fine-tuning is not counted")
 
     @staticmethod
     def _sized(values: dict, info) -> dict:
