@@ -3,6 +3,7 @@ isolation, pruning; the pre-run estimate; the model cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -331,8 +332,6 @@ def test_estimate_counts_codebooks_and_kept_weights():
 
 
 def test_time_estimate_sums_each_layer_with_its_own_settings():
-    import dataclasses
-
     from vptq_core.quant.vptq import layer_config
     from vptq_core.studio.estimate import vptq_layer_phases
 
@@ -370,6 +369,22 @@ def test_time_estimate_of_the_presets_matches_their_runs():
     # whole runs: 416 s ("2.5 bits"), 440 s ("3.5 bits" with half self-written calibration)
     assert time_estimate(info, two, 32, 512) == pytest.approx(416, rel=0.1)
     assert time_estimate(info, three, 32, 512) == pytest.approx(440, rel=0.1)
+
+
+def test_time_estimate_of_lrq_matches_its_runs():
+    """LRQ W4A8 with FP-chain targets (bench/results/quality_v10c.jsonl, lrq-w4a8-fp and lrq-w4a8-fp64): 476 s
+    with 32 training steps per block, 573 s with 64; and with 64 steps of distillation on mixed data 824 s
+    (quality_lrq_kd.jsonl, lrq-w4a8-asym-fp-kd64-mixed; 884 s in a fresh run, quality_lrq_fresh.jsonl)."""
+    from vptq_core.quant.config import LRQConfig
+    from vptq_core.studio.estimate import time_estimate
+
+    info = model_info("smollm2-135m-instruct")
+    fp = LRQConfig(bits=4, act_bits=8, act_granularity="token", target_chain="fp")
+    assert time_estimate(info, fp, 32, 512) == pytest.approx(476, rel=0.1)
+    assert time_estimate(info, dataclasses.replace(fp, iters=64), 32, 512) == pytest.approx(573, rel=0.1)
+    kd = LRQConfig(bits=4, act_bits=8, act_granularity="token_asym", target_chain="fp", distill_iters=64,
+                   distill_data="mixed", distill_lr=5e-3)
+    assert time_estimate(info, kd, 32, 512) == pytest.approx(824, rel=0.1)
 
 
 def test_model_cache_loads_once_evicts_and_does_not_cache_errors():

@@ -165,6 +165,13 @@ _REF_TOKENS = 32 * 512
 _FORWARD_S = 69.0 / 106.2e6 / _REF_TOKENS
 _IO_S = 9.0 / 135e6  # loading and saving, per parameter
 _START_S = 5.0  # starting a job whatever its size (imports, tokenizer, calibration text), seen on the tiny model
+# LRQ's training, in block forwards over the calibration (``_FORWARD_S`` units), from 12 measured runs
+# (bench/results/quality*.jsonl, lrq_train): 323-375 s with 32 steps per block, 472-544 s with 64, so 2.3
+# forwards per training token and 2.75 passes over the calibration whatever the steps. FP-chain targets
+# (``target_chain="fp"``) took 58-106 s for the Hessians and targets instead of 37 s: half a pass more.
+_LRQ_STEP = 2.3
+_LRQ_FIXED = 2.75
+_FP_CHAIN_FORWARDS = 1.5
 _GPTQ_SWEEP_S = 0.3e-6  # per weight, a column sweep with one rounding per weight (not measured apart: rough)
 _ROUND_S = 0.02e-6  # per weight, rounding to a grid
 
@@ -290,14 +297,17 @@ def distill_estimate(params: int, config, samples: int, seqlen: int) -> float:
 def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
     """Rough seconds a run takes on a 2-core CPU like this project's (idle): block forwards over the
     calibration tokens, plus the method's own work (VPTQ: ``vptq_layer_phases`` of every block linear, with its
-    per-layer settings; LRQ trains ``iters`` steps of ``batch_size`` windows per block, about three forwards each;
+    per-layer settings; LRQ trains ``iters`` steps of ``batch_size`` windows per block, ``_LRQ_STEP`` forwards
+    each, plus ``_LRQ_FIXED`` passes over the calibration; FP-chain targets add half a pass of block forwards;
     a config with ``act_order`` sweeps columns as GPTQ does; the ``calib_sampled_share`` windows the original
     writes: ``sampling_estimate``; distillation: ``distill_estimate``). Layer-wise fine-tuning steps are not
     counted."""
     weights, params = info.linear_weights, info.linear_weights + info.other_params
     tokens = max(int(samples), 1) * max(int(seqlen), 1)
-    seconds = _START_S + _FORWARD_S * weights * tokens + _IO_S * params
     settings = config.to_dict()
+    # FP-chain targets: the original block runs on the original chain's inputs too
+    forwards = _FP_CHAIN_FORWARDS if settings.get("target_chain") == "fp" else 1.0
+    seconds = _START_S + forwards * _FORWARD_S * weights * tokens + _IO_S * params
     if "num_centroids" in settings and "vector_len" in settings:
         shapes: dict[tuple[int, int], int] = {}
         for shape in info.linear_shapes:
@@ -305,7 +315,7 @@ def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
         seconds += sum(count * vptq_layer_phases(*shape, config)["whole"] for shape, count in shapes.items())
     elif "rank" in settings and "iters" in settings:
         steps = settings["iters"] * settings.get("batch_size", 1) * max(int(seqlen), 1)
-        seconds += 3 * _FORWARD_S * weights * steps
+        seconds += _FORWARD_S * weights * (_LRQ_STEP * steps + _LRQ_FIXED * tokens)
     else:
         seconds += (_GPTQ_SWEEP_S if "act_order" in settings else _ROUND_S) * weights
     from ..quant.distill import sampled_count
