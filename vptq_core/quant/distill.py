@@ -118,24 +118,28 @@ def sampled_count(windows: int, config) -> int:
 
 
 def sampled_calibration(model: nn.Module, calib_ids: torch.Tensor, config,
-                        should_stop: Callable[[], bool] | None = None) -> torch.Tensor | None:
+                        should_stop: Callable[[], bool] | None = None, topk: int = 0):
     """``calib_ids`` with the last ``sampled_count`` of the windows the block-by-block stage sees
     (``layerwise_count``) replaced by windows ``model`` writes itself (``sample_windows``, seeded by
     ``config.seed``, each started from the first token of the window it replaces); the held-out check windows
     after them stay text. ``calib_ids`` itself when ``calib_sampled_share`` is 0; None if ``should_stop`` turned
-    true."""
+    true. With ``topk`` > 0 it returns (windows, known): ``known`` the teacher's top-k on the written windows,
+    taken from the sampling's own logits, as ``distill(known_teacher=...)`` takes it ({"rows", "logp", "index",
+    "rest"} on the CPU; None when no window is written)."""
     stage = layerwise_count(calib_ids.shape[0], config)
     count = sampled_count(stage, config)
     if not count:
-        return calib_ids
+        return (calib_ids, None) if topk else calib_ids
     rows = torch.arange(stage - count, stage)
     got = sample_windows(model, calib_ids[rows, :1], calib_ids.shape[1], seed=config.seed, batch=SAMPLE_BATCH,
-                         should_stop=should_stop, rows=rows + CALIB_SAMPLE_ROWS)
+                         should_stop=should_stop, rows=rows + CALIB_SAMPLE_ROWS, topk=topk,
+                         device=torch.device("cpu"))
     if got is None:
         return None
+    written, teacher = got if topk else (got, None)
     out = calib_ids.clone()
-    out[rows] = got.to(out.dtype)
-    return out
+    out[rows] = written.to(out.dtype)
+    return (out, {"rows": rows, **teacher}) if topk else out
 
 
 def _stack_teacher(rows: list[dict[str, torch.Tensor]], dim: int = 0, cat: bool = False) -> dict[str, torch.Tensor]:
@@ -298,6 +302,41 @@ def _restore_on_error(snapshot: Snapshot):
         raise
 
 
+def _teacher_for(reference: nn.Module, windows: torch.Tensor, rows: torch.Tensor, k: int, device: torch.device,
+                 should_stop: Callable[[], bool] | None, known: dict[str, torch.Tensor] | None):
+    """(the teacher's top-k on ``windows[rows]``, in that order, on ``device``; how many windows needed a pass):
+    the windows ``known`` covers take it from there, the others from ``teacher_topk``. (None, n) if cancelled."""
+    have = torch.full((windows.shape[0],), -1, dtype=torch.long)
+    if known is not None:
+        known_rows = torch.as_tensor(known["rows"], dtype=torch.long).cpu()
+        want = (known_rows.numel(), windows.shape[1] - 1)
+        shapes_ok = known_rows.dim() == 1 and all(tuple(known[key].shape[:2]) == want for key in ("logp", "index",
+                                                                                               "rest"))
+        k_want = min(k, reference.get_output_embeddings().out_features)
+        if not shapes_ok or known["logp"].shape[-1] != k_want or not bool(
+                ((known_rows >= 0) & (known_rows < windows.shape[0])).all()):
+            raise ValueError(f"known_teacher must cover rows of the {windows.shape[0]} windows with [rows, "
+                             f"{windows.shape[1] - 1}, {k}] top-k tensors, got rows {tuple(known_rows.shape)} and "
+                             f"logp {tuple(known['logp'].shape)}")
+        have[known_rows] = torch.arange(known_rows.numel())
+    need = rows[have[rows] < 0]
+    computed = teacher_topk(reference, windows[need], k, device, should_stop) if need.numel() else None
+    if need.numel() and computed is None:
+        return None, int(need.numel())
+    if need.numel() == rows.numel():
+        return computed, int(need.numel())
+    parts, order = [], torch.empty(rows.numel(), dtype=torch.long)
+    from_known = have[rows] >= 0
+    reused = {key: known[key][have[rows[from_known]]].to(device) for key in ("logp", "index", "rest")}
+    parts.append(reused)
+    order[from_known.nonzero().flatten()] = torch.arange(int(from_known.sum()))
+    if computed is not None:
+        parts.append(computed)
+        order[(~from_known).nonzero().flatten()] = torch.arange(int(from_known.sum()), rows.numel())
+    stacked = _stack_teacher(parts, cat=True)
+    return {key: value[order.to(value.device)] for key, value in stacked.items()}, int(need.numel())
+
+
 class Drawn(NamedTuple):
     pool: int  # training pool size: calibration windows 0..calib_pool-1, then the sampled windows
     calib_pool: int
@@ -360,6 +399,7 @@ def distill(
     config: DistillSettings,
     on_step: OnStep | None = None,
     should_stop: Callable[[], bool] | None = None,
+    known_teacher: dict[str, torch.Tensor] | None = None,
 ) -> dict:
     """Distil ``qmodel`` (the fake-quantized model ``quantize_model`` returns) towards ``reference``.
 
@@ -376,6 +416,9 @@ def distill(
             ``distill_checkpointing``, ``train_dtype``, ``seed``.
         on_step: called after every step with (step, training KL per token of that step's windows).
         should_stop: polled before every step; when true the run stops there and keeps the best check so far.
+        known_teacher: the reference's top-k on some of ``windows``, already computed ({"rows" [m] window
+            numbers, "logp" / "index" [m, seq-1, distill_topk], "rest" [m, seq-1]}; e.g. the windows
+            ``sampled_calibration`` had the reference write): those windows get no teacher pass.
 
     Returns metrics: ``steps`` done, ``cancelled``, ``heldout_windows``, ``kl_before`` / ``kl_after`` (held-out
     bucket KL per token; after <= before), ``best_step`` (0 = nothing kept), ``train_kl_first`` /
@@ -415,7 +458,8 @@ def distill(
     val_rows = torch.arange(n_train, n) if n_val else torch.arange(n)
     pool, n_calib_pool, drawn, calib_rows, sample_rows = drawn_windows(n, config)
     t0 = time.perf_counter()
-    teacher = teacher_topk(reference, windows[calib_rows], config.distill_topk, device, should_stop)
+    teacher, passes = _teacher_for(reference, windows, calib_rows, config.distill_topk, device, should_stop,
+                                   known_teacher)
     metrics["teacher_seconds"] = time.perf_counter() - t0
     if teacher is None:
         return cancelled()
@@ -441,7 +485,8 @@ def distill(
         teacher = _stack_teacher([teacher, sampled_teacher], cat=True)
     metrics["sampled_windows"] = int(sample_rows.numel())
     windows = used
-    metrics.update(train_windows=pool, drawn_windows=int(drawn.numel()), teacher_windows=int(calib_rows.numel()))
+    metrics.update(train_windows=pool, drawn_windows=int(drawn.numel()), teacher_windows=passes,
+                   known_teacher_windows=int(calib_rows.numel()) - passes)
 
     linears = {name: qmodel.get_submodule(name) for name in states}
     dense = dense_parameters(qmodel) if config.distill_norm_lr > 0 else []
@@ -569,7 +614,8 @@ def sized_preset(settings: dict, params: int) -> tuple[dict, str]:
 def _distill_hook(ctx) -> dict | None:
     steps = ctx.config.distill_iters
     return distill(ctx.model, ctx.reference, ctx.states, ctx.calib_ids, ctx.config,
-                   on_step=lambda step, kl: ctx.on_step("distill", step, steps, kl), should_stop=ctx.should_stop)
+                   on_step=lambda step, kl: ctx.on_step("distill", step, steps, kl), should_stop=ctx.should_stop,
+                   known_teacher=ctx.teacher)
 
 
 # Every built-in method's after-model step (its config's ``distill_iters`` > 0).

@@ -441,13 +441,21 @@ def quantize_model(
 
     # a resume starts from saved activations: the windows matter again only to a whole-model hook
     resumed = resume is not None and resume.blocks_done > 0
+    known_teacher = None
     if getattr(config, "calib_sampled_share", 0) and (model_hooks or not resumed):
+        # With distillation to follow, the reference writes the windows (it is the original model, maybe in
+        # its stored dtype: faster) and its top-k on them is kept from the sampling's own logits, so
+        # distillation's teacher pass skips them; distillation trains on them only in its calibration modes.
+        writer = reference if model_hooks else model
+        topk = config.distill_topk if model_hooks and config.distill_data != "sampled" else 0
         with result.timed("sample_calibration"):
-            sampled = sampled_calibration(model, calib_ids, config, should_stop)
+            sampled = sampled_calibration(writer, calib_ids, config, should_stop, topk=topk)
         if sampled is None:
             result.cancelled = True
             result.seconds = time.perf_counter() - start_time
             return model, result
+        if topk:
+            sampled, known_teacher = sampled
         calib_ids = sampled  # distillation after the blocks trains and checks on these same windows
     blocks = decoder_blocks(model)
     prefix = blocks_prefix(model)
@@ -536,14 +544,15 @@ def quantize_model(
     except Cancelled:
         result.cancelled = True
     if model_hooks and not result.cancelled:
-        _run_model_hooks(model_hooks, model, reference, calib_ids, config, result, should_stop, on_step, dev)
+        _run_model_hooks(model_hooks, model, reference, calib_ids, config, result, should_stop, on_step, dev,
+                         known_teacher)
     result.seconds = earlier_seconds + time.perf_counter() - start_time
     return model, result
 
 
 def _run_model_hooks(hooks, model: nn.Module, reference: nn.Module, calib_ids: torch.Tensor, config,
                      result: QuantizeResult, should_stop: ShouldStop, on_step: OnStep | None,
-                     dev: torch.device) -> None:
+                     dev: torch.device, teacher: dict | None = None) -> None:
     """The after-model hooks on the whole fake-quantized model (float32 on ``dev``, put back after)."""
     orig_device, orig_dtype = next(model.parameters()).device, next(model.parameters()).dtype
     model.to(dev, torch.float32)
@@ -551,7 +560,7 @@ def _run_model_hooks(hooks, model: nn.Module, reference: nn.Module, calib_ids: t
         for hook in hooks:
             ctx = ModelContext(model=model, reference=reference, calib_ids=calib_ids, states=result.states,
                                config=config, result=result, should_stop=should_stop,
-                               on_step=on_step or (lambda _phase, _step, _steps, _loss: None))
+                               on_step=on_step or (lambda _phase, _step, _steps, _loss: None), teacher=teacher)
             with result.timed(hook.phase):
                 metrics = hook.run(ctx) or {}
             result.model_metrics[hook.phase] = metrics

@@ -274,14 +274,14 @@ def sampling_estimate(params: int, windows: int, seqlen: int) -> float:
 def distill_estimate(params: int, config, samples: int, seqlen: int) -> float:
     """Rough seconds of a config's end-to-end distillation (any method; 0 when off) for a model of ``params``
     parameters calibrated on ``samples`` windows of ``seqlen`` tokens (and the held-out windows drawn on top,
-    ``with_heldout``): the teacher's pass over the windows it uses, the sampled windows, the training steps and
-    the held-out checks."""
+    ``with_heldout``): the teacher's pass over the windows it uses (not the self-written calibration windows:
+    their top-k comes from the sampling), the sampled windows, the training steps and the held-out checks."""
     settings = config.to_dict()
     steps = settings.get("distill_iters", 0)
     if not steps:
         return 0.0
-    from ..quant.distill import drawn_windows, eval_every
-    from ..quant.finetune import holdout_count, with_heldout
+    from ..quant.distill import drawn_windows, eval_every, sampled_count
+    from ..quant.finetune import holdout_count, layerwise_count, with_heldout
 
     samples = with_heldout(max(int(samples), 1), config)  # the held-out windows come on top of the calibration
     per_window = params * max(int(seqlen) - 1, 1)
@@ -289,6 +289,10 @@ def distill_estimate(params: int, config, samples: int, seqlen: int) -> float:
     # exactly the windows distillation prepares: the teacher pass and the sampling run only for drawn windows
     drawn = drawn_windows(samples, config)
     teacher, sampled = drawn.calib_rows.numel(), drawn.sample_rows.numel()
+    # the calibration windows the original wrote itself bring their teacher top-k from the sampling
+    stage = layerwise_count(samples, config)
+    written = sampled_count(stage, config) if settings.get("distill_data") != "sampled" else 0
+    teacher -= int(((drawn.calib_rows >= stage - written) & (drawn.calib_rows < stage)).sum())
     checks = 1 + math.ceil(steps / eval_every(config))
     return sampling_estimate(params, sampled, seqlen) + per_window * (
         _KD_TEACHER_S * teacher + _KD_STEP_S * steps * settings.get("distill_batch", 1) + _KD_CHECK_S * checks * n_val)
