@@ -192,7 +192,10 @@ def run_row(key: str, model, tok, calib: torch.Tensor, args) -> dict:
         # as the pipeline does: the block stage gets the calibration windows, distillation also the held-out
         # check windows drawn on top of them (``with_heldout``)
         # calib_sampled_share: the windows the original writes are drawn once, for both stages (as in the pipeline)
-        ids = sampled_calibration(model, calib[: with_heldout(args.calib_samples, config)], config)
+        # (and, as there, their teacher top-k comes from the sampling: distillation passes the teacher over the rest)
+        topk = config.distill_topk if config.distill_data != "sampled" else 0
+        ids = sampled_calibration(model, calib[: with_heldout(args.calib_samples, config)], config, topk=topk)
+        ids, known = ids if topk else (ids, None)
         sample_s = time.perf_counter() - t0
         qmodel, result = quantize_model(model, ids[: args.calib_samples], method,
                                         dataclasses.replace(config, distill_iters=0, calib_sampled_share=0.0),
@@ -209,7 +212,7 @@ def run_row(key: str, model, tok, calib: torch.Tensor, args) -> dict:
         del qb
         t1 = time.perf_counter()
         with torch.enable_grad():
-            metrics = distill(qmodel, model, result.states, ids, config)
+            metrics = distill(qmodel, model, result.states, ids, config, known_teacher=known)
         result.model_metrics["distill"] = metrics
         result.timings["distill"] = time.perf_counter() - t1
         seconds = quant_only + result.timings["distill"]
