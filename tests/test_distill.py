@@ -257,8 +257,8 @@ def test_the_time_estimate_counts_distillation_as_measured():
     three = VPTQConfig(**{**PRESETS["3.5 bits"], "calib_sampled_share": 0.5})
     assert three.distill_iters == 48 and written_drawn(three) == 16
     assert distill_estimate(params, three, 32, 512) == pytest.approx(223.1 - 1.1 * 16, rel=0.1)
-    two = VPTQConfig(**PRESETS["2.5 bits"])
-    assert two.distill_iters == 32 and written_drawn(two) == 24
+    two = VPTQConfig(**{**PRESETS["2.5 bits"], "distill_iters": 32})
+    assert written_drawn(two) == 24
     assert distill_estimate(params, two, 32, 512) == pytest.approx(156.9 - 1.1 * 24, rel=0.1)
     # writing the self-written calibration windows: 16 in 65.2 and 74.0 s, 24 in 72.8 s (one batched pass)
     assert sampling_estimate(params, 16, 512) == pytest.approx(70, rel=0.1)
@@ -291,13 +291,13 @@ def test_presets_distil_models_up_to_the_size_limit(tmp_path, capsys):
     from vptq_core.quant.vptq import PRESETS
 
     preset = PRESETS["2.5 bits"]
-    assert preset["distill_iters"] == 32
+    assert preset["distill_iters"] == 48
     assert sized_preset(preset, 135_000_000) == (preset, "")
     kept, note = sized_preset(preset, PRESET_DISTILL_MAX_PARAMS + 1)
     assert kept == {**preset, "distill_iters": 0, "calib_sampled_share": 0.0}
-    assert "32 distillation steps and its self-written calibration windows" in note and "are left out" in note
+    assert "48 distillation steps and its self-written calibration windows" in note and "are left out" in note
     kept, note = sized_preset({**preset, "calib_sampled_share": 0.0}, PRESET_DISTILL_MAX_PARAMS + 1)
-    assert kept["distill_iters"] == 0 and "the preset's 32 distillation steps are left out" in note
+    assert kept["distill_iters"] == 0 and "the preset's 48 distillation steps are left out" in note
     # the CLI sizes the preset from the model's config alone, and an explicit flag still wins
     LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=32, vocab_size=32000).save_pretrained(tmp_path / "big")
@@ -313,7 +313,7 @@ def test_presets_distil_models_up_to_the_size_limit(tmp_path, capsys):
     args = build_parser().parse_args(["quantize", "--method", "vptq", "--model", "smollm2-135m-instruct",
                                       "--preset", "2.5",
                                       "--out", str(tmp_path / "o")])
-    assert method_config_from_args(args).distill_iters == 32
+    assert method_config_from_args(args).distill_iters == 48
 
 
 SCALAR_CASES = [

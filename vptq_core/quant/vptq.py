@@ -334,14 +334,14 @@ def _finetune_hook(ctx) -> dict | None:
 # finds a looser cap for one model's budget). In "2.5 bits" and "3.5 bits" a share of the calibration windows is
 # written by the original model itself (``calib_sampled_share``) and the run ends with end-to-end distillation on
 # those calibration windows, as many steps as fit 10 minutes on 2 cores for SmolLM2 (AMD machine, CLI, wiki /
-# pydocs x bf16 perplexity; README, "Calibrating on text the model writes itself"): "2.5 bits" with 3/4
-# self-written windows and 32 steps 2.57x / 2.62x in 7:03 (half and 16 steps: 2.69x / 2.85x in 7:51), "3.5 bits"
-# with half and 48 steps 1.36x / 1.35x in 7:27 (16 steps: 1.40x / 1.41x in 5:55).
+# pydocs x bf16 perplexity; README, "Calibrating on text the model writes itself"): with 3/4 self-written windows
+# "2.5 bits" went from 2.57x / 2.62x with 32 steps to 2.46x / 2.48x with 48 (64, checked every 16: 2.43x /
+# 2.51x), "3.5 bits" from 1.40x / 1.41x with 16 steps (half self-written) to 1.37x / 1.33x with 48.
 # (distill_samples is named so that picking the preset resets every distillation field of the form)
 _PRESET_DISTILL = {"distill_data": "calibration", "distill_samples": 16, "distill_eval_every": 8}
 PRESETS = {
     "2.5 bits": {"vector_len": 6, "num_centroids": 4096, "num_res_centroids": 0, "layer_bits_cap": 2.5,
-                 "distill_iters": 32, "calib_sampled_share": 0.75, **_PRESET_DISTILL},
+                 "distill_iters": 48, "calib_sampled_share": 0.75, **_PRESET_DISTILL},
     "3.5 bits": {"vector_len": 4, "num_centroids": 4096, "num_res_centroids": 0, "layer_bits_cap": 3.5,
                  "distill_iters": 48, "calib_sampled_share": 0.75, **_PRESET_DISTILL},
     "4.5 bits": {"vector_len": 4, "num_centroids": 256, "num_res_centroids": 256, "layer_bits_cap": 4.5,
