@@ -454,7 +454,7 @@ def test_sampled_calibration_replaces_the_last_block_stage_windows(tiny_model, w
 def test_self_written_windows_need_no_teacher_pass(tiny_model, windows):
     """The top-k the sampling computed for the windows the original wrote is its teacher pass on them (fp32
     tolerance: the KV-cache decode vs one forward); distillation handed it runs the teacher on the other windows
-    only and trains exactly as with its own pass; through quantize_model the reference writes the windows."""
+    only and trains exactly as with its own pass; quantize_model keeps the top-k of the windows it has written."""
     from vptq_core.quant.distill import sampled_calibration, teacher_topk
 
     model, _ = tiny_model

@@ -94,8 +94,8 @@ class ModelContext:
     ``model`` is the fake-quantized model (its quantized linears hold the dequantized weights, on the work
     device); ``reference`` the original; ``calib_ids`` the calibration token ids [n, seq]; ``states`` full
     module name -> layer state (hooks update them in place). ``on_step(phase, step, steps, value)`` reports
-    training progress; ``should_stop()`` is polled between steps; ``teacher``: the reference's top-k on the
-    calibration windows it wrote itself, taken from its sampling (``distill(known_teacher=...)``)."""
+    training progress; ``should_stop()`` is polled between steps; ``teacher``: the original model's top-k on
+    the calibration windows it wrote itself, taken from its sampling (``distill(known_teacher=...)``)."""
 
     model: nn.Module
     reference: nn.Module
@@ -105,7 +105,7 @@ class ModelContext:
     result: QuantizeResult
     should_stop: Callable[[], bool]
     on_step: Callable[[str, int, int, float], None]
-    teacher: dict | None = None  # the reference's top-k on the windows it wrote itself (``sampled_calibration``)
+    teacher: dict | None = None  # the original's top-k on the windows it wrote itself (``sampled_calibration``)
 
 
 class ModelHook(NamedTuple):
