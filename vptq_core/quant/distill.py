@@ -416,9 +416,9 @@ def distill(
             ``distill_checkpointing``, ``train_dtype``, ``seed``.
         on_step: called after every step with (step, training KL per token of that step's windows).
         should_stop: polled before every step; when true the run stops there and keeps the best check so far.
-        known_teacher: the reference's top-k on some of ``windows``, already computed ({"rows" [m] window
-            numbers, "logp" / "index" [m, seq-1, distill_topk], "rest" [m, seq-1]}; e.g. the windows
-            ``sampled_calibration`` had the reference write): those windows get no teacher pass.
+        known_teacher: the original model's top-k on some of ``windows``, already computed ({"rows" [m]
+            window numbers, "logp" / "index" [m, seq-1, distill_topk], "rest" [m, seq-1]}; e.g. what
+            ``sampled_calibration(topk=...)`` kept of the windows the original wrote): those get no teacher pass.
 
     Returns metrics: ``steps`` done, ``cancelled``, ``heldout_windows``, ``kl_before`` / ``kl_after`` (held-out
     bucket KL per token; after <= before), ``best_step`` (0 = nothing kept), ``train_kl_first`` /

@@ -182,7 +182,7 @@ _ROUND_S = 0.02e-6  # per weight, rounding to a grid
 # 0.21 us at d2 k256, 3.1 us at d6 k4096, 16 us at d8 k16384; ``_KD_QUERY_2T`` with k-means' two workers), by
 # brute force 0.06 ns per centroid coordinate. A sweep column costs a fixed 63 us per codebook search on top, the
 # error feedback 0.17 us per weight; a k-means iteration 3.7 ms on top of its queries; the rest of a layer
-# (Hessian preparation, inverse Cholesky, dequantization, proxy loss) 5 ms + 23 ns per weight + 30 ps per
+# (Hessian preparation, inverse Cholesky, dequantization, proxy loss) 5 ms + 23 ns per weight + 31 ps per
 # in_features³. These held for a pipeline run in the same hour (102 s predicted, 102 s measured over the 210
 # layers), but the machine ran 1.3-1.4x slower then than during the presets' other runs (the same 16-window
 # evaluation took 22.1 s against 15.5 s), whose layers took 0.75-0.84x the prediction: ``_VPTQ_SCALE`` brings
