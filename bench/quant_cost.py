@@ -37,6 +37,7 @@ from vptq_core.studio.estimate import vptq_layer_phases  # noqa: E402
 
 MODULES = ("self_attn.q_proj", "self_attn.k_proj", "mlp.gate_proj", "mlp.down_proj")
 GRID = [(d, k) for d in (2, 3, 4, 5, 6, 8) for k in (256, 1024, 4096, 16384)] + [(10, 4096), (12, 4096), (16, 65536)]
+SETTINGS = ("vector_len", "num_centroids", "num_res_centroids", "outlier_percent")  # a row's layer settings
 QUICK = [(4, 256), (6, 4096), (5, 1024), (3, 512)]
 EXTRA = [  # the presets' own layers: outliers on, residual codebooks
     {"vector_len": 6, "num_centroids": 4096, "outlier_percent": 0.5},
@@ -99,9 +100,6 @@ def print_row(row: dict) -> float:
           f"{row['sweep']:.3f} | {pred['sweep']:.3f} | {row['whole']:.3f} | {pred['whole']:.3f} | {ratio:.2f} |",
           flush=True)
     return ratio
-
-
-SETTINGS = ("vector_len", "num_centroids", "num_res_centroids", "outlier_percent")
 
 
 def main() -> None:

@@ -250,7 +250,7 @@ def test_the_time_estimate_counts_distillation_as_measured():
     # s); now the self-written ones among them bring their top-k from the sampling (1.1 s a window less each).
     from vptq_core.quant.distill import drawn_windows, sampled_count
 
-    def written_drawn(config) -> int:
+    def written_drawn(config) -> int:  # the blocks see windows 0..31; the last sampled_count(32) are written
         rows = drawn_windows(36, config).calib_rows
         return int(((rows >= 32 - sampled_count(32, config)) & (rows < 32)).sum())
 

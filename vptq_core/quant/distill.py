@@ -117,6 +117,13 @@ def sampled_count(windows: int, config) -> int:
     return min(windows, max(1, math.floor(share * windows + 0.5)))
 
 
+def written_rows(n: int, config) -> torch.Tensor:
+    """The rows of ``n`` calibration windows (held-out check windows included) that ``sampled_calibration``
+    has the original model write: the last ``sampled_count`` of the ``layerwise_count`` the blocks see."""
+    stage = layerwise_count(n, config)
+    return torch.arange(stage - sampled_count(stage, config), stage)
+
+
 def sampled_calibration(model: nn.Module, calib_ids: torch.Tensor, config,
                         should_stop: Callable[[], bool] | None = None, topk: int = 0):
     """``calib_ids`` with the last ``sampled_count`` of the windows the block-by-block stage sees
@@ -126,11 +133,9 @@ def sampled_calibration(model: nn.Module, calib_ids: torch.Tensor, config,
     true. With ``topk`` > 0 it returns (windows, known): ``known`` the teacher's top-k on the written windows,
     taken from the sampling's own logits, as ``distill(known_teacher=...)`` takes it ({"rows", "logp", "index",
     "rest"} on the CPU; None when no window is written)."""
-    stage = layerwise_count(calib_ids.shape[0], config)
-    count = sampled_count(stage, config)
-    if not count:
+    rows = written_rows(calib_ids.shape[0], config)
+    if not rows.numel():
         return (calib_ids, None) if topk else calib_ids
-    rows = torch.arange(stage - count, stage)
     got = sample_windows(model, calib_ids[rows, :1], calib_ids.shape[1], seed=config.seed, batch=SAMPLE_BATCH,
                          should_stop=should_stop, rows=rows + CALIB_SAMPLE_ROWS, topk=topk,
                          device=torch.device("cpu"))
@@ -306,35 +311,32 @@ def _teacher_for(reference: nn.Module, windows: torch.Tensor, rows: torch.Tensor
                  should_stop: Callable[[], bool] | None, known: dict[str, torch.Tensor] | None):
     """(the teacher's top-k on ``windows[rows]``, in that order, on ``device``; how many windows needed a pass):
     the windows ``known`` covers take it from there, the others from ``teacher_topk``. (None, n) if cancelled."""
-    have = torch.full((windows.shape[0],), -1, dtype=torch.long)
+    keys = ("logp", "index", "rest")
+    have = torch.full((windows.shape[0],), -1, dtype=torch.long)  # window -> its row of ``known`` (-1: none)
     if known is not None:
         known_rows = torch.as_tensor(known["rows"], dtype=torch.long).cpu()
         want = (known_rows.numel(), windows.shape[1] - 1)
-        shapes_ok = known_rows.dim() == 1 and all(tuple(known[key].shape[:2]) == want for key in ("logp", "index",
-                                                                                               "rest"))
         k_want = min(k, reference.get_output_embeddings().out_features)
-        if not shapes_ok or known["logp"].shape[-1] != k_want or not bool(
-                ((known_rows >= 0) & (known_rows < windows.shape[0])).all()):
+        if (known_rows.dim() != 1 or any(tuple(known[key].shape[:2]) != want for key in keys)
+                or known["logp"].shape[-1] != k_want
+                or not bool(((known_rows >= 0) & (known_rows < windows.shape[0])).all())):
             raise ValueError(f"known_teacher must cover rows of the {windows.shape[0]} windows with [rows, "
-                             f"{windows.shape[1] - 1}, {k}] top-k tensors, got rows {tuple(known_rows.shape)} and "
-                             f"logp {tuple(known['logp'].shape)}")
+                             f"{windows.shape[1] - 1}, {k_want}] top-k tensors, got rows {tuple(known_rows.shape)} "
+                             f"and logp {tuple(known['logp'].shape)}")
         have[known_rows] = torch.arange(known_rows.numel())
-    need = rows[have[rows] < 0]
-    computed = teacher_topk(reference, windows[need], k, device, should_stop) if need.numel() else None
-    if need.numel() and computed is None:
-        return None, int(need.numel())
-    if need.numel() == rows.numel():
-        return computed, int(need.numel())
-    parts, order = [], torch.empty(rows.numel(), dtype=torch.long)
-    from_known = have[rows] >= 0
-    reused = {key: known[key][have[rows[from_known]]].to(device) for key in ("logp", "index", "rest")}
-    parts.append(reused)
-    order[from_known.nonzero().flatten()] = torch.arange(int(from_known.sum()))
-    if computed is not None:
+    source = have[rows]
+    need = rows[source < 0]
+    if need.numel() == rows.numel():  # nothing known: the plain teacher pass
+        return teacher_topk(reference, windows[rows], k, device, should_stop), int(need.numel())
+    parts = [{key: known[key].to(device) for key in keys}]
+    if need.numel():
+        computed = teacher_topk(reference, windows[need], k, device, should_stop)
+        if computed is None:
+            return None, int(need.numel())
         parts.append(computed)
-        order[(~from_known).nonzero().flatten()] = torch.arange(int(from_known.sum()), rows.numel())
-    stacked = _stack_teacher(parts, cat=True)
-    return {key: value[order.to(value.device)] for key, value in stacked.items()}, int(need.numel())
+        source[source < 0] = known["logp"].shape[0] + torch.arange(need.numel())  # after the known rows
+    pool = _stack_teacher(parts, cat=True)
+    return {key: value[source.to(value.device)] for key, value in pool.items()}, int(need.numel())
 
 
 class Drawn(NamedTuple):

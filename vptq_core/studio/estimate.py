@@ -3,6 +3,7 @@ bits per weight and checkpoint size, and whether the hub can be reached."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import math
@@ -260,6 +261,8 @@ def vptq_layer_phases(out_features: int, in_features: int, config, threads: int 
     phases = {"kmeans": kmeans, "sweep": sweep, "other": other}
     phases = {name: _VPTQ_SCALE * seconds for name, seconds in phases.items()}
     return {**phases, "whole": sum(phases.values())}
+
+
 def sampling_estimate(params: int, windows: int, seqlen: int) -> float:
     """Rough seconds for the original model of ``params`` parameters to write ``windows`` windows of ``seqlen``
     tokens (``distill.sample_windows``, up to ``SAMPLE_BATCH`` at once)."""
@@ -280,8 +283,8 @@ def distill_estimate(params: int, config, samples: int, seqlen: int) -> float:
     steps = settings.get("distill_iters", 0)
     if not steps:
         return 0.0
-    from ..quant.distill import drawn_windows, eval_every, sampled_count
-    from ..quant.finetune import holdout_count, layerwise_count, with_heldout
+    from ..quant.distill import drawn_windows, eval_every, written_rows
+    from ..quant.finetune import holdout_count, with_heldout
 
     samples = with_heldout(max(int(samples), 1), config)  # the held-out windows come on top of the calibration
     per_window = params * max(int(seqlen) - 1, 1)
@@ -290,9 +293,8 @@ def distill_estimate(params: int, config, samples: int, seqlen: int) -> float:
     drawn = drawn_windows(samples, config)
     teacher, sampled = drawn.calib_rows.numel(), drawn.sample_rows.numel()
     # the calibration windows the original wrote itself bring their teacher top-k from the sampling
-    stage = layerwise_count(samples, config)
-    written = sampled_count(stage, config) if settings.get("distill_data") != "sampled" else 0
-    teacher -= int(((drawn.calib_rows >= stage - written) & (drawn.calib_rows < stage)).sum())
+    if settings.get("distill_data") != "sampled":
+        teacher -= int(torch.isin(drawn.calib_rows, written_rows(samples, config)).sum())
     checks = 1 + math.ceil(steps / eval_every(config))
     return sampling_estimate(params, sampled, seqlen) + per_window * (
         _KD_TEACHER_S * teacher + _KD_STEP_S * steps * settings.get("distill_batch", 1) + _KD_CHECK_S * checks * n_val)
@@ -313,9 +315,7 @@ def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
     forwards = _FP_CHAIN_FORWARDS if settings.get("target_chain") == "fp" else 1.0
     seconds = _START_S + forwards * _FORWARD_S * weights * tokens + _IO_S * params
     if "num_centroids" in settings and "vector_len" in settings:
-        shapes: dict[tuple[int, int], int] = {}
-        for shape in info.linear_shapes:
-            shapes[shape] = shapes.get(shape, 0) + 1
+        shapes = collections.Counter(info.linear_shapes)  # each distinct shape priced once
         seconds += sum(count * vptq_layer_phases(*shape, config)["whole"] for shape, count in shapes.items())
     elif "rank" in settings and "iters" in settings:
         steps = settings["iters"] * settings.get("batch_size", 1) * max(int(seqlen), 1)
