@@ -12,7 +12,9 @@ Same math as ``kernels.reference`` / ``kernels.cpu`` (see their docstrings), rep
   tokens; AVX-512 puts 2 or 4 tokens in one 512-bit register). More tokens (prefill): W is dequantized tile by
   tile (perm and norm folded in, so the tiles equal the reference's bf16 W) and multiplied in bf16 with fp32
   accumulation: on CPUs with oneDNN's micro-kernels (AMX) the tiles are written straight into small VNNI blocks
-  fed to ``at::native::cpublas::brgemm``; elsewhere (and for fp32 x) tiles of ~480 outputs go through ``torch.mm``.
+  fed to ``at::native::cpublas::brgemm``; elsewhere tiles of ~480 outputs go through ``torch.mm``, in fp32 for bf16
+  x on CPUs without bf16 dot products (AVX2-only: torch's bf16 GEMM there widens operands on the fly, 5-13x slower
+  than MKL's fp32 GEMM on the same bf16-exact values).
 * ``prepare_scalar(codes_packed, scales, zeros, bias, bits, group_size, in_features)`` / ``scalar_linear(x,
   layer)``: the same for scalar codes (bits 1..8, any group size; codes repacked to 4- or 8-bit containers with
   each group padded to 32 codes). GEMV up to 4 tokens where the micro-kernel path exists (8 elsewhere; measured
@@ -341,8 +343,9 @@ def set_isa(name: str = "auto") -> str:
 
 
 def set_prefill(mode: str = "auto") -> str:
-    """Prefill (more than 8 tokens) path: 'auto', 'brgemm' (oneDNN micro-kernel, bf16 x, AMX CPUs) or 'mm' (tiles +
-    torch.mm, always possible). Returns the path bf16 prefill now takes. For tests and benchmarks."""
+    """Prefill (more than 8 tokens) path: 'auto', 'brgemm' (oneDNN micro-kernel, bf16 x, AMX CPUs), 'mm' (tiles +
+    torch.mm in x's dtype, always possible) or 'fp32' (tiles + fp32 torch.mm for bf16 x: what 'auto' takes on CPUs
+    without bf16 dot products). Returns the path bf16 prefill now takes. For tests and benchmarks."""
     return _ext().set_prefill(mode)
 
 

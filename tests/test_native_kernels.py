@@ -156,9 +156,15 @@ def test_vq_lower_isas(ext, threads, isa):
 
 
 def test_prefill_paths(ext, threads):
-    """Both prefill paths (oneDNN micro-kernel when this CPU has it, tiles + torch.mm always) on even and odd in."""
+    """Every prefill path (oneDNN micro-kernel when this CPU has it; tiles + torch.mm in bf16 and tiles + fp32
+    torch.mm for bf16 x, always) on even and odd in, with and without bias."""
     threads(1)
-    modes = ["mm"] + (["brgemm", "brgemm-gather"] if native.set_prefill("auto") == "brgemm" else [])
+    auto = native.set_prefill("auto")
+    assert auto in ("brgemm", "mm", "fp32")
+    assert native.set_prefill("fp32") == "fp32" and native.set_prefill("mm") == "mm"
+    with pytest.raises(RuntimeError, match="prefill mode must be auto, mm, brgemm or fp32"):
+        native.set_prefill("bf16")
+    modes = ["mm", "fp32"] + (["brgemm", "brgemm-gather"] if auto == "brgemm" else [])
     tuning = native._ext()  # private knob: perm via a gather of x (big layers) or via the index order (small ones)
     try:
         for mode in modes:

@@ -482,8 +482,9 @@ void add_bias_rows(const Tensor& tmp, const float* bias, int64_t o0, int64_t tw,
   }
 }
 
-// 0 auto (GEMM micro-kernel when the CPU has AMX/oneDNN ukernels, else tiles + torch.mm), 1 tiles + torch.mm,
-// 2 micro-kernel (when usable)
+// 0 auto (GEMM micro-kernel when the CPU has AMX/oneDNN ukernels; else tiles + torch.mm, in fp32 for bf16 x where
+// the CPU has no bf16 dot products), 1 tiles + torch.mm in x's dtype, 2 micro-kernel (when usable), 3 tiles +
+// fp32 torch.mm for bf16 x
 int g_prefill_mode = 0;
 constexpr int64_t kKB = 256;  // input columns per micro-kernel call
 
@@ -506,6 +507,30 @@ int64_t g_nb = 192;
 // perm in the micro-kernel path: 0 auto, 1 gather x into stored column order once, 2 read the index streams in
 // original column order (measured: the latter wins while a block's index rows stay in L1, in <= 2048)
 int g_gather = 0;
+
+// bf16 prefill through fp32 GEMMs: on CPUs without bf16 dot-product instructions (no AVX-512 BF16, no AMX) torch's
+// bf16 GEMMs widen every operand on the fly (measured on a Zen 3 with AVX2 only, 128 tokens, 1 thread: dense bf16
+// F.linear 22-27 ms at 576x1536 / 1536x576, tiles + bf16 torch.mm 125-290 ms), while MKL's fp32 GEMM runs at full
+// speed. The tiles hold the same bf16-exact weights widened to fp32 and x is widened once, so the products are the
+// reference's; only the fp32 accumulation order differs. Outputs are rounded to bf16 once at the end.
+bool prefill_fp32(const IO& io) {
+  if (io.kind != 1) return false;
+  if (g_prefill_mode == 3) return true;
+  return g_prefill_mode == 0 && kCpuLevel < 2 && !brgemm_usable();
+}
+
+std::string prefill_path() {
+  if (g_prefill_mode != 1 && g_prefill_mode != 3 && brgemm_usable()) return "brgemm";
+  IO probe;
+  probe.kind = 1;
+  return prefill_fp32(probe) ? "fp32" : "mm";
+}
+
+// y (bf16) = yw (fp32 [N, out]) + bias, rounded once.
+void finish_fp32(const Tensor& yw, const float* bias, const Tensor& y, int64_t out) {
+  if (bias) yw.add_(at::from_blob(const_cast<float*>(bias), {out}, at::kFloat));
+  y.view({yw.size(0), out}).copy_(yw);
+}
 
 Tensor vq_prefill_brgemm(const VQLayer& L, const IO& io) {
   const vn::IsaTable* T = isa();
@@ -560,9 +585,12 @@ Tensor vq_prefill(const VQLayer& L, const IO& io) {
   const vn::IsaTable* T = isa();
   const vn::VQArgs& A = L.a;
   const int64_t N = io.N, in = L.in, out = L.out;
-  const bool bf16 = io.kind == 1;
+  const bool wide = prefill_fp32(io);  // bf16 x through fp32 GEMMs
+  const bool bf16 = io.kind == 1 && !wide;
   const int64_t esz = bf16 ? 2 : 4;
   Tensor y = new_y(io, out);
+  const Tensor x2 = wide ? io.x2().to(at::kFloat) : io.x2();
+  const Tensor yw = wide ? at::empty({N, out}, x2.options()) : Tensor();
   const int64_t block_out = vn::NR_LAYOUT * A.v;
   const int64_t tb = std::max<int64_t>(1, (g_tile_outputs + block_out / 2) / block_out);  // blocks per tile
   const int64_t ntiles = (A.RB + tb - 1) / tb;
@@ -580,18 +608,20 @@ Tensor vq_prefill(const VQLayer& L, const IO& io) {
       void* Tp = buf + 16 * esz;
       T->vq_dequant(A, rb0, rb1, 0, in, true, Tp, ldt, bf16);
       Tensor Tv = at::from_blob(Tp, {in, tw}, {ldt, 1}, at::TensorOptions().dtype(st));
-      if (!bias) {
+      if (wide) {
+        Tensor ys = yw.narrow(1, o0, tw);
+        at::mm_out(ys, x2, Tv);
+      } else if (!bias) {
         Tensor ys = y.view({N, out}).narrow(1, o0, tw);
-        at::mm_out(ys, io.x2(), Tv);
+        at::mm_out(ys, x2, Tv);
       } else {
-        Tensor tmp = at::mm(io.x2(), Tv);
+        Tensor tmp = at::mm(x2, Tv);
         add_bias_rows(tmp, bias, o0, tw, yp, out, io.kind, N);
       }
     }
   });
-  if (L.has_norm) {
-    // norm is folded into T (W = Wp[:, perm] * scale + wbias), nothing left to add
-  }
+  // (norm is folded into T: W = Wp[:, perm] * scale + wbias, nothing left to add)
+  if (wide) finish_fp32(yw, bias, y, out);
   return y;
 }
 
@@ -603,7 +633,7 @@ Tensor vq_forward(const VQLayer& L, const Tensor& x) {
     y = new_y(io, L.out);
   else if (io.N <= kGemvMaxTokens)
     y = vq_gemv(L, io);
-  else if (io.kind == 1 && L.in % 2 == 0 && g_prefill_mode != 1 && brgemm_usable())
+  else if (io.kind == 1 && L.in % 2 == 0 && g_prefill_mode != 1 && g_prefill_mode != 3 && brgemm_usable())
     y = vq_prefill_brgemm(L, io);
   else
     y = vq_prefill(L, io);
@@ -741,9 +771,12 @@ Tensor scalar_gemv(const ScalarLayer& L, const IO& io) {
 Tensor scalar_prefill(const ScalarLayer& L, const IO& io) {
   const vn::IsaTable* T = isa();
   const int64_t N = io.N, in = L.in, out = L.out;
-  const bool bf16 = io.kind == 1;
+  const bool wide = prefill_fp32(io);  // bf16 x through fp32 GEMMs
+  const bool bf16 = io.kind == 1 && !wide;
   const int64_t esz = bf16 ? 2 : 4;
   Tensor y = new_y(io, out);
+  const Tensor x2 = wide ? io.x2().to(at::kFloat) : io.x2();
+  const Tensor yw = wide ? at::empty({N, out}, x2.options()) : Tensor();
   const int64_t tw_max = std::max<int64_t>(16, g_tile_outputs);
   const int64_t ntiles = (out + tw_max - 1) / tw_max;
   const int64_t ldw = (L.Gn * L.gs + 32 + 31) / 32 * 32;  // chunk stores run up to 31 past the last group
@@ -757,15 +790,19 @@ Tensor scalar_prefill(const ScalarLayer& L, const IO& io) {
       const int64_t o0 = t * tw_max, o1 = std::min<int64_t>(out, o0 + tw_max), tw = o1 - o0;
       T->sc_dequant(L.a, o0, o1, buf, ldw, bf16);
       Tensor Wv = at::from_blob(buf, {tw, in}, {ldw, 1}, at::TensorOptions().dtype(st));
-      if (!bias) {
+      if (wide) {
+        Tensor ys = yw.narrow(1, o0, tw);
+        at::mm_out(ys, x2, Wv.t());
+      } else if (!bias) {
         Tensor ys = y.view({N, out}).narrow(1, o0, tw);
-        at::mm_out(ys, io.x2(), Wv.t());
+        at::mm_out(ys, x2, Wv.t());
       } else {
-        Tensor tmp = at::mm(io.x2(), Wv.t());
+        Tensor tmp = at::mm(x2, Wv.t());
         add_bias_rows(tmp, bias, o0, tw, yp, out, io.kind, N);
       }
     }
   });
+  if (wide) finish_fp32(yw, bias, y, out);
   return y;
 }
 
@@ -815,7 +852,7 @@ Tensor scalar_prefill_brgemm(const ScalarLayer& L, const IO& io) {
 // the GEMV is ~2x slower than dequantize + micro-kernel GEMM); without it, the GEMV runs up to 8 tokens.
 int64_t g_scalar_gemv_max_mk = 4;
 bool scalar_mk_ok(const ScalarLayer& L, const IO& io) {
-  return io.kind == 1 && L.in % 2 == 0 && g_prefill_mode != 1 && brgemm_usable();
+  return io.kind == 1 && L.in % 2 == 0 && g_prefill_mode != 1 && g_prefill_mode != 3 && brgemm_usable();
 }
 
 Tensor scalar_forward(const ScalarLayer& L, const Tensor& x) {
@@ -933,8 +970,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_nb", [](int64_t n) { g_nb = std::max<int64_t>(1, n); });
   m.def("set_tile", [](int64_t n) { g_tile_outputs = std::max<int64_t>(16, n); });
   m.def("set_prefill", [](const std::string& mode) {
-    TORCH_CHECK(mode == "auto" || mode == "mm" || mode == "brgemm", "prefill mode must be auto, mm or brgemm");
-    g_prefill_mode = mode == "mm" ? 1 : (mode == "brgemm" ? 2 : 0);
-    return (g_prefill_mode != 1 && brgemm_usable()) ? std::string("brgemm") : std::string("mm");
+    TORCH_CHECK(mode == "auto" || mode == "mm" || mode == "brgemm" || mode == "fp32",
+                "prefill mode must be auto, mm, brgemm or fp32, got '", mode, "'");
+    g_prefill_mode = mode == "mm" ? 1 : (mode == "brgemm" ? 2 : (mode == "fp32" ? 3 : 0));
+    return prefill_path();
   });
 }

@@ -75,8 +75,10 @@ class DistillSettings(ConfigBase):
     next-token distributions, KL(P_orig || P_quant) on the teacher's top ``distill_topk`` tokens + one bucket
     for the rest; 0 steps = off. A subclass calls ``check_distill()`` from its ``__post_init__``."""
 
-    # Autocast dtype of the training steps of fine-tuning and distillation (held-out checks run in float32).
-    train_dtype: str = "bfloat16"
+    # Autocast dtype of the training steps of fine-tuning and distillation (held-out checks run in float32):
+    # "auto" = bf16 where the device multiplies bf16 in hardware (CUDA, AVX-512 BF16 or AMX CPUs), float32
+    # elsewhere (device.compute_dtype); "bfloat16"; "float32".
+    train_dtype: str = "auto"
     distill_iters: int = 0
     # distill_lr is relative: VPTQ codebooks step by distill_lr x the median RMS of the model's codebook tensors
     # (scalar methods: the lr of the log-scales, relative too). 2.5e-3 is the absolute 5e-4 measured best on
@@ -102,11 +104,15 @@ class DistillSettings(ConfigBase):
     # from the calibration text, so the Hessians and block targets cover what the model writes, not only the
     # calibration text's domain. Needs the whole model in memory (no block streaming). 0 = the text only.
     calib_sampled_share: float = 0.0
+    # The dtype windows are written in (calibration and distillation samples; distill.sampling_dtype): "auto"
+    # = bf16 copies of a float32 model's weights where the hardware multiplies bf16 natively (CUDA, AVX-512 BF16
+    # or AMX CPUs), else the model as it is; "bfloat16"; "model" = as loaded.
+    sample_dtype: str = "auto"
     seed: int = 0
 
     def check_distill(self) -> None:
-        if self.train_dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"train_dtype must be 'bfloat16' or 'float32', got {self.train_dtype!r}")
+        if self.train_dtype not in ("auto", "bfloat16", "float32"):
+            raise ValueError(f"train_dtype must be 'auto', 'bfloat16' or 'float32', got {self.train_dtype!r}")
         check_int("distill_iters", self.distill_iters, 0, 1000000)
         check_float("distill_lr", self.distill_lr, 0.0, 1.0)
         check_float("distill_norm_lr", self.distill_norm_lr, 0.0, 1.0)
@@ -116,6 +122,8 @@ class DistillSettings(ConfigBase):
         check_int("distill_eval_every", self.distill_eval_every, 0, 1000000)
         check_int("distill_samples", self.distill_samples, 1, 1000000)
         check_float("calib_sampled_share", self.calib_sampled_share, 0.0, 1.0)
+        if self.sample_dtype not in ("auto", "bfloat16", "model"):
+            raise ValueError(f"sample_dtype must be 'auto', 'bfloat16' or 'model', got {self.sample_dtype!r}")
         if self.distill_data not in DISTILL_DATA:
             raise ValueError(f"distill_data must be one of {', '.join(DISTILL_DATA)}, got {self.distill_data!r}")
         check_int("seed", self.seed, 0)

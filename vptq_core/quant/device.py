@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 
 import torch
@@ -28,6 +29,44 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
     if device is None or (isinstance(device, str) and device == "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (Linux ``/proc/cpuinfo``; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def native_bf16(device: str | torch.device = "cpu") -> bool:
+    """Whether ``device`` multiplies bf16 in hardware: CUDA with bf16 support, or a CPU with AVX-512 BF16 or AMX.
+    Elsewhere (AVX2-only CPUs, e.g. AMD Zen 3 or most laptops) torch emulates bf16 matmuls by widening every
+    operand, and float32 is the faster dtype: measured on a Zen 3, 2 threads, one SmolLM2-135M distillation step
+    (512 tokens, forward + backward): NOTE."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device.type != "cpu":
+        return False
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def compute_dtype(choice: str, device: str | torch.device = "cpu") -> torch.dtype:
+    """The dtype a setting names: "bfloat16", "float32", or "auto" = bf16 where ``device`` multiplies it in
+    hardware (``native_bf16``), else float32."""
+    if choice == "auto":
+        return torch.bfloat16 if native_bf16(device) else torch.float32
+    if choice == "bfloat16":
+        return torch.bfloat16
+    if choice == "float32":
+        return torch.float32
+    raise ValueError(f"dtype must be 'auto', 'bfloat16' or 'float32', got {choice!r}")
 
 
 def nearest_backend(requested: str | None = None) -> str:

@@ -46,8 +46,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .blocks import decoder_blocks
 from .config import DistillSettings
+from .device import compute_dtype, native_bf16
 from .finetune import (
-    TRAIN_DTYPES,
     CodebookLinear,
     Snapshot,
     autocast,
@@ -70,6 +70,38 @@ WARMUP_FRACTION = 0.05  # of the steps, linear learning-rate warm-up before the 
 # windows sampled at once: on SmolLM2 (2 threads) 32 windows of 256 tokens took 56-59 s at batch 32 and 76-78 s
 # at 16, 16 windows 60-62 s at 8; 32 windows of 512 tokens 138.6 s at 32 (274-289 s at 8 in the bench runs)
 SAMPLE_BATCH = 32
+SAMPLE_DTYPES = ("auto", "bfloat16", "model")
+
+
+def sampling_dtype(model: nn.Module, choice: str = "auto") -> torch.dtype | None:
+    """The dtype ``sample_windows`` runs ``model`` in: None = its own parameters as they are; bfloat16 = bf16
+    copies of its floating-point parameters (its buffers, e.g. rotary frequencies, untouched).
+
+    ``choice``: "model" (as it is), "bfloat16" (always bf16), "auto" (bf16 when the parameters are float32 on a
+    device that multiplies bf16 in hardware, ``device.native_bf16``; the model's own dtype elsewhere, where bf16
+    arithmetic would be emulated and slower)."""
+    if choice not in SAMPLE_DTYPES:
+        raise ValueError(f"sample_dtype must be one of {SAMPLE_DTYPES}, got {choice!r}")
+    param = next(model.parameters())
+    if choice == "model" or param.dtype == torch.bfloat16:
+        return None
+    if choice == "bfloat16":
+        return torch.bfloat16
+    if param.dtype != torch.float32:
+        return None
+    return torch.bfloat16 if native_bf16(param.device) else None
+
+
+def _runner(model: nn.Module, dtype: torch.dtype | None) -> Callable:
+    """``model``'s forward, or the same forward through bf16 copies of its floating-point parameters
+    (``torch.func.functional_call``; the module itself is left as it is)."""
+    if dtype is None:
+        return model
+    params = {name: p.detach().to(dtype) for name, p in model.named_parameters() if p.is_floating_point()}
+
+    def forward(**kwargs):
+        return torch.func.functional_call(model, params, (), kwargs, tie_weights=True)
+    return forward
 
 
 def eval_every(config: DistillSettings) -> int:
@@ -138,7 +170,7 @@ def sampled_calibration(model: nn.Module, calib_ids: torch.Tensor, config,
         return (calib_ids, None) if topk else calib_ids
     got = sample_windows(model, calib_ids[rows, :1], calib_ids.shape[1], seed=config.seed, batch=SAMPLE_BATCH,
                          should_stop=should_stop, rows=rows + CALIB_SAMPLE_ROWS, topk=topk,
-                         device=torch.device("cpu"))
+                         device=torch.device("cpu"), dtype=getattr(config, "sample_dtype", "auto"))
     if got is None:
         return None
     written, teacher = got if topk else (got, None)
@@ -155,7 +187,8 @@ def _stack_teacher(rows: list[dict[str, torch.Tensor]], dim: int = 0, cat: bool 
 @torch.no_grad()
 def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed: int = 0, batch: int = 8,
                    temperature: float = 1.0, should_stop: Callable[[], bool] | None = None,
-                   topk: int = 0, device: torch.device | None = None, rows: torch.Tensor | None = None):
+                   topk: int = 0, device: torch.device | None = None, rows: torch.Tensor | None = None,
+                   dtype: str = "model"):
     """Windows of ``seqlen`` tokens sampled from ``reference`` itself -> [n, seqlen] int64 on the CPU.
 
     Row i begins with ``starts[i]`` ([n, s] token ids, 1 <= s < seqlen; e.g. the BOS token, or a calibration
@@ -181,6 +214,7 @@ def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed
         raise ValueError(f"rows must name one row number per start, got shape {tuple(rows.shape)} for "
                          f"{starts.shape[0]} starts")
     ref_device = next(reference.parameters()).device
+    forward = _runner(reference, sampling_dtype(reference, dtype))
     out, teachers = [], []
     for lo in range(0, starts.shape[0], batch):
         ids = starts[lo : lo + batch].cpu()
@@ -190,7 +224,7 @@ def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed
         while ids.shape[1] < seqlen:
             if should_stop is not None and should_stop():
                 return None
-            res = reference(input_ids=step_in.to(ref_device), past_key_values=past, use_cache=True)
+            res = forward(input_ids=step_in.to(ref_device), past_key_values=past, use_cache=True)
             past = res.past_key_values
             if topk:
                 steps.append(_topk_of(res.logits, topk, device or ref_device))  # [b, new positions, k]
@@ -445,7 +479,7 @@ def distill(
     n = windows.shape[0]
     n_val = holdout_count(n, config.distill_holdout)
     n_train = n - n_val
-    dtype = TRAIN_DTYPES[config.train_dtype]
+    dtype = compute_dtype(config.train_dtype, device)
     data = config.distill_data
     metrics = {"steps": 0, "cancelled": False, "heldout_windows": n_val, "data": data}
 
@@ -477,7 +511,8 @@ def distill(
         t0 = time.perf_counter()
         starts = windows[sample_rows % n_train, :1]
         got = sample_windows(reference, starts, windows.shape[1], seed=config.seed, batch=SAMPLE_BATCH,
-                             should_stop=should_stop, topk=config.distill_topk, device=device, rows=sample_rows)
+                             should_stop=should_stop, topk=config.distill_topk, device=device, rows=sample_rows,
+                             dtype=config.sample_dtype)
         metrics["sample_seconds"] = time.perf_counter() - t0
         if got is None:
             return cancelled()

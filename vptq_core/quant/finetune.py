@@ -31,12 +31,12 @@ from kernels.reference import as_index
 
 from .act_quant import quantize_activations
 from .config import VPTQConfig
+from .device import compute_dtype
 from .methods import Cancelled
 from .states import ScalarLayerState, VQLayerState
 
 # The float tensors of a VQ layer that training moves (indices, permutation and shapes never change).
 TRAINED_TENSORS = ("centroids", "res_centroids", "outlier_centroids", "weight_scale", "weight_bias")
-TRAIN_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 EVAL_BATCH = 8  # windows per no-grad forward when measuring held-out error
 
 
@@ -327,7 +327,7 @@ def finetune_block_centroids(
     n_train = n - n_val
     val = torch.arange(n_train, n) if n_val else torch.arange(n)
     device = inputs.device
-    dtype = TRAIN_DTYPES[config.train_dtype]
+    dtype = compute_dtype(config.train_dtype, device)
     batch = batch_size or config.finetune_batch
     should_stop = should_stop or (lambda: False)
     names = list(states)
