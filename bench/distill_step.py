@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import resource
 import statistics
 import sys
 import time
@@ -113,6 +114,7 @@ def main() -> None:
     for variant in args.variants:
         med = statistics.median(times[variant])
         print(f"| {variant} | {med:.2f} | {med / base:.2f} | {len(times[variant])} |")
+    print(f"\nprocess peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,34 @@ def test_distillation_lowers_the_kl_on_its_training_windows(tiny_model, windows)
         torch.testing.assert_close(qmodel.get_submodule(name).weight, st.dequantize())
 
 
+def test_checkpointing_changes_memory_not_results(tiny_model, windows, monkeypatch):
+    """Activation checkpointing on or off trains the same model; "auto" turns it off only when one step's saved
+    activations fit a quarter of the free memory."""
+    from vptq_core.quant import distill as distill_mod
+
+    model, _ = tiny_model
+    trained = []
+    for setting in (True, False):
+        qmodel, result = quantize_model(model, windows, "vptq", TINY)
+        cfg = dataclasses.replace(TINY, distill_iters=4, distill_lr=0.17, distill_holdout=0.25, distill_topk=32,
+                                  train_dtype="float32", distill_checkpointing=setting)
+        metrics = distill(qmodel, model, result.states, windows, cfg)
+        assert metrics["checkpointing"] is setting and metrics["best_step"] > 0
+        trained.append({n: st.centroids.clone() for n, st in result.states.items()})
+    for name, centroids in trained[0].items():
+        torch.testing.assert_close(trained[1][name], centroids, rtol=1e-5, atol=1e-6)
+    # auto: 20 bytes per token and linear output against a quarter of the free memory
+    need = distill_mod.ACT_BYTES * 5184 * 30 * 512  # SmolLM2-135M, one 512-token window: 1.59 GB
+    for free, expected in ((4 * need + 1, False), (4 * need - 1, True), (None, True)):
+        monkeypatch.setattr(distill_mod, "free_memory", lambda _device, _f=free: _f)
+        assert distill_mod.use_checkpointing("auto", 5184 * 30, 512, torch.device("cpu")) is expected
+    assert distill_mod.use_checkpointing(False, 10**9, 10**9, torch.device("cpu")) is False
+    assert VPTQConfig().distill_checkpointing == "auto"
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="distill_checkpointing must be true, false or 'auto'"):
+            VPTQConfig(distill_checkpointing=bad)
+
+
 def test_pipeline_distillation_round_trips_through_the_packed_checkpoint(tmp_path, tiny_model, windows):
     model, tok = tiny_model
     cfg = dataclasses.replace(TINY, distill_iters=8, distill_lr=0.17, distill_norm_lr=3e-3, distill_holdout=0.25,
@@ -219,7 +247,7 @@ def test_sampling_in_bf16_is_the_model_with_bf16_parameters(tiny_model, monkeypa
 
 def test_auto_training_dtype_follows_the_hardware(monkeypatch):
     """train_dtype "auto": bf16 autocast where the device multiplies bf16 in hardware, float32 elsewhere (on an
-    AVX2-only CPU one distillation step took 126 s in bf16 against 10 s in float32)."""
+    AVX2-only CPU one distillation step took 135 s in bf16 against 12.6 s in float32)."""
     from vptq_core.quant import device
 
     assert VPTQConfig().train_dtype == "auto"

@@ -130,9 +130,9 @@ struct VT<4> {
   static VN_FI B bc(float x) { return _mm_set1_ps(x); }
   static VN_FI T bcv(B x) { return x; }
   static VN_FI T ld32(const float* p) { return _mm_loadu_ps(p); }
-  static VN_FI T ld16(const uint16_t* p) {
-    __m128i w = _mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    return _mm_castsi128_ps(_mm_slli_epi32(w, 16));
+  static VN_FI T ld16(const uint16_t* p) {  // word i -> the high half of dword i: one load, one unpack
+    return _mm_castsi128_ps(
+        _mm_unpacklo_epi16(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
   static VN_FI T fma(T a, B b, T c) { return _mm_fmadd_ps(a, b, c); }
   static VN_FI T add(T a, T b) { return _mm_add_ps(a, b); }

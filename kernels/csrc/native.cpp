@@ -164,6 +164,9 @@ void unpack_rows(const int32_t* words, int64_t R, int64_t W, int64_t n, int bits
   }
 }
 
+// GEMV codebook choice at prepare time (measurements): 0 the rule below, 1 bf16 whenever exact, 2 always fp32
+int g_cb16 = 0;
+
 std::shared_ptr<VQLayer> prepare_vq(std::vector<int64_t> spec, Tensor indices, Tensor centroids,
                                     c10::optional<Tensor> res_centroids, c10::optional<Tensor> outlier_indices,
                                     c10::optional<Tensor> outlier_centroids, c10::optional<Tensor> perm,
@@ -216,7 +219,7 @@ std::shared_ptr<VQLayer> prepare_vq(std::vector<int64_t> spec, Tensor indices, T
   // while 4 or 16 lanes take a widening load + shift, which cost more than the fp32 codebook's cache misses
   // (measured in one process, 1 thread, AVX-512: v4 k4096 0.36-0.53 of dense bf16 time with the fp32 codebook
   // against 0.46-0.86 with bf16, v4 k8192 and v12/v16 alike; v6/v8 k4096 0.23-0.41 with bf16 against 0.27-0.47).
-  L->gemv_cb16 = exact && vp == 8 && (k + (res ? L->kr : 0)) * vp * 4 > 24 * 1024;
+  L->gemv_cb16 = exact && (g_cb16 == 1 || (g_cb16 == 0 && vp == 8 && (k + (res ? L->kr : 0)) * vp * 4 > 24 * 1024));
 
   // indices -> element offsets (code * vp), rows in blocks of 8
   const bool i32 = (std::max<int64_t>(k, res ? L->kr : 0) - 1) * vp > 65535;
@@ -968,6 +971,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_scalar_gemv_max_tokens", [](int64_t n) { g_scalar_gemv_max_mk = std::max<int64_t>(0, n); });
   m.def("set_gather", [](int64_t g) { g_gather = int(g); });
   m.def("set_nb", [](int64_t n) { g_nb = std::max<int64_t>(1, n); });
+  m.def("set_cb16", [](int64_t m) { g_cb16 = int(m); });
   m.def("set_tile", [](int64_t n) { g_tile_outputs = std::max<int64_t>(16, n); });
   m.def("set_prefill", [](const std::string& mode) {
     TORCH_CHECK(mode == "auto" || mode == "mm" || mode == "brgemm" || mode == "fp32",

@@ -16,9 +16,10 @@ Indices, codes, embeddings and the LM head stay fixed. Objective, per predicted 
   logits), or both. The held-out windows are always calibration windows.
 - **Student**: the quantized model with its quantized linears replaced by ``finetune.trainable_linear``
   (the weight gathered from the codebooks, or scaled codes, in each forward), each decoder block under activation
-  checkpointing (``distill_checkpointing``) and the LM head + loss in checkpointed chunks of tokens, so
-  memory holds one block's activations and one chunk's logits; bf16 autocast for the training steps
-  (``train_dtype``), float32 parameters and Adam state.
+  checkpointing (``distill_checkpointing``; "auto": only when one step's saved activations would not fit a
+  quarter of the free memory, ``use_checkpointing``) and the LM head + loss in checkpointed chunks of tokens, so
+  memory holds one block's activations and one chunk's logits; bf16 autocast for the training steps where the
+  device multiplies bf16 in hardware (``train_dtype``), float32 parameters and Adam state.
 - **Held-out**: ``distill_holdout`` of the windows are never trained on; the KL on them is checked every
   ``distill_eval_every`` steps (0: every quarter of the steps) and at the end (float32), and the best check
   wins, the starting point
@@ -260,6 +261,37 @@ def bucket_kl(logits: torch.Tensor, t_logp: torch.Tensor, t_index: torch.Tensor,
 
 
 # ------------------------------------------------------------------------------------------- student
+# Bytes of saved activations per token and per output element of the block linears when the blocks are not
+# checkpointed: SmolLM2-135M (30 blocks x 5184 outputs), one 512-token window, float32: peak RSS 4366 MB without
+# checkpointing against 2924 MB with it (bench/distill_step.py) = 18.1 bytes; 20 leaves a margin.
+ACT_BYTES = 20
+ACT_MEMORY_SHARE = 0.25  # of the device's free memory the saved activations may take
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Free bytes of ``device`` (host RAM available for the CPU), None when unknown."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0])
+        if device.type == "cpu":
+            import psutil
+
+            return int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001 - unknown means: be careful
+        return None
+    return None
+
+
+def use_checkpointing(setting: bool | str, linear_outputs: int, tokens: int, device: torch.device) -> bool:
+    """``distill_checkpointing`` resolved: true / false as given; "auto" = checkpoint unless one step's saved
+    activations (``ACT_BYTES`` x ``linear_outputs`` (sum of out_features of the quantized linears) x ``tokens``
+    per step) fit ``ACT_MEMORY_SHARE`` of the device's free memory."""
+    if setting != "auto":
+        return bool(setting)
+    free = free_memory(torch.device(device))
+    return free is None or ACT_BYTES * linear_outputs * tokens > ACT_MEMORY_SHARE * free
+
+
 @contextlib.contextmanager
 def _checkpointed_blocks(model: nn.Module, enabled: bool):
     """Every decoder block's forward under activation checkpointing (instance attributes, removed after)."""
@@ -530,7 +562,10 @@ def distill(
     dense_dtypes = [p.dtype for p in dense]
     was_training = qmodel.training
     qmodel.eval()
-    student = _Student(qmodel, config.distill_checkpointing)
+    checkpointing = use_checkpointing(config.distill_checkpointing, sum(st.out_features for st in states.values()),
+                                      windows.shape[1] * config.distill_batch, device)
+    metrics["checkpointing"] = checkpointing
+    student = _Student(qmodel, checkpointing)
     _check_head(student, qmodel, windows)
     tokens_per_window = windows.shape[1] - 1
 
@@ -548,7 +583,7 @@ def distill(
         for p in dense:  # train 1-D tensors in float32 (put back in their dtype after)
             p.data = p.data.float()
         with swapped_in(qmodel, list(states), make) as trainables, _checkpointed_blocks(
-            qmodel, config.distill_checkpointing
+            qmodel, checkpointing
         ):
             codebooks = [p for layer in trainables.values() for p in layer.params.values()]
             codebooks_trained = codebooks if config.distill_lr > 0 else []

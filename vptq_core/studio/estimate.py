@@ -206,6 +206,9 @@ _LAYER_HESSIAN_S = 31e-12
 # token at a time): 16 windows in 65-100 s, 24 in 73 s, so 50 s per batched pass + 1.5 s per window.
 _KD_TOKENS = 134.5e6 * 511
 _KD_STEP_S = 3.0 / _KD_TOKENS
+# a step without activation checkpointing (distill_checkpointing "auto" where the activations fit): 0.74-0.78 of
+# one with it (bench/distill_step.py, SmolLM2-135M, 512 tokens, float32, 2 threads: 7.7 vs 10.4 s, 6.4 vs 8.2 s)
+_KD_NO_CHECKPOINT = 0.76
 _KD_CHECK_S = 1.5 / _KD_TOKENS
 _KD_TEACHER_S = 1.1 / _KD_TOKENS
 _KD_SAMPLE_S = 1.5 / _KD_TOKENS
@@ -274,16 +277,18 @@ def sampling_estimate(params: int, windows: int, seqlen: int) -> float:
     return params * max(int(seqlen) - 1, 1) * (_KD_SAMPLE_S * windows + _KD_SAMPLE_PASS_S * passes)
 
 
-def distill_estimate(params: int, config, samples: int, seqlen: int) -> float:
+def distill_estimate(params: int, config, samples: int, seqlen: int, linear_outputs: int | None = None) -> float:
     """Rough seconds of a config's end-to-end distillation (any method; 0 when off) for a model of ``params``
     parameters calibrated on ``samples`` windows of ``seqlen`` tokens (and the held-out windows drawn on top,
     ``with_heldout``): the teacher's pass over the windows it uses (not the self-written calibration windows:
-    their top-k comes from the sampling), the sampled windows, the training steps and the held-out checks."""
+    their top-k comes from the sampling), the sampled windows, the training steps and the held-out checks.
+    ``linear_outputs`` (the quantized linears' out_features, summed) resolves "auto" checkpointing as the run will
+    (``distill.use_checkpointing``); without it the steps are priced as checkpointed ones."""
     settings = config.to_dict()
     steps = settings.get("distill_iters", 0)
     if not steps:
         return 0.0
-    from ..quant.distill import drawn_windows, eval_every, written_rows
+    from ..quant.distill import drawn_windows, eval_every, use_checkpointing, written_rows
     from ..quant.finetune import holdout_count, with_heldout
 
     samples = with_heldout(max(int(samples), 1), config)  # the held-out windows come on top of the calibration
@@ -296,8 +301,13 @@ def distill_estimate(params: int, config, samples: int, seqlen: int) -> float:
     if settings.get("distill_data") != "sampled":
         teacher -= int(torch.isin(drawn.calib_rows, written_rows(samples, config)).sum())
     checks = 1 + math.ceil(steps / eval_every(config))
+    batch = settings.get("distill_batch", 1)
+    step_s = _KD_STEP_S
+    if linear_outputs and not use_checkpointing(settings.get("distill_checkpointing", True), linear_outputs,
+                                                int(seqlen) * batch, torch.device("cpu")):
+        step_s *= _KD_NO_CHECKPOINT
     return sampling_estimate(params, sampled, seqlen) + per_window * (
-        _KD_TEACHER_S * teacher + _KD_STEP_S * steps * settings.get("distill_batch", 1) + _KD_CHECK_S * checks * n_val)
+        _KD_TEACHER_S * teacher + step_s * steps * batch + _KD_CHECK_S * checks * n_val)
 
 
 def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
@@ -326,4 +336,5 @@ def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
 
     # the block stage sees exactly ``samples`` windows (distillation's check windows are drawn on top)
     seconds += sampling_estimate(params, sampled_count(max(int(samples), 1), config), seqlen)
-    return seconds + distill_estimate(params, config, samples, seqlen)
+    outputs = sum(o for o, _ in info.linear_shapes)
+    return seconds + distill_estimate(params, config, samples, seqlen, outputs or None)
