@@ -168,8 +168,11 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                                     label=labels["distill_data"] + " (sampled = text the original writes)")
                                 fields["distill_samples"] = number("distill_samples", " (sampled / mixed data)")
                                 fields["distill_eval_every"] = number("distill_eval_every", " (steps; 0 = quarter)")
+                                fields["time_budget"] = number(
+                                    "time_budget", " (s for the whole run, distillation fits in; 0 = none)",
+                                    integer=False)
                             groups[distill_group] = ("distill_iters", "distill_data", "distill_samples",
-                                                     "distill_eval_every")
+                                                     "distill_eval_every", "time_budget")
                             for group, keys in groups.items():
                                 group.visible = form.uses(method.value, keys)
                             gr.Markdown("**Calibration**")

@@ -1,5 +1,7 @@
+import copy
 import dataclasses
 import math
+import time
 
 import pytest
 import torch
@@ -107,6 +109,52 @@ def test_checkpointing_changes_memory_not_results(tiny_model, windows, monkeypat
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="distill_checkpointing must be true, false or 'auto'"):
             VPTQConfig(distill_checkpointing=bad)
+
+
+def test_plan_steps_fits_the_steps_and_checks_into_the_time_left():
+    from vptq_core.quant.distill import plan_steps
+
+    # typical step = median of the steps after the first (10 s), checks of 4 s every 2 steps, one kept for the end
+    assert plan_steps(100.0, [30.0, 10.0, 11.0, 9.0], 4.0, 2) == 8  # (100 - 4) // (10 + 2)
+    assert plan_steps(100.0, [30.0], 4.0, 2) == 3  # only the first step known: (100 - 4) // 32
+    assert plan_steps(3.0, [1.0, 1.0], 4.0, 2) == 0
+    assert plan_steps(-5.0, [1.0], 0.0, 1) == 0
+
+
+def test_a_time_budget_shrinks_distillation_to_the_steps_that_fit(tiny_model, windows, monkeypatch):
+    """With a deadline the run plans how many steps fit and runs its schedule over that many: the same model as
+    a run configured for that many steps; with no time left nothing is trained; the pipeline sets the deadline
+    from time_budget."""
+    from vptq_core.quant import distill as distill_mod
+
+    model, _ = tiny_model
+    qmodel, result = quantize_model(model, windows, "vptq", TINY)
+    cfg = dataclasses.replace(TINY, distill_iters=12, distill_lr=0.17, distill_holdout=0.25, distill_topk=32,
+                              distill_eval_every=1, train_dtype="float32")
+    runs = []
+    for iters, deadline in ((3, None), (12, time.perf_counter() + 3600)):
+        q, st = copy.deepcopy(qmodel), copy.deepcopy(result.states)
+        plans = []
+        # 3 steps fit in all (the clock is not what is tested here: plan_steps is, above)
+        monkeypatch.setattr(distill_mod, "plan_steps", lambda _left, times, _c, _e: max(0, 3 - len(times)))
+        metrics = distill(q, model, st, windows, dataclasses.replace(cfg, distill_iters=iters), deadline=deadline,
+                          on_plan=plans.append)
+        runs.append((st, metrics, plans))
+    (planned, m3, _), (budgeted, m12, plans) = runs
+    assert m3["steps"] == m12["steps"] == 3 and m12["planned_steps"] == 3 and plans == [3]
+    for name, state in planned.items():
+        torch.testing.assert_close(budgeted[name].centroids, state.centroids, rtol=0, atol=0)
+    # no time left: nothing trained, nothing changed
+    q, st = copy.deepcopy(qmodel), copy.deepcopy(result.states)
+    metrics = distill(q, model, st, windows, cfg, deadline=time.perf_counter() - 1)
+    assert metrics["steps"] == 0 and metrics["out_of_time"] and metrics["best_step"] == 0
+    assert all(torch.equal(st[n].centroids, result.states[n].centroids) for n in st)
+    # the pipeline: a budget spent by the block stage leaves distillation no time
+    monkeypatch.undo()
+    _, res = quantize_model(model, windows, "vptq", dataclasses.replace(cfg, time_budget=1e-3))
+    assert res.model_metrics["distill"]["out_of_time"] and res.model_metrics["distill"]["steps"] == 0
+    with pytest.raises(ValueError, match="time_budget"):
+        VPTQConfig(time_budget=-1.0)
 
 
 def test_pipeline_distillation_round_trips_through_the_packed_checkpoint(tmp_path, tiny_model, windows):
@@ -489,14 +537,15 @@ def test_every_method_takes_the_distillation_settings(tmp_path):
         # every preset names its distillation steps, and one that distils every distillation field of the form:
         # picking it never keeps another preset's
         for preset in m.presets.values():
-            assert "distill_iters" in preset and "calib_sampled_share" in preset
+            assert {"distill_iters", "calib_sampled_share", "time_budget"} <= set(preset)
             if preset["distill_iters"]:
                 assert {"distill_data", "distill_samples", "distill_eval_every"} <= set(preset)
         args = build_parser().parse_args(["quantize", "--method", m.name, "--model", "tiny-random-llama",
                                           "--distill-iters", "8", "--distill-data", "mixed", "--distill-lr", "0.002",
-                                          "--out", str(tmp_path / "o")])
+                                          "--time-budget", "90", "--out", str(tmp_path / "o")])
         config = method_config_from_args(args)
         assert (config.distill_iters, config.distill_data, config.distill_lr) == (8, "mixed", 0.002)
+        assert config.time_budget == 90.0 and form.uses(m.name, ["time_budget"])
     with pytest.raises(ValueError, match="distill_data must be one of calibration, sampled, mixed"):
         LRQConfig(distill_data="wiki")
 

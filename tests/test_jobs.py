@@ -361,14 +361,23 @@ def test_time_estimate_of_the_presets_matches_their_runs():
     from vptq_core.studio.estimate import time_estimate, vptq_layer_phases
 
     info = model_info("smollm2-135m-instruct")
-    two = VPTQConfig(**{**PRESETS["2.5 bits"], "distill_iters": 32})
-    three = VPTQConfig(**{**PRESETS["3.5 bits"], "calib_sampled_share": 0.5})
+    # those runs checkpointed the blocks during distillation and had no time budget
+    measured = {"distill_checkpointing": True, "time_budget": 0.0}
+    two = VPTQConfig(**{**PRESETS["2.5 bits"], "distill_iters": 32, **measured})
+    three = VPTQConfig(**{**PRESETS["3.5 bits"], "calib_sampled_share": 0.5, **measured})
     # per layer: the sum of the 210 layers' seconds (k-means, sweep, the rest) in the run
     assert sum(vptq_layer_phases(o, i, two)["whole"] for o, i in info.linear_shapes) == pytest.approx(116, rel=0.15)
     assert sum(vptq_layer_phases(o, i, three)["whole"] for o, i in info.linear_shapes) == pytest.approx(78, rel=0.15)
     # whole runs: 416 s ("2.5 bits"), 440 s ("3.5 bits" with half self-written calibration)
     assert time_estimate(info, two, 32, 512) == pytest.approx(416, rel=0.1)
     assert time_estimate(info, three, 32, 512) == pytest.approx(440, rel=0.1)
+    # a time budget caps distillation at what the block stage leaves of it, never the block stage itself
+    no_kd = time_estimate(info, dataclasses.replace(two, distill_iters=0), 32, 512)
+    assert time_estimate(info, dataclasses.replace(two, time_budget=no_kd + 50), 32, 512) == pytest.approx(no_kd + 50)
+    assert time_estimate(info, dataclasses.replace(two, time_budget=60), 32, 512) == pytest.approx(no_kd)
+    # unchecked blocks (the "auto" setting where the activations fit) make the steps cheaper
+    assert time_estimate(info, dataclasses.replace(two, distill_checkpointing=False), 32, 512) < time_estimate(
+        info, two, 32, 512)
 
 
 def test_time_estimate_of_lrq_matches_its_runs():

@@ -70,6 +70,8 @@ METHOD_FLAGS: dict[str, dict[str, tuple[str, str, str]]] = {
         "--calib-sampled-share": ("calib_sampled_share", "float", "share (0..1) of the calibration windows the blocks "
                                   "see that the original model writes itself (sampled at temperature 1) instead of "
                                   "the calibration text"),
+        "--time-budget": ("time_budget", "float", "seconds the whole run may take (0 = no limit): distillation, the "
+                          "last stage, runs as many of its steps as fit what the block stage leaves"),
         "--distill-lr": ("distill_lr", "float", "distillation learning rate, relative: VPTQ codebooks step by "
                          "this times the model's median codebook RMS; scalar methods: the lr of the log-scales"),
     },

@@ -111,6 +111,11 @@ class DistillSettings(ConfigBase):
     # = bf16 copies of a float32 model's weights where the hardware multiplies bf16 natively (CUDA, AVX-512 BF16
     # or AMX CPUs), else the model as it is; "bfloat16"; "model" = as loaded.
     sample_dtype: str = "auto"
+    # Seconds the whole run may take (0 = no limit): distillation, the last stage, runs as many of its
+    # distill_iters steps as fit what is left (measured from its own first steps, held-out checks included; its
+    # learning-rate schedule planned over that many); the block-by-block stage is never cut short. The presets
+    # use it so that they finish on time on slower machines too.
+    time_budget: float = 0.0
     seed: int = 0
 
     def check_distill(self) -> None:
@@ -125,6 +130,7 @@ class DistillSettings(ConfigBase):
         check_int("distill_eval_every", self.distill_eval_every, 0, 1000000)
         check_int("distill_samples", self.distill_samples, 1, 1000000)
         check_float("calib_sampled_share", self.calib_sampled_share, 0.0, 1.0)
+        check_float("time_budget", self.time_budget, 0.0, 1e7)
         if self.sample_dtype not in ("auto", "bfloat16", "model"):
             raise ValueError(f"sample_dtype must be 'auto', 'bfloat16' or 'model', got {self.sample_dtype!r}")
         if self.distill_data not in DISTILL_DATA:

@@ -458,6 +458,15 @@ def lr_groups(trainables: dict[str, nn.Module], lr: float) -> tuple[list[dict], 
     return groups, rms
 
 
+def plan_steps(seconds_left: float, step_times: list[float], check_s: float, every: int) -> int:
+    """How many more training steps fit ``seconds_left``: each costs the typical step so far (the median of the
+    steps after the first, which pays one-time costs; the first alone when it is the only one) plus its share of
+    the held-out checks (one every ``every`` steps, ``check_s`` each), and one last check is kept for the end."""
+    typical = statistics.median(step_times[1:] or step_times)
+    per_step = typical + check_s / max(every, 1)
+    return max(0, int((seconds_left - check_s) // per_step)) if per_step > 0 else 0
+
+
 # ------------------------------------------------------------------------------------------------ api
 def distill(
     qmodel: nn.Module,
@@ -468,6 +477,8 @@ def distill(
     on_step: OnStep | None = None,
     should_stop: Callable[[], bool] | None = None,
     known_teacher: dict[str, torch.Tensor] | None = None,
+    deadline: float | None = None,
+    on_plan: Callable[[int], None] | None = None,
 ) -> dict:
     """Distil ``qmodel`` (the fake-quantized model ``quantize_model`` returns) towards ``reference``.
 
@@ -487,8 +498,14 @@ def distill(
         known_teacher: the original model's top-k on some of ``windows``, already computed ({"rows" [m]
             window numbers, "logp" / "index" [m, seq-1, distill_topk], "rest" [m, seq-1]}; e.g. what
             ``sampled_calibration(topk=...)`` kept of the windows the original wrote): those get no teacher pass.
+        deadline: a ``time.perf_counter()`` value the steps must end by (the run's ``time_budget``): before each
+            step the run plans how many of ``distill_iters`` steps still fit (``plan_steps``, from the steps and
+            checks so far) and its schedule runs over that many (never more); when none fits it stops like a
+            cancel (keeping the best check). No time left at the start: nothing is trained.
+        on_plan: hears the new step count each time the deadline shrinks the plan.
 
-    Returns metrics: ``steps`` done, ``cancelled``, ``heldout_windows``, ``kl_before`` / ``kl_after`` (held-out
+    Returns metrics: ``steps`` done, ``planned_steps`` (< ``distill_iters`` when the deadline cut them),
+    ``cancelled``, ``heldout_windows``, ``kl_before`` / ``kl_after`` (held-out
     bucket KL per token; after <= before), ``best_step`` (0 = nothing kept), ``train_kl_first`` /
     ``train_kl_last``, ``teacher_seconds``, ``seconds``, ``codebook_rms`` (VPTQ: min, median, max).
     """
@@ -517,6 +534,11 @@ def distill(
 
     def cancelled() -> dict:
         metrics.update(cancelled=True, seconds=time.perf_counter() - t_start)
+        return metrics
+
+    if deadline is not None and time.perf_counter() >= deadline:
+        metrics.update(planned_steps=0, out_of_time=True, kl_before=None, kl_after=None, best_step=0,
+                       seconds=time.perf_counter() - t_start)
         return metrics
 
     # The windows trained on and checked, and the teacher's top-k on each: calibration windows need a
@@ -606,13 +628,28 @@ def distill(
             warmup = int(iters * WARMUP_FRACTION)
             batches = (where[rows] for rows in minibatches(pool, config.distill_batch, config.seed))
             with only_trainable(qmodel, trained), torch.enable_grad(), _restore_on_error(start):
+                t0 = time.perf_counter()
                 before = heldout_kl()
+                check_s = time.perf_counter() - t0
                 best_kl, best_step = before, 0
                 metrics["kl_before"] = before
+                step_times: list[float] = []
                 for step in range(iters):
                     if should_stop():
                         metrics["cancelled"] = True
                         break
+                    if deadline is not None:  # the first step runs while any time is left; then they are planned
+                        now = time.perf_counter()
+                        left = (plan_steps(deadline - now, step_times, check_s, every) if step_times
+                                else int(now < deadline))
+                        if step_times and 0 < left and step + left < iters:  # only ever fewer: shrink to what fits
+                            iters, warmup = step + left, int((step + left) * WARMUP_FRACTION)
+                            if on_plan is not None:
+                                on_plan(iters)
+                        if left <= 0:
+                            metrics["out_of_time"] = True
+                            break
+                    t_step = time.perf_counter()
                     for g, lr in zip(optimizer.param_groups, base_lrs, strict=True):
                         g["lr"] = lr * cosine_factor(step, iters, warmup)
                     rows = next(batches)
@@ -627,13 +664,18 @@ def distill(
                     metrics.setdefault("train_kl_first", value)
                     metrics["train_kl_last"] = value
                     metrics["steps"] = step + 1
+                    step_times.append(time.perf_counter() - t_step)
                     on_step(step + 1, value)
                     if (step + 1) % every == 0 or step + 1 == iters:
+                        t0 = time.perf_counter()
                         kl_now = heldout_kl()
+                        check_s = time.perf_counter() - t0
                         if kl_now < best_kl:
                             best_kl, best_step = kl_now, step + 1
                             best = Snapshot(codebooks + dense)
-                if metrics["cancelled"] and metrics["steps"] and best_step < metrics["steps"]:
+                metrics["planned_steps"] = iters
+                stopped = metrics["cancelled"] or metrics.get("out_of_time")
+                if stopped and metrics["steps"] and best_step < metrics["steps"] and metrics["steps"] % every:
                     kl_now = heldout_kl()  # the steps since the last check may still be the best
                     if kl_now < best_kl:
                         best_kl, best_step = kl_now, metrics["steps"]
@@ -684,10 +726,10 @@ def sized_preset(settings: dict, params: int) -> tuple[dict, str]:
 
 
 def _distill_hook(ctx) -> dict | None:
-    steps = ctx.config.distill_iters
+    plan = [ctx.config.distill_iters]  # the progress shows the planned total (a time budget may shrink it)
     return distill(ctx.model, ctx.reference, ctx.states, ctx.calib_ids, ctx.config,
-                   on_step=lambda step, kl: ctx.on_step("distill", step, steps, kl), should_stop=ctx.should_stop,
-                   known_teacher=ctx.teacher)
+                   on_step=lambda step, kl: ctx.on_step("distill", step, plan[0], kl), should_stop=ctx.should_stop,
+                   known_teacher=ctx.teacher, deadline=ctx.deadline, on_plan=lambda n: plan.__setitem__(0, n))
 
 
 # Every built-in method's after-model step (its config's ``distill_iters`` > 0).

@@ -106,6 +106,7 @@ class ModelContext:
     should_stop: Callable[[], bool]
     on_step: Callable[[str, int, int, float], None]
     teacher: dict | None = None  # the original's top-k on the windows it wrote itself (``sampled_calibration``)
+    deadline: float | None = None  # time.perf_counter() by which the run should end (config.time_budget)
 
 
 class ModelHook(NamedTuple):

@@ -544,15 +544,17 @@ def quantize_model(
     except Cancelled:
         result.cancelled = True
     if model_hooks and not result.cancelled:
+        budget = getattr(config, "time_budget", 0.0)
+        deadline = start_time - earlier_seconds + budget if budget > 0 else None
         _run_model_hooks(model_hooks, model, reference, calib_ids, config, result, should_stop, on_step, dev,
-                         known_teacher)
+                         known_teacher, deadline)
     result.seconds = earlier_seconds + time.perf_counter() - start_time
     return model, result
 
 
 def _run_model_hooks(hooks, model: nn.Module, reference: nn.Module, calib_ids: torch.Tensor, config,
                      result: QuantizeResult, should_stop: ShouldStop, on_step: OnStep | None,
-                     dev: torch.device, teacher: dict | None = None) -> None:
+                     dev: torch.device, teacher: dict | None = None, deadline: float | None = None) -> None:
     """The after-model hooks on the whole fake-quantized model (float32 on ``dev``, put back after)."""
     orig_device, orig_dtype = next(model.parameters()).device, next(model.parameters()).dtype
     model.to(dev, torch.float32)
@@ -560,7 +562,8 @@ def _run_model_hooks(hooks, model: nn.Module, reference: nn.Module, calib_ids: t
         for hook in hooks:
             ctx = ModelContext(model=model, reference=reference, calib_ids=calib_ids, states=result.states,
                                config=config, result=result, should_stop=should_stop,
-                               on_step=on_step or (lambda _phase, _step, _steps, _loss: None), teacher=teacher)
+                               on_step=on_step or (lambda _phase, _step, _steps, _loss: None), teacher=teacher,
+                               deadline=deadline)
             with result.timed(hook.phase):
                 metrics = hook.run(ctx) or {}
             result.model_metrics[hook.phase] = metrics

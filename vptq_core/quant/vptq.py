@@ -338,14 +338,19 @@ def _finetune_hook(ctx) -> dict | None:
 # "2.5 bits" went from 2.57x / 2.62x with 32 steps to 2.46x / 2.48x with 48 (64, checked every 16: 2.43x /
 # 2.51x), "3.5 bits" from 1.40x / 1.41x with 16 steps (half self-written) to 1.37x / 1.33x with 48.
 # (distill_samples is named so that picking the preset resets every distillation field of the form)
-_PRESET_DISTILL = {"distill_data": "calibration", "distill_samples": 16, "distill_eval_every": 8}
+# The run's pipeline must end within this many seconds (loading and writing the checkpoint take ~10-20 s more): on a
+# slower machine distillation runs fewer steps instead of running late (an AVX2-only Zen 3 took 1076 s for the
+# "2.5 bits" recipe without it).
+PRESET_TIME_BUDGET = 570.0
+_PRESET_DISTILL = {"distill_data": "calibration", "distill_samples": 16, "distill_eval_every": 8,
+                   "time_budget": PRESET_TIME_BUDGET}
 PRESETS = {
     "2.5 bits": {"vector_len": 6, "num_centroids": 4096, "num_res_centroids": 0, "layer_bits_cap": 2.5,
                  "distill_iters": 48, "calib_sampled_share": 0.75, **_PRESET_DISTILL},
     "3.5 bits": {"vector_len": 4, "num_centroids": 4096, "num_res_centroids": 0, "layer_bits_cap": 3.5,
                  "distill_iters": 48, "calib_sampled_share": 0.75, **_PRESET_DISTILL},
     "4.5 bits": {"vector_len": 4, "num_centroids": 256, "num_res_centroids": 256, "layer_bits_cap": 4.5,
-                 "distill_iters": 0, "calib_sampled_share": 0.0},
+                 "distill_iters": 0, "calib_sampled_share": 0.0, "time_budget": 0.0},
 }
 
 METHOD = register(Method(

@@ -317,7 +317,7 @@ def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
     each, plus ``_LRQ_FIXED`` passes over the calibration; FP-chain targets add half a pass of block forwards;
     a config with ``act_order`` sweeps columns as GPTQ does; the ``calib_sampled_share`` windows the original
     writes: ``sampling_estimate``; distillation: ``distill_estimate``). Layer-wise fine-tuning steps are not
-    counted."""
+    counted. A ``time_budget`` caps distillation at what the rest leaves of it."""
     weights, params = info.linear_weights, info.linear_weights + info.other_params
     tokens = max(int(samples), 1) * max(int(seqlen), 1)
     settings = config.to_dict()
@@ -337,4 +337,8 @@ def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
     # the block stage sees exactly ``samples`` windows (distillation's check windows are drawn on top)
     seconds += sampling_estimate(params, sampled_count(max(int(samples), 1), config), seqlen)
     outputs = sum(o for o, _ in info.linear_shapes)
-    return seconds + distill_estimate(params, config, samples, seqlen, outputs or None)
+    distilling = distill_estimate(params, config, samples, seqlen, outputs or None)
+    budget = settings.get("time_budget", 0.0) or 0.0
+    if budget > 0:  # distillation gets what the block stage leaves of the budget (the block stage is never cut)
+        distilling = min(distilling, max(0.0, budget - seconds))
+    return seconds + distilling

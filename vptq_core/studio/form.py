@@ -40,6 +40,7 @@ FIELD_LABELS = {
     "layer_bits_cap": "max total bits per layer", "distill_iters": "distillation steps",
     "distill_data": "distillation data", "distill_samples": "sampled windows",
     "distill_eval_every": "held-out check every", "calib_sampled_share": "self-written calibration share",
+    "time_budget": "time budget",
     "bits": "bits", "group_size": "group size", "activations": "activations", "act_order": "act order",
     "rank": "LRQ rank", "iters": "LRQ iterations per block", "seed": "seed", "samples": "calibration samples",
     "seqlen": "tokens per sample",
