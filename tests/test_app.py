@@ -160,7 +160,8 @@ def gated(served, monkeypatch):
 def job_kwargs(**overrides) -> dict:
     kwargs = dict(model=TINY, custom_model="", method="vptq", vector_len=4, num_centroids=16, num_res_centroids=0,
                   outlier_percent=0, group_num=1, enable_norm=False, enable_perm=True, kmeans_iters=2,
-                  finetune_iters=0, layer_bits_cap=0.0, distill_iters=0, distill_data="calibration", bits=2, group_size=32, act_order=True,
+                  finetune_iters=0, layer_bits_cap=0.0, distill_iters=0, distill_data="calibration", bits=2,
+                  group_size=32, act_order=True,
                   rank=0, iters=5,
                   activations=form.WEIGHT_ONLY, calib_source=form.WIKI_SOURCE, calib_file=None, calib_samples=4,
                   calib_seqlen=64, seed=0)

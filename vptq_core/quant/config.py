@@ -67,6 +67,11 @@ SCALAR_DISTILL_LR = 2e-3
 DISTILL_LR = 2.5e-3  # VPTQ codebooks: a step of this times the model's median codebook RMS
 
 
+# The settings of DistillSettings every preset names (these values: off), so that picking a preset never keeps
+# another preset's distillation, self-written calibration or time budget.
+PRESET_OFF = {"distill_iters": 0, "calib_sampled_share": 0.0, "time_budget": 0.0}
+
+
 @dataclass(frozen=True)
 class DistillSettings(ConfigBase):
     """End-to-end distillation (quant/distill.py), shared by every built-in method's config: after all blocks,

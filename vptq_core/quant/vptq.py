@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .bits import BitsInfo, vq_bits
-from .config import VPTQConfig
+from .config import PRESET_OFF, VPTQConfig
 from .distill import DISTILL_HOOK, distill_label
 from .finetune import finetune_block_centroids
 from .hessian import inverse_hessian_cholesky, prepare_hessian, proxy_loss
@@ -350,7 +350,7 @@ PRESETS = {
     "3.5 bits": {"vector_len": 4, "num_centroids": 4096, "num_res_centroids": 0, "layer_bits_cap": 3.5,
                  "distill_iters": 48, "calib_sampled_share": 0.75, **_PRESET_DISTILL},
     "4.5 bits": {"vector_len": 4, "num_centroids": 256, "num_res_centroids": 256, "layer_bits_cap": 4.5,
-                 "distill_iters": 0, "calib_sampled_share": 0.0, "time_budget": 0.0},
+                 **PRESET_OFF},
 }
 
 METHOD = register(Method(
