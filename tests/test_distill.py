@@ -144,10 +144,15 @@ def test_a_time_budget_shrinks_distillation_to_the_steps_that_fit(tiny_model, wi
     assert m3["steps"] == m12["steps"] == 3 and m12["planned_steps"] == 3 and plans == [3]
     for name, state in planned.items():
         torch.testing.assert_close(budgeted[name].centroids, state.centroids, rtol=0, atol=0)
+    # the time runs out mid-way (the steps were slower than planned): the run stops there, like a cancel
+    monkeypatch.setattr(distill_mod, "plan_steps", lambda _left, times, _c, _e: 5 if len(times) < 2 else 0)
+    metrics = distill(copy.deepcopy(qmodel), model, copy.deepcopy(result.states), windows, cfg,
+                      deadline=time.perf_counter() + 3600)
+    assert metrics["steps"] == metrics["planned_steps"] == 2 and metrics["out_of_time"] and not metrics["cancelled"]
     # no time left: nothing trained, nothing changed
     q, st = copy.deepcopy(qmodel), copy.deepcopy(result.states)
     metrics = distill(q, model, st, windows, cfg, deadline=time.perf_counter() - 1)
-    assert metrics["steps"] == 0 and metrics["out_of_time"] and metrics["best_step"] == 0
+    assert metrics["steps"] == metrics["planned_steps"] == 0 and metrics["out_of_time"] and metrics["best_step"] == 0
     assert all(torch.equal(st[n].centroids, result.states[n].centroids) for n in st)
     # the pipeline: a budget spent by the block stage leaves distillation no time
     monkeypatch.undo()

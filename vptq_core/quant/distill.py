@@ -647,6 +647,7 @@ def distill(
                             if on_plan is not None:
                                 on_plan(iters)
                         if left <= 0:
+                            iters = step  # the plan ends here
                             metrics["out_of_time"] = True
                             break
                     t_step = time.perf_counter()
