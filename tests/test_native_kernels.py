@@ -182,6 +182,28 @@ def test_prefill_paths(ext, threads):
         tuning.set_gather(0)
 
 
+def test_prefill_on_two_threads_under_inference_mode(ext, threads):
+    """The prefill paths run ATen GEMMs on torch's worker threads into an output made under inference mode (the
+    chat's decode loop): the workers carry the caller's inference mode, in every path."""
+    threads(2)
+    name, spec, perm, norm, bias = BIG_LAYERS[0]
+    layer = synthetic.random_vq_layer(spec, seed=0, dtype=torch.bfloat16, perm=perm, norm=norm, bias=bias)
+    prepared = native.prepare_vq(spec, **_vq_fields(layer))
+    made, kwargs = _scalar_layer(515, 768, 4, 128, torch.bfloat16, seed=7)
+    scalar = native.prepare_scalar(**kwargs)
+    x, xs = torch.randn(64, spec.in_features).to(torch.bfloat16), torch.randn(64, 768).to(torch.bfloat16)
+    want, want_s = _ref_vq(x, spec, layer), _ref_scalar(xs, made)
+    modes = ["mm", "fp32"] + (["brgemm"] if native.set_prefill("auto") == "brgemm" else [])
+    try:
+        for mode in modes:
+            native.set_prefill(mode)
+            with torch.inference_mode():
+                _close(native.vq_linear(x, prepared), want, f"{mode} {name} inference mode")
+                _close(native.scalar_linear(xs, scalar), want_s, f"{mode} scalar inference mode")
+    finally:
+        native.set_prefill("auto")
+
+
 def test_vq_input_forms(ext):
     """Leading dims, non-contiguous x, fp16 x, int16/int32/int64 perm, VQWeights or separate tensors."""
     spec = _spec(69, 100, 6, 4096, outliers=(5, 4, 256))

@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
@@ -110,13 +111,18 @@ int64_t threads_for(int64_t macs, int64_t max_chunks) {
   return std::max<int64_t>(1, std::min<int64_t>({t, max_chunks, macs / g_parallel_macs}));
 }
 
+// The workers run with the caller's thread-local state (inference mode, grad mode): the prefill paths call ATen
+// ops (torch.mm into slices of an output the caller allocated) on them, and an output made under
+// torch.inference_mode() may only be written where inference mode is on too.
 template <typename F>
 void run_chunks(int64_t n, int64_t chunks, const F& f) {
   if (chunks <= 1) {
     f(0, n);
     return;
   }
+  const at::ThreadLocalState state;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    at::ThreadLocalStateGuard guard(state);
     for (int64_t c = c0; c < c1; ++c) f(c * n / chunks, (c + 1) * n / chunks);
   });
 }
