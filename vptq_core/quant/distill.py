@@ -537,8 +537,7 @@ def distill(
         return metrics
 
     if deadline is not None and time.perf_counter() >= deadline:
-        metrics.update(planned_steps=0, out_of_time=True, kl_before=None, kl_after=None, best_step=0,
-                       seconds=time.perf_counter() - t_start)
+        metrics.update(planned_steps=0, out_of_time=True, best_step=0, seconds=time.perf_counter() - t_start)
         return metrics
 
     # The windows trained on and checked, and the teacher's top-k on each: calibration windows need a
