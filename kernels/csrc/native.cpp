@@ -522,17 +522,15 @@ int g_gather = 0;
 // F.linear 22-27 ms at 576x1536 / 1536x576, tiles + bf16 torch.mm 125-290 ms), while MKL's fp32 GEMM runs at full
 // speed. The tiles hold the same bf16-exact weights widened to fp32 and x is widened once, so the products are the
 // reference's; only the fp32 accumulation order differs. Outputs are rounded to bf16 once at the end.
-bool prefill_fp32(const IO& io) {
-  if (io.kind != 1) return false;
+bool prefill_fp32(int kind) {
+  if (kind != 1) return false;
   if (g_prefill_mode == 3) return true;
   return g_prefill_mode == 0 && kCpuLevel < 2 && !brgemm_usable();
 }
 
 std::string prefill_path() {
   if (g_prefill_mode != 1 && g_prefill_mode != 3 && brgemm_usable()) return "brgemm";
-  IO probe;
-  probe.kind = 1;
-  return prefill_fp32(probe) ? "fp32" : "mm";
+  return prefill_fp32(1) ? "fp32" : "mm";
 }
 
 // y (bf16) = yw (fp32 [N, out]) + bias, rounded once.
@@ -594,7 +592,7 @@ Tensor vq_prefill(const VQLayer& L, const IO& io) {
   const vn::IsaTable* T = isa();
   const vn::VQArgs& A = L.a;
   const int64_t N = io.N, in = L.in, out = L.out;
-  const bool wide = prefill_fp32(io);  // bf16 x through fp32 GEMMs
+  const bool wide = prefill_fp32(io.kind);  // bf16 x through fp32 GEMMs
   const bool bf16 = io.kind == 1 && !wide;
   const int64_t esz = bf16 ? 2 : 4;
   Tensor y = new_y(io, out);
@@ -780,7 +778,7 @@ Tensor scalar_gemv(const ScalarLayer& L, const IO& io) {
 Tensor scalar_prefill(const ScalarLayer& L, const IO& io) {
   const vn::IsaTable* T = isa();
   const int64_t N = io.N, in = L.in, out = L.out;
-  const bool wide = prefill_fp32(io);  // bf16 x through fp32 GEMMs
+  const bool wide = prefill_fp32(io.kind);  // bf16 x through fp32 GEMMs
   const bool bf16 = io.kind == 1 && !wide;
   const int64_t esz = bf16 ? 2 : 4;
   Tensor y = new_y(io, out);
