@@ -76,11 +76,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per variant and round")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps before them (>= 1: a step is timed from the "
+                    "end of the one before)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--variants", nargs="*", default=["float32", "float32-nockpt", "bfloat16"],
                     help="DTYPE[-nockpt], DTYPE one of float32, bfloat16, auto")
     args = ap.parse_args()
+    if args.warmup < 1 or args.steps < 1:
+        ap.error("--warmup and --steps must be >= 1")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
@@ -104,7 +107,7 @@ def main() -> None:
                      for name, st in states.items()}
             distill(student, reference, trial, windows, config, on_step=lambda step, _kl: stamps.append(
                 time.perf_counter()))
-            steps = [b - a for a, b in zip(stamps[args.warmup - 1 if args.warmup else 0:], stamps[args.warmup:])]
+            steps = [b - a for a, b in zip(stamps[args.warmup - 1:], stamps[args.warmup:])]
             times[variant].extend(steps)
             print(f"# round {rnd + 1} {variant}: " + ", ".join(f"{s:.2f}" for s in steps) + " s", flush=True)
 
