@@ -16,9 +16,11 @@ Protocol: both models in the same process; a fixed chat prompt; one warm-up run 
 timed runs, alternating which model goes first; each run = one prefill plus --tokens greedy single-token steps
 with a KV cache (end-of-sequence ignored, so every run decodes the same number of tokens). --loop picks the
 decode loop, the same for both models: "cache" (a plain forward loop with transformers' dynamic KV cache),
-"static" (a preallocated static KV cache), "generate" (transformers' generate()), "lean" / "lean-static"
-(``vptq_core.generation.decode_loop``, what the app's chat runs: last-position logits only at prefill, no
-logits processors, dynamic or static KV cache).
+"static" (a preallocated static KV cache), "generate" (transformers' generate()), "lean"
+(``vptq_core.generation.decode_loop`` as the app's chat runs it: last-position logits only at prefill, no logits
+processors, and for llama-family models ``vptq_core.lean_decoder``: the same linears, the operations between them
+fused into native calls, its own preallocated KV cache), "lean-model" / "lean-static" (decode_loop with the
+model's own forward and a dynamic / static KV cache).
 Decode tokens/s = steps / time of the steps (prefill excluded, reported apart); medians over pairs and the
 median of the per-pair ratios. --anatomy adds a table of one decode step's time split into the block linears,
 the LM head and the rest (attention, norms, rotary, embedding, Python), measured with timing hooks.
@@ -135,7 +137,8 @@ LOOPS: dict[str, Callable] = {
     "cache": lambda m, p, s: _cache_loop(m, p, s, static=False),
     "static": lambda m, p, s: _cache_loop(m, p, s, static=True),
     "generate": _generate_loop,
-    "lean": lambda m, p, s: _lean_loop(m, p, s, "dynamic"),
+    "lean": lambda m, p, s: _lean_loop(m, p, s, "auto"),
+    "lean-model": lambda m, p, s: _lean_loop(m, p, s, "dynamic"),
     "lean-static": lambda m, p, s: _lean_loop(m, p, s, "static"),
 }
 
@@ -167,13 +170,14 @@ def _time_modules(model: nn.Module, run: Callable[[], object]) -> tuple[dict[str
 
 
 @torch.inference_mode()
-def anatomy(model: nn.Module, prompt_ids: torch.Tensor, steps: int) -> dict[str, float]:
-    """ms per decode step: total (no hooks), block linears, LM head, rest = total - linears - head. The hooked
-    times of a prefill-only run are subtracted, so only the ``steps`` decode steps count."""
-    _cache_loop(model, prompt_ids, 4, static=False)
-    _, _, plain = _cache_loop(model, prompt_ids, steps, static=False)
-    with_steps, hooked = _time_modules(model, lambda: _cache_loop(model, prompt_ids, steps, static=False))
-    prefill_only, _ = _time_modules(model, lambda: _cache_loop(model, prompt_ids, 0, static=False))
+def anatomy(model: nn.Module, prompt_ids: torch.Tensor, steps: int, loop: Callable) -> dict[str, float]:
+    """ms per decode step of ``loop`` (one of LOOPS): total (no hooks), block linears, LM head, rest = total -
+    linears - head. The hooked times of a prefill-only run are subtracted, so only the ``steps`` decode steps
+    count."""
+    loop(model, prompt_ids, 4)
+    _, _, plain = loop(model, prompt_ids, steps)
+    with_steps, hooked = _time_modules(model, lambda: loop(model, prompt_ids, steps))
+    prefill_only, _ = _time_modules(model, lambda: loop(model, prompt_ids, 0))
     linears = (with_steps["linears"] - prefill_only["linears"]) / steps
     head = (with_steps["head"] - prefill_only["head"]) / steps
     total = plain / steps
@@ -341,12 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"process peak RSS (both models loaded): {peak_rss_bytes() / 2**20:.0f} MB")
     if args.anatomy:
         print()
-        print(f"anatomy of one decode step (ms; {args.tokens} steps after the prompt, dynamic KV cache; linears and "
+        print(f"anatomy of one decode step (ms; {args.tokens} steps after the prompt, loop {args.loop}; linears and "
               "head timed with hooks, rest = total without hooks - linears - head):")
         print("| model | total | block linears | LM head | rest | hook overhead |")
         print("|---|---|---|---|---|---|")
         for name, model in models.items():
-            a = anatomy(model, prompt_ids, args.tokens)
+            a = anatomy(model, prompt_ids, args.tokens, LOOPS[args.loop])
             print(f"| {name} | {a['total']:.2f} | {a['linears']:.2f} | {a['head']:.2f} | {a['rest']:.2f} | "
                   f"{a['hook_overhead']:.2f} |")
     return 0

@@ -58,7 +58,7 @@ CACHE_ENV_VAR = "VPTQ_NATIVE_CACHE"
 _NAME = "vptq_native"
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("native.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp")
-_HEADERS = ("common.h", "kernels_body.h")
+_HEADERS = ("common.h", "kernels_body.h", "decoder_body.h")
 # -fopenmp: at::parallel_for is inlined from ATen's OpenMP header, so the extension must be built with OpenMP to run
 # on torch's thread pool (the module then uses torch's own libgomp, already loaded by libtorch).
 _CFLAGS = ("-O3", "-DNDEBUG", "-fno-math-errno", "-fno-trapping-math", "-Wno-unused-function", "-fopenmp")
@@ -405,3 +405,9 @@ def act_quant(x: torch.Tensor, granularity: str, bits: int, scale: float = 0.0) 
     if granularity not in ACT_MODES:
         raise ValueError(f"granularity must be one of {sorted(ACT_MODES)}, got {granularity!r}")
     return _ext().act_quant(x, ACT_MODES[granularity], int(bits), float(scale))
+
+
+def decoder_ops() -> Any:
+    """The extension module's decoder-step operations (``rms_norm``, ``silu_mul``, ``attend``; see
+    ``vptq_core.lean_decoder``), or raise RuntimeError with the reason."""
+    return _ext()

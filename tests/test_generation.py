@@ -26,7 +26,7 @@ def _reference(model, prompt, n):  # noqa: ANN001
     return out[0, prompt.shape[1]:].tolist()
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("cache", ["auto", "lean", "dynamic", "static"])
 def test_greedy_equals_generate(model_and_prompt, cache):
     model, prompt = model_and_prompt
     assert generation.decode_loop(model, prompt, 12, cache=cache) == _reference(model, prompt, 12)
@@ -91,7 +91,7 @@ def test_other_settings_go_to_model_generate(model_and_prompt):
 
 def test_bad_arguments(model_and_prompt):
     model, prompt = model_and_prompt
-    with pytest.raises(ValueError, match="cache must be 'dynamic' or 'static', got 'paged'"):
+    with pytest.raises(ValueError, match=r"cache must be one of \['auto', 'lean', 'dynamic', 'static'\], got 'paged'"):
         generation.decode_loop(model, prompt, 2, cache="paged")
     with pytest.raises(ValueError, match=r"input_ids must be \[1, tokens\], got shape \(2, 11\)"):
         generation.decode_loop(model, prompt.repeat(2, 1), 2)

@@ -28,6 +28,9 @@ _NEUTRAL = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_repet
             "renormalize_logits": False, "exponential_decay_length_penalty": None, "length_penalty": 1.0}
 
 
+CACHES = ("auto", "lean", "dynamic", "static")
+
+
 def warm_up_kernels(background: bool = True) -> tuple[bool, str]:
     """Start building (or loading the cached build of) the native CPU kernels now, in a background thread by
     default, so that the first forward does not wait for the compiler. (usable now, reason); never raises."""
@@ -78,20 +81,25 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: 
     return torch.multinomial(scores.softmax(dim=-1), num_samples=1)
 
 
-def decode_loop(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, cache: str = "dynamic",
+def decode_loop(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, cache: str = "auto",
                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                 eos_ids: Iterable[int] | None = None, on_token: Callable[[torch.Tensor], bool | None] | None = None,
                 ) -> list[int]:
     """Batch-1 generation: the new token ids (the end-of-sequence token included when it ends the reply).
 
-    ``cache``: "dynamic" (transformers' DynamicCache) or "static" (StaticCache preallocated for prompt + new
-    tokens). ``temperature`` 0 = greedy. ``on_token(ids)`` sees the ids so far ([1, prompt + new]) after each new
-    token; returning True stops. ``eos_ids``: default the model's ``generation_config.eos_token_id``.
+    ``cache``: "auto" (the lean decoder of ``vptq_core.lean_decoder`` with its own preallocated cache where the
+    model is a supported llama-family model, else "dynamic"), "lean" (that decoder, or an error naming why the
+    model is not supported), "dynamic" (the model's forward with transformers' DynamicCache) or "static" (the
+    model's forward with a StaticCache preallocated for prompt + new tokens). ``temperature`` 0 = greedy.
+    ``on_token(ids)`` sees the ids so far ([1, prompt + new]) after each new token; returning True stops.
+    ``eos_ids``: default the model's ``generation_config.eos_token_id``.
     """
     from transformers import DynamicCache, StaticCache
 
-    if cache not in ("dynamic", "static"):
-        raise ValueError(f"cache must be 'dynamic' or 'static', got {cache!r}")
+    from vptq_core.lean_decoder import LeanDecoder, unsupported_reason
+
+    if cache not in CACHES:
+        raise ValueError(f"cache must be one of {list(CACHES)}, got {cache!r}")
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [1, tokens], got shape {tuple(input_ids.shape)}")
     if max_new_tokens < 1:
@@ -99,16 +107,29 @@ def decode_loop(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, 
     eos = _eos_ids(model) if eos_ids is None else {int(e) for e in eos_ids}
     n = input_ids.shape[1]
     device = input_ids.device
-    kv = (StaticCache(config=model.config, max_cache_len=n + max_new_tokens) if cache == "static"
-          else DynamicCache(config=model.config))
+    if cache == "auto":
+        cache = "dynamic" if unsupported_reason(model, n + max_new_tokens) else "lean"
     buffer = torch.empty(1, n + max_new_tokens, dtype=input_ids.dtype, device=device)
     buffer[:, :n] = input_ids
     new: list[int] = []
     with torch.inference_mode():
-        position = torch.arange(n, device=device)
-        logits = model(input_ids=input_ids, past_key_values=kv, use_cache=True, cache_position=position,
-                       logits_to_keep=1).logits[:, -1]
-        position = position[-1:] + 1
+        if cache == "lean":
+            lean = LeanDecoder(model, n + max_new_tokens)
+            forward = lean.step
+            logits = lean.prefill(input_ids)
+        else:
+            kv = (StaticCache(config=model.config, max_cache_len=n + max_new_tokens) if cache == "static"
+                  else DynamicCache(config=model.config))
+            position = torch.arange(n, device=device)
+            logits = model(input_ids=input_ids, past_key_values=kv, use_cache=True, cache_position=position,
+                           logits_to_keep=1).logits[:, -1]
+            position = position[-1:] + 1
+
+            def forward(token: torch.Tensor) -> torch.Tensor:
+                out = model(input_ids=token, past_key_values=kv, use_cache=True, cache_position=position).logits
+                position.add_(1)
+                return out[:, -1]
+
         for step in range(max_new_tokens):
             token = (logits.argmax(-1, keepdim=True) if temperature <= 0
                      else _sample(logits, temperature, top_k, top_p))
@@ -119,8 +140,7 @@ def decode_loop(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, 
                 break
             if value in eos or step + 1 == max_new_tokens:
                 break
-            logits = model(input_ids=token, past_key_values=kv, use_cache=True, cache_position=position).logits[:, -1]
-            position += 1
+            logits = forward(token)
     return new
 
 

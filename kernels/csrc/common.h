@@ -105,6 +105,14 @@ struct IsaTable {
   // as vptq_core.quant.act_quant computes it in fp32: mode 0 per token symmetric, 1 per token asymmetric,
   // 2 static step ``scale``.
   void (*act_quant)(const void* x, void* y, int64_t nt, int64_t in, bool bf16, int mode, int bits, float scale);
+  // Decoder-step operations (decoder_body.h): RMSNorm with an optional fused residual add, SiLU(g) * u, and
+  // attention fused with rotary embedding and the KV-cache write.
+  void (*rms_norm)(const void* x, const void* delta, void* hsum, const void* w, float eps, int64_t n, int64_t d,
+                   bool d16, void* y, float* scratch);
+  void (*silu_mul)(const void* g, const void* u, int64_t n, bool d16, void* y);
+  void (*attend)(const void* q, int64_t qs, const void* k, int64_t ks, const void* v, int64_t vs, const void* cos,
+                 const void* sin, void* Kc, void* Vc, int64_t Lmax, int64_t pos, int64_t t, int64_t nh, int64_t kvh,
+                 int64_t hd, float scale, bool d16, void* out, float* scratch);
 };
 
 const IsaTable* isa_scalar();

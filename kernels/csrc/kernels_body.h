@@ -1240,6 +1240,8 @@ static void act_quant(const void* x, void* y, int64_t nt, int64_t in, bool bf16,
   }
 }
 
+#include "decoder_body.h"
+
 static const IsaTable kTable = {
 #if VN_LEVEL >= 2
     "avx512",
@@ -1248,7 +1250,8 @@ static const IsaTable kTable = {
 #else
     "scalar",
 #endif
-    &vq_main, &vq_outliers, &vq_dequant, &vq_dequant_vnni, &sc_gemv, &sc_dequant, &finish, &act_quant};
+    &vq_main, &vq_outliers, &vq_dequant, &vq_dequant_vnni, &sc_gemv, &sc_dequant, &finish, &act_quant,
+    &dec::rms_norm, &dec::silu_mul, &dec::attend};
 
 }  // namespace VN_NS
 }  // namespace vptq_native

@@ -906,6 +906,88 @@ Tensor act_quant(const Tensor& x, int64_t mode, int64_t bits, double scale) {
   return xc.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
 }
 
+// ------------------------------------------------------------------------------------------ decoder step
+// The operations around the linears of a llama-family decoder step (see decoder_body.h), on bf16 or fp32 CPU
+// tensors; one thread (they are small next to the linears).
+bool dec_dtype(const Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), name, " must be a CPU tensor, got one on ", x.device());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, name,
+              " must be bfloat16 or float32, got ", x.scalar_type());
+  return x.scalar_type() == at::kBFloat16;
+}
+
+void dec_same(const Tensor& a, const Tensor& b, const char* na, const char* nb) {
+  TORCH_CHECK(a.scalar_type() == b.scalar_type(), na, " and ", nb, " must have the same dtype, got ",
+              a.scalar_type(), " and ", b.scalar_type());
+}
+
+// RMSNorm of x ([..., d]) with weight w [d]; with delta, h = x + delta first, returned as well: (h, norm(h)).
+std::vector<Tensor> rms_norm_op(const Tensor& x, const c10::optional<Tensor>& delta, const Tensor& w, double eps) {
+  at::NoGradGuard no_grad;
+  const bool d16 = dec_dtype(x, "x");
+  dec_same(x, w, "x", "weight");
+  const int64_t d = x.size(-1);
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == d, "weight must have shape [", d, "], got ", w.sizes());
+  Tensor xc = x.contiguous(), wc = w.contiguous(), dc, h;
+  if (delta) {
+    dec_same(x, *delta, "x", "delta");
+    TORCH_CHECK(delta->sizes() == x.sizes(), "delta must have x's shape ", x.sizes(), ", got ", delta->sizes());
+    dc = delta->contiguous();
+    h = at::empty_like(xc);
+  }
+  Tensor y = at::empty_like(xc);
+  const int64_t n = d > 0 ? xc.numel() / d : 0;
+  float* scratch = static_cast<float*>(t_misc.get(size_t(2 * d + 16) * 4));
+  isa()->rms_norm(xc.data_ptr(), delta ? dc.data_ptr() : nullptr, delta ? h.data_ptr() : nullptr, wc.data_ptr(),
+                  float(eps), n, d, d16, y.data_ptr(), scratch);
+  if (delta) return {h, y};
+  return {y};
+}
+
+Tensor silu_mul_op(const Tensor& g, const Tensor& u) {
+  at::NoGradGuard no_grad;
+  const bool d16 = dec_dtype(g, "gate");
+  dec_same(g, u, "gate", "up");
+  TORCH_CHECK(g.sizes() == u.sizes(), "gate and up must have the same shape, got ", g.sizes(), " and ", u.sizes());
+  Tensor gc = g.contiguous(), uc = u.contiguous();
+  Tensor y = at::empty_like(gc);
+  isa()->silu_mul(gc.data_ptr(), uc.data_ptr(), gc.numel(), d16, y.data_ptr());
+  return y;
+}
+
+// q [1, t, nh * hd], k / v [1, t, kvh * hd] (the projections' outputs), cos / sin [t, hd] (or [1, t, hd]),
+// caches [kvh, Lmax, hd] (or [1, kvh, Lmax, hd]), written at positions pos .. pos + t - 1. Returns the attention
+// output [1, t, nh * hd], ready for the output projection.
+Tensor attend_op(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cos, const Tensor& sin,
+                 Tensor& k_cache, Tensor& v_cache, int64_t pos, int64_t num_heads, double scale) {
+  at::NoGradGuard no_grad;
+  const bool d16 = dec_dtype(q, "q");
+  for (const Tensor* x : std::initializer_list<const Tensor*>{&k, &v, &cos, &sin, &k_cache, &v_cache}) dec_same(q, *x, "q", "k, v, cos, sin and the caches");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV caches must be contiguous");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "the K and V caches must have the same shape");
+  TORCH_CHECK(k_cache.dim() >= 3, "the caches must be [kv_heads, max_len, head_dim], got ", k_cache.sizes());
+  const int64_t kvh = k_cache.size(-3), Lmax = k_cache.size(-2), hd = k_cache.size(-1);
+  TORCH_CHECK(k_cache.numel() == kvh * Lmax * hd, "the caches must be [kv_heads, max_len, head_dim] (batch 1)");
+  TORCH_CHECK(num_heads > 0 && num_heads % kvh == 0, "num_heads (", num_heads, ") must be a multiple of the KV heads (",
+              kvh, ")");
+  TORCH_CHECK(hd % 2 == 0 && hd <= 512, "head_dim must be even and at most 512, got ", hd);
+  const int64_t nh = num_heads, t = q.size(-2), g = nh / kvh;
+  TORCH_CHECK(q.numel() == t * nh * hd, "q must be [1, tokens, ", nh * hd, "], got ", q.sizes());
+  TORCH_CHECK(k.numel() == t * kvh * hd && v.numel() == t * kvh * hd, "k and v must be [1, ", t, ", ", kvh * hd,
+              "], got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(cos.numel() == t * hd && sin.numel() == t * hd, "cos and sin must be [", t, ", ", hd, "]");
+  TORCH_CHECK(pos >= 0 && pos + t <= Lmax, "positions ", pos, "..", pos + t - 1, " do not fit the cache of ", Lmax);
+  TORCH_CHECK(g * t <= 512, "at most 512 query rows per KV head in one call, got ", g * t);
+  Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
+  Tensor out = at::empty({1, t, nh * hd}, q.options());
+  const int64_t L = pos + t;
+  float* scratch = static_cast<float*>(t_misc.get(size_t(t * nh * hd + 3 * hd + g * t * (L + hd) + 64) * 4));
+  isa()->attend(qc.data_ptr(), nh * hd, kc.data_ptr(), kvh * hd, vc.data_ptr(), kvh * hd, cc.data_ptr(),
+                sc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), Lmax, pos, t, nh, kvh, hd, float(scale), d16,
+                out.data_ptr(), scratch);
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -967,6 +1049,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("layer"), py::call_guard<py::gil_scoped_release>());
   m.def("act_quant", &act_quant, py::arg("x"), py::arg("mode"), py::arg("bits"), py::arg("scale"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm_op, py::arg("x"), py::arg("delta"), py::arg("weight"), py::arg("eps"),
+        "RMSNorm as transformers rounds it; with delta: (x + delta, norm(x + delta))");
+  m.def("silu_mul", &silu_mul_op, py::arg("gate"), py::arg("up"), "silu(gate) * up as transformers rounds it");
+  m.def("attend", &attend_op, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cos"), py::arg("sin"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("pos"), py::arg("num_heads"), py::arg("scale"),
+        "causal attention of new tokens fused with rotary embedding and the KV-cache write");
   m.def("set_isa", &set_isa, py::arg("name"));
   m.def("isa", []() { return std::string(isa()->name); });
   m.def("cpu_isa", &cpu_isa);

@@ -1,0 +1,222 @@
+"""A lean forward for batch-1 generation with llama-family models (Llama, Qwen2, Mistral): the same modules and
+weights as transformers' forward, a fraction of its per-token overhead.
+
+Per decoder layer, transformers' forward runs some fifty small tensor operations around the seven linears
+(RMSNorm as six ops, rotary as a dozen, a cache update, a mask, attention), each costing microseconds of dispatch
+on a CPU, and its bf16 attention is several times slower than fp32 on CPUs without bf16 instructions. Here the
+linears (nn.Linear, or the quantized modules) are called exactly as the model calls them, and everything between
+them is four calls into the native extension (``kernels/csrc/decoder_body.h``): residual add + RMSNorm, attention
+fused with the rotary embedding and the KV-cache write, SiLU(gate) * up. Each reproduces transformers' rounding to
+the model dtype step by step (tested against the model's own forward). Without the extension (no compiler, CUDA
+tensors) the same steps run as torch operations.
+
+Quantized and original models get the same forward, so a speed comparison between them stays fair.
+``LeanDecoder.for_model(model)`` returns None (with the reason in ``unsupported_reason``) for anything else; the
+decode loop then uses the model's own forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FAMILIES = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
+_STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
+NATIVE_ATTEND_MAX_TOKENS = 8  # more new tokens at once (a prompt) go through torch's SDPA
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or getattr(module, "_hf_hook", None))
+
+
+def unsupported_reason(model: nn.Module, max_len: int | None = None) -> str:
+    """Why ``LeanDecoder`` cannot run this model over ``max_len`` tokens ("" when it can)."""
+    config = getattr(model, "config", None)
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    if family is None:
+        return f"model type {getattr(config, 'model_type', None)!r} is not one of {sorted(FAMILIES)}"
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")) \
+            or not hasattr(model, "lm_head"):
+        return "the model does not have the usual model.layers / embed_tokens / norm / rotary_emb / lm_head"
+    if model.training:
+        return "the model is in training mode"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} (only silu)"
+    if getattr(config, "pretraining_tp", 1) not in (1, None):
+        return "pretraining_tp > 1"
+    window = getattr(config, "sliding_window", None) if (
+        family == "Mistral" or getattr(config, "use_sliding_window", False)) else None
+    if window and (max_len is None or max_len > window):
+        return f"sliding-window attention ({window} tokens) over a longer sequence ({max_len})"
+    rope = getattr(inner.rotary_emb, "rope_type", "default")
+    if rope not in _STATIC_ROPE:
+        return f"rope type {rope!r} (supported: {sorted(_STATIC_ROPE)})"
+    for module in (model, inner, inner.rotary_emb, inner.norm):
+        if _hooked(module):
+            return f"a forward hook on {type(module).__name__}"
+    names = {"layer": f"{family}DecoderLayer", "attn": f"{family}Attention", "mlp": f"{family}MLP",
+             "norm": f"{family}RMSNorm"}
+    if type(inner.norm).__name__ != names["norm"]:
+        return f"final norm is {type(inner.norm).__name__}, not {names['norm']}"
+    for i, layer in enumerate(inner.layers):
+        parts = {"layer": layer, "attn": getattr(layer, "self_attn", None), "mlp": getattr(layer, "mlp", None),
+                 "norm": getattr(layer, "input_layernorm", None)}
+        for key, module in parts.items():
+            if module is None or type(module).__name__ != names[key]:
+                return f"layer {i}: {key} is {type(module).__name__}, not {names[key]}"
+        post = getattr(layer, "post_attention_layernorm", None)
+        if post is None or type(post).__name__ != names["norm"]:
+            return f"layer {i}: post-attention norm is {type(post).__name__}"
+        for module in (layer, layer.self_attn, layer.mlp, layer.input_layernorm, post):
+            if _hooked(module):
+                return f"layer {i}: a forward hook on {type(module).__name__}"
+    return ""
+
+
+class _TorchOps:
+    """The decoder-step operations as torch ops (transformers' formulas): the fallback of the native ones."""
+
+    name = "torch"
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float):  # noqa: ANN205
+        h = x if delta is None else x + delta
+        h32 = h.to(torch.float32)
+        y = weight * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+        return [y] if delta is None else [h, y]
+
+    @staticmethod
+    def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+    @staticmethod
+    def attend(q, k, v, cos, sin, k_cache, v_cache, pos: int, num_heads: int, scale: float):  # noqa: ANN001, ANN205
+        t = q.shape[1]
+        kvh, _, hd = k_cache.shape
+        q = q.view(1, t, num_heads, hd).transpose(1, 2)
+        k = k.view(1, t, kvh, hd).transpose(1, 2)
+        c, s = cos.view(1, 1, t, hd), sin.view(1, 1, t, hd)
+
+        def rope(x: torch.Tensor) -> torch.Tensor:
+            half = hd // 2
+            return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
+
+        q, k = rope(q), rope(k)
+        k_cache[:, pos:pos + t] = k[0]
+        v_cache[:, pos:pos + t] = v.view(t, kvh, hd).transpose(0, 1)
+        keys, values = k_cache[None, :, :pos + t], v_cache[None, :, :pos + t]
+        work = torch.float32 if (q.dtype == torch.bfloat16 and q.device.type == "cpu") else q.dtype
+        mask = None
+        if t > 1:  # causal over the new tokens, everything before them visible
+            mask = torch.ones(t, pos + t, dtype=torch.bool, device=q.device).tril(pos)
+        out = F.scaled_dot_product_attention(q.to(work), keys.to(work), values.to(work), attn_mask=mask,
+                                             scale=scale, enable_gqa=num_heads != kvh)
+        return out.to(q.dtype).transpose(1, 2).reshape(1, t, num_heads * hd)
+
+
+def _native_ops():  # noqa: ANN202
+    try:
+        from kernels import native
+
+        return native.decoder_ops()
+    except Exception:  # noqa: BLE001 - no compiler / build failed / disabled: the torch ops
+        return None
+
+
+class LeanDecoder:
+    """Batch-1 prefill + decode steps of a llama-family causal LM with a preallocated KV cache.
+
+    ``prefill(ids)`` ([1, n]) starts a sequence and returns the last position's logits [1, vocab];
+    ``step(token)`` ([1, 1]) appends one token and returns its logits. ``ops`` "auto" (native where the model is
+    on the CPU in bf16 / fp32 and the extension builds, else torch), "native" or "torch".
+    """
+
+    def __init__(self, model: nn.Module, max_len: int, ops: str = "auto") -> None:
+        reason = unsupported_reason(model, max_len)
+        if reason:
+            raise ValueError(f"the lean decoder cannot run this model: {reason}")
+        if ops not in ("auto", "native", "torch"):
+            raise ValueError(f"ops must be 'auto', 'native' or 'torch', got {ops!r}")
+        inner = model.model
+        config = model.config
+        self.model = model
+        self.embed = inner.embed_tokens
+        self.final_norm = inner.norm
+        self.head = model.lm_head
+        weight = inner.norm.weight
+        self.dtype, self.device = weight.dtype, weight.device
+        self.max_len = int(max_len)
+        if self.max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        native = None
+        if ops != "torch" and self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float32):
+            native = _native_ops()
+        if ops == "native" and native is None:
+            raise RuntimeError("the native decoder operations are unavailable (CPU bf16/fp32 model and a built "
+                               "extension needed)")
+        self.ops = native if native is not None else _TorchOps
+        self.ops_name = "native" if native is not None else "torch"
+        self.layers = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append((
+                layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon),
+                attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                layer.post_attention_layernorm.weight, float(layer.post_attention_layernorm.variance_epsilon),
+                mlp.gate_proj, mlp.up_proj, mlp.down_proj, float(attn.scaling)))
+        self.num_heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
+        shape = (self.kv_heads, self.max_len, self.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        with torch.no_grad():
+            positions = torch.arange(self.max_len, device=self.device)[None]
+            probe = torch.zeros(1, 1, 1, dtype=self.dtype, device=self.device)
+            cos, sin = inner.rotary_emb(probe, positions)
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+        self.final_eps = float(self.final_norm.variance_epsilon)
+        self.pos = 0
+
+    @classmethod
+    def for_model(cls, model: nn.Module, max_len: int, ops: str = "auto") -> LeanDecoder | None:
+        """A decoder for ``model``, or None when it is not supported (see ``unsupported_reason``)."""
+        return None if unsupported_reason(model, max_len) else cls(model, max_len, ops)
+
+    def _forward(self, ids: torch.Tensor, last_only: bool) -> torch.Tensor:
+        t = ids.shape[1]
+        if self.pos + t > self.max_len:
+            raise ValueError(f"{self.pos + t} tokens do not fit the cache of {self.max_len}")
+        ops, pos = self.ops, self.pos
+        # a few tokens: the fused native attention; a prompt: torch's SDPA (a GEMM-based kernel, many threads)
+        attend = ops.attend if t <= NATIVE_ATTEND_MAX_TOKENS else _TorchOps.attend
+        cos, sin = self.cos[pos:pos + t], self.sin[pos:pos + t]
+        x = self.embed(ids)
+        delta = None
+        for i, (w1, e1, q, k, v, o, w2, e2, gate, up, down, scale) in enumerate(self.layers):
+            hn = ops.rms_norm(x, delta, w1, e1)
+            if delta is not None:
+                x, hn = hn
+            else:
+                hn = hn[0]
+            a = attend(q(hn), k(hn), v(hn), cos, sin, self.k_cache[i], self.v_cache[i], pos, self.num_heads, scale)
+            x, hn = ops.rms_norm(x, o(a), w2, e2)
+            delta = down(ops.silu_mul(gate(hn), up(hn)))
+        if last_only and t > 1:
+            x, delta = x[:, -1:], delta[:, -1:]
+        _, h = ops.rms_norm(x, delta, self.final_norm.weight, self.final_eps)
+        self.pos += t
+        return self.head(h)[:, -1]
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """Start a new sequence with ``ids`` [1, n]; the last position's logits [1, vocab]."""
+        if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+            raise ValueError(f"ids must be [1, tokens] with tokens >= 1, got shape {tuple(ids.shape)}")
+        self.pos = 0
+        return self._forward(ids, last_only=True)
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        """Append ``token`` [1, 1]; its logits [1, vocab]."""
+        return self._forward(token.view(1, 1), last_only=True)
