@@ -5,7 +5,9 @@
 ``temperature``, ``top_p``, ``top_k``) and runs ``decode_loop``: one prefill that keeps only the last position's
 logits, then one forward per token with a KV cache, the next token chosen in place (greedy argmax, or
 temperature / top-k / top-p sampling in the order transformers applies them), no logits-processor objects and no
-per-step concatenation of the ids. Anything else (batch > 1, beams, other generation settings) goes to
+per-step concatenation of the ids; for llama-family models (Llama, Qwen2, Mistral) each forward is
+``vptq_core.lean_decoder``'s: the model's own linears, the operations between them fused into a few native calls,
+its own preallocated KV cache. Anything else (batch > 1, beams, other generation settings) goes to
 ``model.generate`` unchanged, so the function is always a drop-in. Greedy output equals ``model.generate``'s
 (tested). ``bench/decode.py --loop lean`` measures it against ``generate`` for both models.
 """
