@@ -5,15 +5,9 @@
 
 namespace dec {
 
-static VN_FI float ld(const void* p, int64_t i, bool d16) {
-  return d16 ? bf16_to_f32(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
-}
-static VN_FI void st(void* p, int64_t i, bool d16, float v) {
-  if (d16)
-    static_cast<uint16_t*>(p)[i] = f32_to_bf16(v);
-  else
-    static_cast<float*>(p)[i] = v;
-}
+// element i of a D buffer, read / written (the activation helpers of kernels_body.h)
+static VN_FI float ld(const void* p, int64_t i, bool d16) { return act_rd(p, i, d16); }
+static VN_FI void st(void* p, int64_t i, bool d16, float v) { act_wr(p, i, d16, v); }
 static VN_FI float R(float v, bool d16) { return d16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
 
 // Row of D into fp32.
