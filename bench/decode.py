@@ -18,7 +18,7 @@ with a KV cache (end-of-sequence ignored, so every run decodes the same number o
 decode loop, the same for both models: "cache" (a plain forward loop with transformers' dynamic KV cache),
 "static" (a preallocated static KV cache), "generate" (transformers' generate()), "lean"
 (``vptq_core.generation.decode_loop`` as the app's chat runs it: last-position logits only at prefill, no logits
-processors, and for llama-family models ``vptq_core.lean_decoder``: the same linears, the operations between them
+processors, and for llama-family models ``vptq_core.quant.lean_decoder``: the same linears, the operations between them
 fused into native calls, its own preallocated KV cache), "lean-model" / "lean-static" (decode_loop with the
 model's own forward and a dynamic / static KV cache).
 Decode tokens/s = steps / time of the steps (prefill excluded, reported apart); medians over pairs and the

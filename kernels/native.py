@@ -409,7 +409,7 @@ def act_quant(x: torch.Tensor, granularity: str, bits: int, scale: float = 0.0) 
 
 def decoder_ops() -> Any:
     """The extension module's decoder-step operations (``rms_norm``, ``silu_mul``, ``attend``; see
-    ``vptq_core.lean_decoder``), or raise RuntimeError with the reason. A build in progress is waited for as
+    ``vptq_core.quant.lean_decoder``), or raise RuntimeError with the reason. A build in progress is waited for as
     the layers wait for it (``status``: at most ``VPTQ_NATIVE_WAIT`` seconds)."""
     usable, reason = status()
     if not usable:

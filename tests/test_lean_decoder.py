@@ -1,4 +1,4 @@
-"""vptq_core.lean_decoder: the lean llama-family forward gives the model's own logits (fp32 to rounding, bf16 to
+"""vptq_core.quant.lean_decoder: the lean llama-family forward gives the model's own logits (fp32 to rounding, bf16 to
 bf16 rounding), with the native decoder operations and with their torch fallback, for dense and quantized
 linears; unsupported models are named and fall back."""
 
@@ -11,7 +11,7 @@ from transformers import DynamicCache
 from kernels import VQSpec, native
 from kernels.synthetic import random_vq_layer
 from vptq_core import generation
-from vptq_core.lean_decoder import LeanDecoder, _TorchOps, unsupported_reason
+from vptq_core.quant.lean_decoder import LeanDecoder, _TorchOps, unsupported_reason
 from vptq_core.models import tiny_random_model
 from vptq_core.quant.blocks import block_linears, decoder_blocks
 from vptq_core.storage.modules import VQLinear, set_submodule
@@ -77,14 +77,15 @@ def test_native_ops_equal_torch_ops(dtype):
     g, u = torch.randn(2, 300, generator=gen).to(dtype) * 4, torch.randn(2, 300, generator=gen).to(dtype)
     torch.testing.assert_close(ops.silu_mul(g, u), _TorchOps.silu_mul(g, u),
                                rtol=3e-6 if dtype == torch.float32 else 8e-3, atol=1e-6)
-    # attention: 2 KV heads x 3 query heads each, head_dim 16; 5 tokens of history, then 1 and 3 new tokens
+    # attention, 2 sequences: 2 KV heads x 3 query heads each, head_dim 16; 5 tokens, then 1 and 3 new tokens
     nh, kvh, hd, lmax = 6, 2, 16, 12
-    caches = {name: [torch.zeros(kvh, lmax, hd, dtype=dtype) for _ in range(2)] for name in ("native", "torch")}
+    batch = 2
+    caches = {name: [torch.zeros(batch, kvh, lmax, hd, dtype=dtype) for _ in range(2)] for name in ("native", "torch")}
     cos, sin = torch.rand(lmax, hd, generator=gen).to(dtype), torch.rand(lmax, hd, generator=gen).to(dtype)
     pos = 0
     for t in (5, 1, 3):
-        q = torch.randn(1, t, nh * hd, generator=gen).to(dtype)
-        k, v = (torch.randn(1, t, kvh * hd, generator=gen).to(dtype) for _ in range(2))
+        q = torch.randn(batch, t, nh * hd, generator=gen).to(dtype)
+        k, v = (torch.randn(batch, t, kvh * hd, generator=gen).to(dtype) for _ in range(2))
         args = (q, k, v, cos[pos:pos + t], sin[pos:pos + t])
         out = ops.attend(*args, *caches["native"], pos, nh, 0.25)
         ref = _TorchOps.attend(*args, *caches["torch"], pos, nh, 0.25)
@@ -149,3 +150,34 @@ def test_bad_input_and_a_full_cache():
     dec.prefill(torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="5 tokens do not fit the cache of 4"):
         dec.step(torch.zeros(1, 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("ops", OPS)
+def test_a_batch_gives_each_rows_own_logits(ops):
+    model = _model("llama", torch.float32)
+    ids = torch.randint(3, model.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(4))
+    dec = LeanDecoder(model, 12, ops=ops, batch=3)
+    with torch.inference_mode():
+        every = dec.prefill(ids, all_positions=True)
+        nxt = dec.step(every[:, -1].argmax(-1, keepdim=True))
+        for r in range(3):
+            ref = model(input_ids=ids[r:r + 1]).logits
+            torch.testing.assert_close(every[r:r + 1], ref, rtol=1e-5, atol=1e-5)
+            step_ref = model(input_ids=torch.cat([ids[r:r + 1], ref[:, -1:].argmax(-1)], 1)).logits[:, -1]
+            torch.testing.assert_close(nxt[r:r + 1], step_ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"ids must be \[3, tokens\]"):
+        dec.prefill(ids[:1])
+
+
+@pytest.mark.parametrize("ops", OPS)
+def test_params_replace_the_weights_like_functional_call(ops):
+    model = _model("llama", torch.float32)  # tied embeddings: one override serves the LM head too
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    params = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+    ids = torch.randint(3, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        lean = LeanDecoder(model, 8, ops=ops, params=params).prefill(ids)
+        ref = torch.func.functional_call(model, params, (), {"input_ids": ids}, tie_weights=True).logits[:, -1]
+    assert lean.dtype == torch.bfloat16 and next(model.parameters()).dtype == torch.float32
+    err = (lean.float() - ref.float()).abs().max() / ref.float().abs().max()
+    assert err < 2e-2, float(err)

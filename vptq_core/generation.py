@@ -6,7 +6,7 @@
 logits, then one forward per token with a KV cache, the next token chosen in place (greedy argmax, or
 temperature / top-k / top-p sampling in the order transformers applies them), no logits-processor objects and no
 per-step concatenation of the ids; for llama-family models (Llama, Qwen2, Mistral) each forward is
-``vptq_core.lean_decoder``'s: the model's own linears, the operations between them fused into a few native calls,
+``vptq_core.quant.lean_decoder``'s: the model's own linears, the operations between them fused into a few native calls,
 its own preallocated KV cache. Anything else (batch > 1, beams, other generation settings) goes to
 ``model.generate`` unchanged, so the function is always a drop-in. Greedy output equals ``model.generate``'s
 (tested). ``bench/decode.py --loop lean`` measures it against ``generate`` for both models.
@@ -89,7 +89,7 @@ def decode_loop(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, 
                 ) -> list[int]:
     """Batch-1 generation: the new token ids (the end-of-sequence token included when it ends the reply).
 
-    ``cache``: "auto" (the lean decoder of ``vptq_core.lean_decoder`` with its own preallocated cache where the
+    ``cache``: "auto" (the lean decoder of ``vptq_core.quant.lean_decoder`` with its own preallocated cache where the
     model is a supported llama-family model, else "dynamic"), "lean" (that decoder, or an error naming why the
     model is not supported), "dynamic" (the model's forward with transformers' DynamicCache) or "static" (the
     model's forward with a StaticCache preallocated for prompt + new tokens). ``temperature`` 0 = greedy.
@@ -98,7 +98,7 @@ def decode_loop(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, 
     """
     from transformers import DynamicCache, StaticCache
 
-    from vptq_core.lean_decoder import LeanDecoder, unsupported_reason
+    from vptq_core.quant.lean_decoder import LeanDecoder, unsupported_reason
 
     if cache not in CACHES:
         raise ValueError(f"cache must be one of {list(CACHES)}, got {cache!r}")

@@ -955,36 +955,42 @@ Tensor silu_mul_op(const Tensor& g, const Tensor& u) {
   return y;
 }
 
-// q [1, t, nh * hd], k / v [1, t, kvh * hd] (the projections' outputs), cos / sin [t, hd] (or [1, t, hd]),
-// caches [kvh, Lmax, hd] (or [1, kvh, Lmax, hd]), written at positions pos .. pos + t - 1. Returns the attention
-// output [1, t, nh * hd], ready for the output projection.
+// q [B, t, nh * hd], k / v [B, t, kvh * hd] (the projections' outputs), cos / sin [t, hd] (or [1, t, hd]),
+// caches [B, kvh, Lmax, hd] (or [kvh, Lmax, hd] for B = 1), written at positions pos .. pos + t - 1 of every row.
+// Returns the attention output [B, t, nh * hd], ready for the output projection.
 Tensor attend_op(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cos, const Tensor& sin,
                  Tensor& k_cache, Tensor& v_cache, int64_t pos, int64_t num_heads, double scale) {
   at::NoGradGuard no_grad;
   const bool d16 = dec_dtype(q, "q");
-  for (const Tensor* x : std::initializer_list<const Tensor*>{&k, &v, &cos, &sin, &k_cache, &v_cache}) dec_same(q, *x, "q", "k, v, cos, sin and the caches");
+  for (const Tensor* x : std::initializer_list<const Tensor*>{&k, &v, &cos, &sin, &k_cache, &v_cache})
+    dec_same(q, *x, "q", "k, v, cos, sin and the caches");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV caches must be contiguous");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "the K and V caches must have the same shape");
-  TORCH_CHECK(k_cache.dim() >= 3, "the caches must be [kv_heads, max_len, head_dim], got ", k_cache.sizes());
+  TORCH_CHECK(k_cache.dim() == 3 || k_cache.dim() == 4, "the caches must be [batch, kv_heads, max_len, head_dim], got ",
+              k_cache.sizes());
+  const int64_t B = k_cache.dim() == 4 ? k_cache.size(0) : 1;
   const int64_t kvh = k_cache.size(-3), Lmax = k_cache.size(-2), hd = k_cache.size(-1);
-  TORCH_CHECK(k_cache.numel() == kvh * Lmax * hd, "the caches must be [kv_heads, max_len, head_dim] (batch 1)");
   TORCH_CHECK(num_heads > 0 && num_heads % kvh == 0, "num_heads (", num_heads, ") must be a multiple of the KV heads (",
               kvh, ")");
   TORCH_CHECK(hd % 2 == 0 && hd <= 512, "head_dim must be even and at most 512, got ", hd);
-  const int64_t nh = num_heads, t = q.size(-2), g = nh / kvh;
-  TORCH_CHECK(q.numel() == t * nh * hd, "q must be [1, tokens, ", nh * hd, "], got ", q.sizes());
-  TORCH_CHECK(k.numel() == t * kvh * hd && v.numel() == t * kvh * hd, "k and v must be [1, ", t, ", ", kvh * hd,
-              "], got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(q.dim() == 3 && q.size(0) == B, "q must be [", B, ", tokens, ", num_heads * hd, "], got ", q.sizes());
+  const int64_t nh = num_heads, t = q.size(1), g = nh / kvh;
+  TORCH_CHECK(q.size(2) == nh * hd, "q must be [", B, ", tokens, ", nh * hd, "], got ", q.sizes());
+  TORCH_CHECK(k.numel() == B * t * kvh * hd && v.numel() == B * t * kvh * hd, "k and v must be [", B, ", ", t, ", ",
+              kvh * hd, "], got ", k.sizes(), " and ", v.sizes());
   TORCH_CHECK(cos.numel() == t * hd && sin.numel() == t * hd, "cos and sin must be [", t, ", ", hd, "]");
   TORCH_CHECK(pos >= 0 && pos + t <= Lmax, "positions ", pos, "..", pos + t - 1, " do not fit the cache of ", Lmax);
   TORCH_CHECK(g * t <= 512, "at most 512 query rows per KV head in one call, got ", g * t);
   Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
-  Tensor out = at::empty({1, t, nh * hd}, q.options());
-  const int64_t L = pos + t;
+  Tensor out = at::empty({B, t, nh * hd}, q.options());
+  const int64_t L = pos + t, es = d16 ? 2 : 4;
   float* scratch = static_cast<float*>(t_misc.get(size_t(t * nh * hd + 3 * hd + g * t * (L + hd) + 64) * 4));
-  isa()->attend(qc.data_ptr(), nh * hd, kc.data_ptr(), kvh * hd, vc.data_ptr(), kvh * hd, cc.data_ptr(),
-                sc.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), Lmax, pos, t, nh, kvh, hd, float(scale), d16,
-                out.data_ptr(), scratch);
+  auto row = [es](const Tensor& x, int64_t b, int64_t n) { return static_cast<char*>(x.data_ptr()) + b * n * es; };
+  for (int64_t b = 0; b < B; ++b)
+    isa()->attend(row(qc, b, t * nh * hd), nh * hd, row(kc, b, t * kvh * hd), kvh * hd, row(vc, b, t * kvh * hd),
+                  kvh * hd, cc.data_ptr(), sc.data_ptr(), row(k_cache, b, kvh * Lmax * hd),
+                  row(v_cache, b, kvh * Lmax * hd), Lmax, pos, t, nh, kvh, hd, float(scale), d16,
+                  row(out, b, t * nh * hd), scratch);
   return out;
 }
 

@@ -17,6 +17,8 @@ decode loop then uses the model's own forward.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -93,10 +95,10 @@ class _TorchOps:
 
     @staticmethod
     def attend(q, k, v, cos, sin, k_cache, v_cache, pos: int, num_heads: int, scale: float):  # noqa: ANN001, ANN205
-        t = q.shape[1]
-        kvh, _, hd = k_cache.shape
-        q = q.view(1, t, num_heads, hd).transpose(1, 2)
-        k = k.view(1, t, kvh, hd).transpose(1, 2)
+        b, t = q.shape[:2]
+        _, kvh, _, hd = k_cache.shape
+        q = q.view(b, t, num_heads, hd).transpose(1, 2)
+        k = k.view(b, t, kvh, hd).transpose(1, 2)
         c, s = cos.view(1, 1, t, hd), sin.view(1, 1, t, hd)
 
         def rope(x: torch.Tensor) -> torch.Tensor:
@@ -104,16 +106,16 @@ class _TorchOps:
             return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
 
         q, k = rope(q), rope(k)
-        k_cache[:, pos:pos + t] = k[0]
-        v_cache[:, pos:pos + t] = v.view(t, kvh, hd).transpose(0, 1)
-        keys, values = k_cache[None, :, :pos + t], v_cache[None, :, :pos + t]
+        k_cache[:, :, pos:pos + t] = k
+        v_cache[:, :, pos:pos + t] = v.view(b, t, kvh, hd).transpose(1, 2)
+        keys, values = k_cache[:, :, :pos + t], v_cache[:, :, :pos + t]
         work = torch.float32 if (q.dtype == torch.bfloat16 and q.device.type == "cpu") else q.dtype
         mask = None
         if t > 1:  # causal over the new tokens, everything before them visible
             mask = torch.ones(t, pos + t, dtype=torch.bool, device=q.device).tril(pos)
         out = F.scaled_dot_product_attention(q.to(work), keys.to(work), values.to(work), attn_mask=mask,
                                              scale=scale, enable_gqa=num_heads != kvh)
-        return out.to(q.dtype).transpose(1, 2).reshape(1, t, num_heads * hd)
+        return out.to(q.dtype).transpose(1, 2).reshape(b, t, num_heads * hd)
 
 
 def _native_ops():  # noqa: ANN202
@@ -129,25 +131,46 @@ class LeanDecoder:
     """Batch-1 prefill + decode steps of a llama-family causal LM with a preallocated KV cache.
 
     ``prefill(ids)`` ([1, n]) starts a sequence and returns the last position's logits [1, vocab];
-    ``step(token)`` ([1, 1]) appends one token and returns its logits. ``ops`` "auto" (native where the model is
-    on the CPU in bf16 / fp32 and the extension builds, else torch), "native" or "torch".
+    ``step(token)`` ([1, 1]) appends one token and returns its logits; ``batch`` > 1 runs that many sequences of
+    equal length side by side. ``ops`` "auto" (native where the model is on the CPU in bf16 / fp32 and the
+    extension builds, else torch), "native" or "torch". ``params`` ({parameter name: tensor}, e.g. bf16 copies)
+    replaces the weights of plain nn.Linear / nn.Embedding modules and of the norms, as
+    ``torch.func.functional_call`` would; the model itself is not changed.
     """
 
-    def __init__(self, model: nn.Module, max_len: int, ops: str = "auto") -> None:
+    def __init__(self, model: nn.Module, max_len: int, ops: str = "auto", batch: int = 1,
+                 params: dict[str, torch.Tensor] | None = None) -> None:
         reason = unsupported_reason(model, max_len)
         if reason:
             raise ValueError(f"the lean decoder cannot run this model: {reason}")
         if ops not in ("auto", "native", "torch"):
             raise ValueError(f"ops must be 'auto', 'native' or 'torch', got {ops!r}")
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
         inner = model.model
         config = model.config
         self.model = model
-        self.embed = inner.embed_tokens
-        self.final_norm = inner.norm
-        self.head = model.lm_head
-        weight = inner.norm.weight
-        self.dtype, self.device = weight.dtype, weight.device
-        self.max_len = int(max_len)
+        # overrides by the identity of the parameter they replace (tied weights share one)
+        by_id = {id(p): params[n] for n, p in model.named_parameters(remove_duplicate=False) if n in (params or {})}
+
+        def weight(module: nn.Module, attr: str = "weight") -> torch.Tensor | None:
+            t = getattr(module, attr, None)
+            return None if t is None else by_id.get(id(t), t)
+
+        def linear(module: nn.Module):  # noqa: ANN202 - the module itself, or F.linear on overridden weights
+            if type(module) is nn.Linear and id(module.weight) in by_id:
+                return functools.partial(F.linear, weight=weight(module), bias=weight(module, "bias"))
+            return module
+
+        embed = inner.embed_tokens
+        if type(embed) is nn.Embedding and id(embed.weight) in by_id:
+            self.embed = functools.partial(F.embedding, weight=weight(embed))
+        else:
+            self.embed = embed
+        self.head = linear(model.lm_head)
+        self.final_weight, self.final_eps = weight(inner.norm), float(inner.norm.variance_epsilon)
+        self.dtype, self.device = self.final_weight.dtype, self.final_weight.device
+        self.max_len, self.batch = int(max_len), int(batch)
         if self.max_len < 1:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
         native = None
@@ -162,14 +185,14 @@ class LeanDecoder:
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append((
-                layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon),
-                attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                layer.post_attention_layernorm.weight, float(layer.post_attention_layernorm.variance_epsilon),
-                mlp.gate_proj, mlp.up_proj, mlp.down_proj, float(attn.scaling)))
+                weight(layer.input_layernorm), float(layer.input_layernorm.variance_epsilon),
+                *(linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)),
+                weight(layer.post_attention_layernorm), float(layer.post_attention_layernorm.variance_epsilon),
+                *(linear(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)), float(attn.scaling)))
         self.num_heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
-        shape = (self.kv_heads, self.max_len, self.head_dim)
+        shape = (self.batch, self.kv_heads, self.max_len, self.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         with torch.no_grad():
@@ -177,13 +200,13 @@ class LeanDecoder:
             probe = torch.zeros(1, 1, 1, dtype=self.dtype, device=self.device)
             cos, sin = inner.rotary_emb(probe, positions)
         self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
-        self.final_eps = float(self.final_norm.variance_epsilon)
         self.pos = 0
 
     @classmethod
-    def for_model(cls, model: nn.Module, max_len: int, ops: str = "auto") -> LeanDecoder | None:
+    def for_model(cls, model: nn.Module, max_len: int, ops: str = "auto", batch: int = 1,
+                  params: dict[str, torch.Tensor] | None = None) -> LeanDecoder | None:
         """A decoder for ``model``, or None when it is not supported (see ``unsupported_reason``)."""
-        return None if unsupported_reason(model, max_len) else cls(model, max_len, ops)
+        return None if unsupported_reason(model, max_len) else cls(model, max_len, ops, batch, params)
 
     def _forward(self, ids: torch.Tensor, last_only: bool) -> torch.Tensor:
         t = ids.shape[1]
@@ -206,17 +229,19 @@ class LeanDecoder:
             delta = down(ops.silu_mul(gate(hn), up(hn)))
         if last_only and t > 1:
             x, delta = x[:, -1:], delta[:, -1:]
-        _, h = ops.rms_norm(x, delta, self.final_norm.weight, self.final_eps)
+        _, h = ops.rms_norm(x, delta, self.final_weight, self.final_eps)
         self.pos += t
-        return self.head(h)[:, -1]
+        logits = self.head(h)
+        return logits[:, -1] if last_only else logits
 
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """Start a new sequence with ``ids`` [1, n]; the last position's logits [1, vocab]."""
-        if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
-            raise ValueError(f"ids must be [1, tokens] with tokens >= 1, got shape {tuple(ids.shape)}")
+    def prefill(self, ids: torch.Tensor, all_positions: bool = False) -> torch.Tensor:
+        """Start new sequences with ``ids`` [batch, n]; the last position's logits [batch, vocab], or with
+        ``all_positions`` every position's [batch, n, vocab]."""
+        if ids.dim() != 2 or ids.shape[0] != self.batch or ids.shape[1] == 0:
+            raise ValueError(f"ids must be [{self.batch}, tokens] with tokens >= 1, got shape {tuple(ids.shape)}")
         self.pos = 0
-        return self._forward(ids, last_only=True)
+        return self._forward(ids, last_only=not all_positions)
 
-    def step(self, token: torch.Tensor) -> torch.Tensor:
-        """Append ``token`` [1, 1]; its logits [1, vocab]."""
-        return self._forward(token.view(1, 1), last_only=True)
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append one token per sequence (``tokens`` [batch, 1]); their logits [batch, vocab]."""
+        return self._forward(tokens.view(self.batch, 1), last_only=True)
