@@ -11,9 +11,9 @@ from transformers import DynamicCache
 from kernels import VQSpec, native
 from kernels.synthetic import random_vq_layer
 from vptq_core import generation
-from vptq_core.quant.lean_decoder import LeanDecoder, _TorchOps, unsupported_reason
 from vptq_core.models import tiny_random_model
 from vptq_core.quant.blocks import block_linears, decoder_blocks
+from vptq_core.quant.lean_decoder import LeanDecoder, _TorchOps, unsupported_reason
 from vptq_core.storage.modules import VQLinear, set_submodule
 
 native_ok = native.status(wait=None)[0]
