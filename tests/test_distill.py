@@ -654,3 +654,18 @@ def test_quantize_to_dir_loads_the_whole_model_for_sampled_calibration(tmp_path)
     _, summary = quantize_to_dir("tiny-random-llama", "gptq", cfg, CalibConfig(samples=4, seqlen=32), tmp_path / "b",
                                  device="cpu")
     assert summary["streaming"].startswith("off: calib_sampled_share") and summary["timings"]["sample_calibration"] > 0
+
+
+def test_draw_follows_the_distribution_and_never_picks_a_zero(monkeypatch):
+    from vptq_core.quant.distill import _draw
+
+    p = torch.tensor([[0.5, 0.0, 0.3, 0.2, 0.0, 0.0]])
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.cat([_draw(p.log(), 1.0, [gen])[0] for _ in range(4000)]), minlength=6)
+    assert counts[[1, 4, 5]].sum() == 0
+    torch.testing.assert_close(counts.float() / 4000, p[0], rtol=0, atol=0.03)
+    # u at the very top (rounding): the last token with probability > 0, not one past the end
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1))
+    assert _draw(p.log(), 1.0, [gen]).tolist() == [[3]]
+    two = torch.tensor([[0.0, 1.0, 0.0], [0.6, 0.4, 0.0]]).log()
+    assert _draw(two, 1.0, [gen, gen]).tolist() == [[1], [1]]

@@ -908,7 +908,7 @@ Tensor act_quant(const Tensor& x, int64_t mode, int64_t bits, double scale) {
 
 // ------------------------------------------------------------------------------------------ decoder step
 // The operations around the linears of a llama-family decoder step (see decoder_body.h), on bf16 or fp32 CPU
-// tensors; one thread (they are small next to the linears).
+// tensors; the rows of a batch share the thread pool in attend, the rest runs on one thread (small next to the linears).
 bool dec_dtype(const Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu(), name, " must be a CPU tensor, got one on ", x.device());
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, name,
@@ -984,13 +984,18 @@ Tensor attend_op(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
   Tensor out = at::empty({B, t, nh * hd}, q.options());
   const int64_t L = pos + t, es = d16 ? 2 : 4;
-  float* scratch = static_cast<float*>(t_misc.get(size_t(t * nh * hd + 3 * hd + g * t * (L + hd) + 64) * 4));
+  const size_t scratch_bytes = size_t(t * nh * hd + 3 * hd + g * t * (L + hd) + 64) * 4;
   auto row = [es](const Tensor& x, int64_t b, int64_t n) { return static_cast<char*>(x.data_ptr()) + b * n * es; };
-  for (int64_t b = 0; b < B; ++b)
-    isa()->attend(row(qc, b, t * nh * hd), nh * hd, row(kc, b, t * kvh * hd), kvh * hd, row(vc, b, t * kvh * hd),
-                  kvh * hd, cc.data_ptr(), sc.data_ptr(), row(k_cache, b, kvh * Lmax * hd),
-                  row(v_cache, b, kvh * Lmax * hd), Lmax, pos, t, nh, kvh, hd, float(scale), d16,
-                  row(out, b, t * nh * hd), scratch);
+  const vn::IsaTable* T = isa();
+  // rows of a batch on the thread pool (one sequence's attention is small next to the linears)
+  run_chunks(B, threads_for(B * L * t * nh * hd * 2, B), [&](int64_t b0, int64_t b1) {
+    float* scratch = static_cast<float*>(t_misc.get(scratch_bytes));
+    for (int64_t b = b0; b < b1; ++b)
+      T->attend(row(qc, b, t * nh * hd), nh * hd, row(kc, b, t * kvh * hd), kvh * hd, row(vc, b, t * kvh * hd),
+                kvh * hd, cc.data_ptr(), sc.data_ptr(), row(k_cache, b, kvh * Lmax * hd),
+                row(v_cache, b, kvh * Lmax * hd), Lmax, pos, t, nh, kvh, hd, float(scale), d16,
+                row(out, b, t * nh * hd), scratch);
+  });
   return out;
 }
 

@@ -263,9 +263,13 @@ def _draw(logits: torch.Tensor, temperature: float, gens: list[torch.Generator])
     probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
     cdf = probs.cumsum(-1)
     u = torch.cat([torch.rand(1, generator=g) for g in gens]) * cdf[:, -1]
-    index = torch.searchsorted(cdf, u[:, None], right=True)
-    last = (probs > 0).long().cumsum(-1).argmax(-1, keepdim=True)  # the last token with probability > 0
-    return torch.minimum(index, last)
+    # the first token whose cumulative probability passes u has probability > 0; only rounding at the top end
+    # (u at the total) can point past the last token, then the last one with probability > 0 is taken
+    index = torch.searchsorted(cdf, u[:, None], right=True).clamp_(max=probs.shape[-1] - 1)
+    zero = probs.gather(1, index)[:, 0] <= 0
+    if bool(zero.any()):
+        index[zero] = (probs[zero] > 0).long().cumsum(-1).argmax(-1, keepdim=True)
+    return index
 
 
 def bucket_kl(logits: torch.Tensor, t_logp: torch.Tensor, t_index: torch.Tensor, t_rest: torch.Tensor,
