@@ -1,5 +1,6 @@
-"""A lean forward for batch-1 generation with llama-family models (Llama, Qwen2, Mistral): the same modules and
-weights as transformers' forward, a fraction of its per-token overhead.
+"""A lean forward for token-by-token generation with llama-family models (Llama, Qwen2, Mistral): the same
+modules and weights as transformers' forward, a fraction of its per-token overhead. The app's chat decodes with
+it (batch 1) and calibration sampling writes its windows with it (batch 32).
 
 Per decoder layer, transformers' forward runs some fifty small tensor operations around the seven linears
 (RMSNorm as six ops, rotary as a dozen, a cache update, a mask, attention), each costing microseconds of dispatch
@@ -128,11 +129,11 @@ def _native_ops():  # noqa: ANN202
 
 
 class LeanDecoder:
-    """Batch-1 prefill + decode steps of a llama-family causal LM with a preallocated KV cache.
+    """Prefill + decode steps of a llama-family causal LM with a preallocated KV cache.
 
-    ``prefill(ids)`` ([1, n]) starts a sequence and returns the last position's logits [1, vocab];
-    ``step(token)`` ([1, 1]) appends one token and returns its logits; ``batch`` > 1 runs that many sequences of
-    equal length side by side. ``ops`` "auto" (native where the model is on the CPU in bf16 / fp32 and the
+    ``prefill(ids)`` ([batch, n]) starts ``batch`` sequences of equal length (1 for a chat) and returns the last
+    position's logits [batch, vocab]; ``step(tokens)`` ([batch, 1]) appends one token to each and returns their
+    logits. ``ops`` "auto" (native where the model is on the CPU in bf16 / fp32 and the
     extension builds, else torch), "native" or "torch". ``params`` ({parameter name: tensor}, e.g. bf16 copies)
     replaces the weights of plain nn.Linear / nn.Embedding modules and of the norms, as
     ``torch.func.functional_call`` would; the model itself is not changed.
