@@ -101,12 +101,11 @@ def _cast_params(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch
     return {name: p.detach().to(dtype) for name, p in model.named_parameters() if p.is_floating_point()}
 
 
-def _runner(model: nn.Module, dtype: torch.dtype | None) -> Callable:
-    """``model``'s forward, or the same forward through bf16 copies of its floating-point parameters
-    (``torch.func.functional_call``; the module itself is left as it is)."""
-    if dtype is None:
+def _runner(model: nn.Module, params: dict[str, torch.Tensor] | None) -> Callable:
+    """``model``'s forward, or the same forward through ``params`` (copies of its floating-point parameters,
+    ``_cast_params``; ``torch.func.functional_call``, the module itself is left as it is)."""
+    if params is None:
         return model
-    params = _cast_params(model, dtype)
 
     def forward(**kwargs):
         return torch.func.functional_call(model, params, (), kwargs, tie_weights=True)
@@ -223,9 +222,8 @@ def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed
         raise ValueError(f"rows must name one row number per start, got shape {tuple(rows.shape)} for "
                          f"{starts.shape[0]} starts")
     ref_device = next(reference.parameters()).device
-    run_dtype = sampling_dtype(reference, dtype)
-    params = _cast_params(reference, run_dtype)
-    forward = _runner(reference, run_dtype)
+    params = _cast_params(reference, sampling_dtype(reference, dtype))  # one set of copies for either path
+    forward = _runner(reference, params)
     out, teachers = [], []
     for lo in range(0, starts.shape[0], batch):
         ids = starts[lo : lo + batch].cpu()
@@ -240,9 +238,8 @@ def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed
             if lean is None:
                 res = forward(input_ids=step_in.to(ref_device), past_key_values=past, use_cache=True)
                 past, logits = res.past_key_values, res.logits
-            elif past is None:
+            elif step_in is ids:  # the first pass: the start tokens
                 logits = lean.prefill(step_in.to(ref_device), all_positions=bool(topk))
-                past = True
             else:
                 logits = lean.step(step_in.to(ref_device))
             logits = logits if logits.dim() == 3 else logits[:, None]
