@@ -56,6 +56,7 @@ struct VQCall {
   float* y = nullptr;  // y[n][o], token stride ys; only outputs of the given rows are written
   int64_t ys = 0;
   bool use_cb16 = false;  // GEMV reads the bf16 codebooks
+  bool touch_codebooks = true;  // read every line of the codebooks once before the gathers (vq_main)
 };
 
 // Scalar (RTN/GPTQ/LRQ) codes, prepared: each group of gs columns is padded to gsp (multiple of 32) codes;

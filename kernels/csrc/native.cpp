@@ -172,6 +172,7 @@ void unpack_rows(const int32_t* words, int64_t R, int64_t W, int64_t n, int bits
 
 // GEMV codebook choice at prepare time (measurements): 0 the rule below, 1 bf16 whenever exact, 2 always fp32
 int g_cb16 = 0;
+int g_touch = 1;  // a knob for measurements (VQCall::touch_codebooks)
 
 std::shared_ptr<VQLayer> prepare_vq(std::vector<int64_t> spec, Tensor indices, Tensor centroids,
                                     c10::optional<Tensor> res_centroids, c10::optional<Tensor> outlier_indices,
@@ -452,6 +453,7 @@ Tensor vq_gemv(const VQLayer& L, const IO& io) {
   c.y = yacc;
   c.ys = ys;
   c.use_cb16 = L.gemv_cb16 && N == 1;
+  c.touch_codebooks = g_touch != 0;
   const vn::VQArgs& A = L.a;
   const float* bias = L.has_bias ? L.bias.data_ptr<float>() : nullptr;
   void* yp = y.data_ptr();
@@ -1075,6 +1077,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_gather", [](int64_t g) { g_gather = int(g); });
   m.def("set_nb", [](int64_t n) { g_nb = std::max<int64_t>(1, n); });
   m.def("set_cb16", [](int64_t m) { g_cb16 = int(m); });
+  m.def("set_touch", [](int64_t m) { g_touch = int(m); });
   m.def("set_tile", [](int64_t n) { g_tile_outputs = std::max<int64_t>(16, n); });
   m.def("set_prefill", [](const std::string& mode) {
     TORCH_CHECK(mode == "auto" || mode == "mm" || mode == "brgemm" || mode == "fp32",
