@@ -58,7 +58,7 @@ CACHE_ENV_VAR = "VPTQ_NATIVE_CACHE"
 _NAME = "vptq_native"
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("native.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp")
-_HEADERS = ("common.h", "kernels_body.h", "decoder_body.h")
+_HEADERS = ("common.h", "kernels_body.h", "decoder_body.h", "search_body.h")
 # -fopenmp: at::parallel_for is inlined from ATen's OpenMP header, so the extension must be built with OpenMP to run
 # on torch's thread pool (the module then uses torch's own libgomp, already loaded by libtorch).
 _CFLAGS = ("-O3", "-DNDEBUG", "-fno-math-errno", "-fno-trapping-math", "-Wno-unused-function", "-fopenmp")
@@ -301,6 +301,12 @@ def status(wait: float | None = -1.0) -> tuple[bool, str]:
         return False, f"native kernels disabled by {ENV_VAR}=0"
     module, reason = _load(_wait_seconds() if wait == -1.0 else wait)
     return module is not None, reason
+
+
+def expected() -> bool:
+    """Whether the native kernels are, or will be, usable here without waiting for anything: not disabled and no
+    failed build (a build still running counts as usable). For estimates made before a run starts."""
+    return not _disabled() and not _failure
 
 
 def _ext() -> Any:

@@ -40,7 +40,7 @@ def test_torch_search_gives_the_default_paths_assignments(d, k, n):
     X, C = torch.randn(n, d, generator=gen), torch.randn(k, d, generator=gen)
     default = CodebookSearch(C)
     forced = CodebookSearch(C, backend="torch")
-    assert forced.backend == "torch" and default.backend in ("kdtree", "numba")
+    assert forced.backend == "torch" and default.backend in ("native", "kdtree", "numba")
     a, b = default(X), forced(X)
     exact = torch.cdist(X.double(), C.double())
     # the same centroid, or (float32 expansion rounding) one at the same distance to 1e-5
@@ -60,7 +60,7 @@ def test_nearest_backend_from_the_environment(monkeypatch):
         with pytest.raises(ValueError, match="runs on CPU float32 codebooks only"):
             CodebookSearch(C.to(DEVICE), backend="kdtree")
     monkeypatch.setenv("VPTQ_NEAREST", "gpu")
-    with pytest.raises(ValueError, match=r"\$VPTQ_NEAREST must be one of auto, torch, kdtree, numba, got 'gpu'"):
+    with pytest.raises(ValueError, match=r"\$VPTQ_NEAREST must be one of auto, torch, native, kdtree, numba, got 'gpu'"):
         CodebookSearch(C)
 
 

@@ -114,6 +114,10 @@ struct IsaTable {
   void (*attend)(const void* q, int64_t qs, const void* k, int64_t ks, const void* v, int64_t vs, const void* cos,
                  const void* sin, void* Kc, void* Vc, int64_t Lmax, int64_t pos, int64_t t, int64_t nh, int64_t kvh,
                  int64_t hd, float scale, bool d16, void* out, float* scratch);
+  // Nearest centroid of queries [q0, q1) of X [n][d] (fp32): CT [d][kp] the codebook transposed (kp a multiple of
+  // 8), csq [kp] its squared norms (+inf in the padding); the lowest index on ties (search_body.h).
+  void (*nearest)(const float* X, int64_t d, const float* CT, const float* csq, int64_t kp, int64_t q0, int64_t q1,
+                  int64_t* out);
 };
 
 const IsaTable* isa_scalar();

@@ -1256,6 +1256,7 @@ static void act_quant(const void* x, void* y, int64_t nt, int64_t in, bool bf16,
 }
 
 #include "decoder_body.h"
+#include "search_body.h"
 
 static const IsaTable kTable = {
 #if VN_LEVEL >= 2
@@ -1266,7 +1267,7 @@ static const IsaTable kTable = {
     "scalar",
 #endif
     &vq_main, &vq_outliers, &vq_dequant, &vq_dequant_vnni, &sc_gemv, &sc_dequant, &finish, &act_quant,
-    &dec::rms_norm, &dec::silu_mul, &dec::attend};
+    &dec::rms_norm, &dec::silu_mul, &dec::attend, &srch::nearest};
 
 }  // namespace VN_NS
 }  // namespace vptq_native

@@ -957,6 +957,34 @@ Tensor silu_mul_op(const Tensor& g, const Tensor& u) {
   return y;
 }
 
+// Nearest centroid of every row of X [n, d] (fp32) in a codebook given as CT [d, kp] (transposed, kp a multiple of 8)
+// and csq [kp] (squared norms, +inf past the real centroids): int64 [n], the lowest index on ties.
+Tensor nearest_op(const Tensor& X, const Tensor& CT, const Tensor& csq) {
+  at::NoGradGuard no_grad;
+  TORCH_CHECK(X.dim() == 2 && X.scalar_type() == at::kFloat && X.device().is_cpu(),
+              "X must be a 2-D float32 CPU tensor [n, d], got ", X.scalar_type(), " ", X.sizes());
+  const int64_t n = X.size(0), d = X.size(1);
+  TORCH_CHECK(d >= 1 && d <= 16, "vector length d must be 1..16, got ", d);
+  TORCH_CHECK(CT.dim() == 2 && CT.size(0) == d && CT.size(1) % 8 == 0 && CT.size(1) > 0 &&
+                  CT.scalar_type() == at::kFloat && CT.is_contiguous(),
+              "CT must be a contiguous float32 [d, kp] tensor with kp a multiple of 8, got ", CT.scalar_type(), " ",
+              CT.sizes());
+  const int64_t kp = CT.size(1);
+  TORCH_CHECK(csq.dim() == 1 && csq.size(0) == kp && csq.scalar_type() == at::kFloat && csq.is_contiguous(),
+              "csq must be a contiguous float32 [", kp, "] tensor, got ", csq.scalar_type(), " ", csq.sizes());
+  Tensor Xc = X.contiguous();
+  Tensor out = at::empty({n}, X.options().dtype(at::kLong));
+  const float* xp = Xc.data_ptr<float>();
+  const float* ctp = CT.data_ptr<float>();
+  const float* sp = csq.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t blocks = (n + 3) / 4;
+  run_chunks(blocks, threads_for(n * kp * d, blocks), [&](int64_t b0, int64_t b1) {
+    isa()->nearest(xp, d, ctp, sp, kp, b0 * 4, std::min<int64_t>(n, b1 * 4), op);
+  });
+  return out;
+}
+
 // q [B, t, nh * hd], k / v [B, t, kvh * hd] (the projections' outputs), cos / sin [t, hd] (or [1, t, hd]),
 // caches [B, kvh, Lmax, hd] (or [kvh, Lmax, hd] for B = 1), written at positions pos .. pos + t - 1 of every row.
 // Returns the attention output [B, t, nh * hd], ready for the output projection.
@@ -1064,6 +1092,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm_op, py::arg("x"), py::arg("delta"), py::arg("weight"), py::arg("eps"),
         "RMSNorm as transformers rounds it; with delta: (x + delta, norm(x + delta))");
+  m.def("nearest", &nearest_op, py::call_guard<py::gil_scoped_release>(), py::arg("X"), py::arg("CT"), py::arg("csq"),
+        "nearest centroid of each row of X (codebook transposed and padded; lowest index on ties)");
   m.def("silu_mul", &silu_mul_op, py::arg("gate"), py::arg("up"), "silu(gate) * up as transformers rounds it");
   m.def("attend", &attend_op, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cos"), py::arg("sin"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("pos"), py::arg("num_heads"), py::arg("scale"),

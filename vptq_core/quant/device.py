@@ -21,7 +21,7 @@ import os
 import torch
 
 NEAREST_ENV = "VPTQ_NEAREST"
-NEAREST_BACKENDS = ("auto", "torch", "kdtree", "numba")
+NEAREST_BACKENDS = ("auto", "torch", "native", "kdtree", "numba")
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:

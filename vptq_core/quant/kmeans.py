@@ -56,6 +56,22 @@ def _numba_kernel():
     return _NUMBA_KERNEL
 
 
+def _native_search():
+    """The native kernels' nearest-centroid search (kernels/csrc/search_body.h), or None where they are not
+    usable (no compiler, failed build, ``VPTQ_NATIVE=0``)."""
+    from kernels import native
+
+    usable, _ = native.status()
+    return native._ext().nearest if usable else None
+
+
+def _native_wins(d: int, k: int) -> bool:
+    """Where the native brute force beats scipy's k-d tree (1 thread, Gaussian points and centroids, Zen 3 AVX2):
+    0.11-0.38x its time for d = 2 at k <= 1024 and for d >= 6 at k <= 16384 (d = 6, k = 4096: 0.27-0.32x), 0.61x at
+    d = 2, k = 4096; the tree wins at d <= 4 from k = 16384 (1.8x) and d <= 6 at k = 65536 (1.9x)."""
+    return not ((d <= 4 and k >= 16384) or (d <= 6 and k >= 65536))
+
+
 def _use_kdtree(d: int, k: int) -> bool:
     """Where a k-d tree (scipy's cKDTree) beats the brute-force kernel on CPU. Measured on 1 thread with
     16k Gaussian points: 3.6x faster at d=6 k=4096, 1.8x at d=8 k=4096, 1.5x at d=4 k=256. Brute force
@@ -67,11 +83,13 @@ class CodebookSearch:
     """Nearest-centroid search against one fixed codebook C [k, d], built once and queried many times
     (the sweep queries the same codebook once per column).
 
-    ``backend`` (default: ``$VPTQ_NEAREST``, else "auto"): "auto" picks, for CPU float32 codebooks, a k-d tree
-    where it is faster (small d, large k), else a compiled brute-force kernel; and for every other device or
-    dtype (CUDA) chunked ``||x||² - 2x·c + ||c||²`` matmuls on the codebook's device, with no host transfer.
-    "torch" forces the matmul path everywhere; "kdtree" / "numba" force those CPU paths (CPU float32 codebooks
-    only: elsewhere an argument is refused, the environment variable ignored).
+    ``backend`` (default: ``$VPTQ_NEAREST``, else "auto"): "auto" picks, for CPU float32 codebooks of d <= 16,
+    the native kernels' SIMD brute force (kernels/csrc/search_body.h) where they are usable, else a k-d tree
+    where it is faster (small d, large k), else a compiled numba brute force; and for every other device or dtype
+    (CUDA) chunked ``||x||² - 2x·c + ||c||²`` matmuls on the codebook's device, with no host transfer.
+    "torch" forces the matmul path everywhere; "native" / "kdtree" / "numba" force those CPU paths (CPU float32
+    codebooks only: elsewhere an argument is refused, the environment variable ignored; "native" where the native
+    kernels cannot be built raises with the reason).
     All paths return the exact Euclidean nearest centroid (ties and float rounding of near-ties aside).
     """
 
@@ -81,10 +99,19 @@ class CodebookSearch:
         k, d = C.shape
         choice = nearest_backend(backend)
         cpu32 = C.device.type == "cpu" and C.dtype == torch.float32
-        if choice in ("kdtree", "numba") and not cpu32:
+        if choice in ("native", "kdtree", "numba") and not cpu32:
             if backend is not None:
                 raise ValueError(f"the {choice} search runs on CPU float32 codebooks only, got {C.dtype} on {C.device}")
             choice = "torch"  # $VPTQ_NEAREST names a CPU path: other devices keep the torch one
+        self._native = None
+        if choice == "native" or (choice == "auto" and cpu32 and d <= 16 and _native_wins(d, k)):
+            self._native = _native_search()
+            if self._native is None and choice == "native":
+                from kernels import native
+
+                raise RuntimeError(f"the native search is unavailable: {native.status()[1]}")
+            if self._native is not None:
+                choice = "native"
         if choice == "auto":
             choice = ("kdtree" if _use_kdtree(d, k) else "numba") if cpu32 else "torch"
         if choice == "numba" and _numba_kernel() is None:  # pragma: no cover - numba is a declared dependency
@@ -98,15 +125,23 @@ class CodebookSearch:
             self._tree = cKDTree(C.detach().numpy().astype(np.float64))
         elif choice == "numba":
             self._CT = C.detach().T.contiguous().numpy()
+        elif choice == "native":
+            kp = -(-k // 8) * 8
+            self._CT = torch.zeros(d, kp)
+            self._CT[:, :k] = C.detach().T
+            self._csq = torch.full((kp,), float("inf"))
+            self._csq[:k] = self.C_sqnorm.detach().float()
         self._torch_cache: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, X: torch.Tensor) -> torch.Tensor:
         """X [n, d] -> [n] int64 indices, on X's device."""
         cpu32 = X.device.type == "cpu" and X.dtype == torch.float32
+        if cpu32 and self._native is not None:
+            return self._native(X.detach(), self._CT, self._csq)
         if cpu32 and self._tree is not None:
             _, idx = self._tree.query(X.detach().numpy(), k=1, workers=max(1, torch.get_num_threads()))
             return torch.from_numpy(idx.astype(np.int64))
-        if cpu32 and self._CT is not None and X.shape[0] * self.C.shape[0] >= 1 << 16:
+        if cpu32 and self.backend == "numba" and X.shape[0] * self.C.shape[0] >= 1 << 16:
             out = np.empty(X.shape[0], dtype=np.int64)
             _numba_kernel()(X.detach().contiguous().numpy(), self._CT, self.C_sqnorm.float().contiguous().numpy(), out)
             return torch.from_numpy(out)
