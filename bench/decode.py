@@ -264,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loop", choices=sorted(LOOPS), default="cache", help="decode loop for both models")
     parser.add_argument("--backend", default=None, help="force a kernel backend: reference | native | cpu | triton")
     parser.add_argument("--anatomy", action="store_true", help="also split one decode step's time")
+    parser.add_argument("--touch-ab", action="store_true",
+                        help="also time the quantized model with the native GEMV's codebook touch off "
+                             "(kernels/csrc: touch_lines), in the same alternated pairs")
     parser.add_argument("--device", default="cpu", help="run both models on this device (cuda: GPU comparison)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
                         help="dtype of both models (float16 for the GPU comparison)")
@@ -296,18 +299,32 @@ def main(argv: list[str] | None = None) -> int:
         original, quantized = original.to(args.device, dtype), quantized.to(args.device, dtype)
         prompt_ids = prompt_ids.to(args.device)
     models = {"bf16 original": original, "quantized": quantized}
+    untouched = "quantized, codebooks not touched"
+    if args.touch_ab:
+        models[untouched] = quantized
     loop = LOOPS[args.loop]
 
+    def run(name: str, steps: int) -> tuple[list[int], float, float]:
+        if name != untouched:
+            return loop(models[name], prompt_ids, steps)
+        from kernels import native
+
+        native._ext().set_touch(0)
+        try:
+            return loop(models[name], prompt_ids, steps)
+        finally:
+            native._ext().set_touch(1)
+
     with torch.inference_mode():
-        for model in models.values():  # warm-up: kernel builds, allocator, caches
-            loop(model, prompt_ids, min(8, args.tokens))
+        for name in models:  # warm-up: kernel builds, allocator, caches
+            run(name, min(8, args.tokens))
         timings: dict[str, list[tuple[float, float]]] = {name: [] for name in models}
         outputs: dict[str, list[int]] = {}
         for pair in range(args.pairs):
             order = list(models) if pair % 2 == 0 else list(reversed(models))
             for name in order:
                 gc.collect()
-                ids, prefill, decode = loop(models[name], prompt_ids, args.tokens)
+                ids, prefill, decode = run(name, args.tokens)
                 timings[name].append((prefill, decode))
                 outputs[name] = ids
 
@@ -330,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("| model | decode tok/s (median) | runs | prefill ms | param+buffer MB | RSS after load MB |")
     print("|---|---|---|---|---|---|")
-    load_delta = {"bf16 original": rss1 - rss0, "quantized": rss2 - rss1}
+    load_delta = {"bf16 original": rss1 - rss0, "quantized": rss2 - rss1, untouched: 0}
     for name, model in models.items():
         runs = ", ".join(f"{v:.1f}" for v in tps(name))
         prefill_ms = statistics.median(p for p, _ in timings[name]) * 1e3
@@ -339,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"speed ratio quantized / bf16: {statistics.median(ratios):.2f}x (per pair: "
           f"{', '.join(f'{r:.2f}' for r in ratios)})")
+    if args.touch_ab:
+        ab = [a / b for a, b in zip(tps("quantized"), tps(untouched))]
+        print(f"codebook touch on / off: {statistics.median(ab):.2f}x (per pair: {', '.join(f'{r:.2f}' for r in ab)})")
     print(f"memory ratio quantized / bf16 (param+buffer): {tensor_bytes(quantized) / tensor_bytes(original):.2f}")
     if args.checkpoint:
         print(f"greedy tokens equal to the original: {agree}/{args.tokens + 1}")
