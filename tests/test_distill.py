@@ -144,6 +144,18 @@ def test_a_time_budget_shrinks_distillation_to_the_steps_that_fit(tiny_model, wi
     assert m3["steps"] == m12["steps"] == 3 and m12["planned_steps"] == 3 and plans == [3]
     for name, state in planned.items():
         torch.testing.assert_close(budgeted[name].centroids, state.centroids, rtol=0, atol=0)
+    # a short first plan (the first step pays one-time costs) grows again when later steps show more fit: the run
+    # takes exactly the steps of its last plan, and none past it (where the schedule's learning rate is 0)
+    fits = {1: 2, 2: 5}
+    monkeypatch.setattr(distill_mod, "plan_steps", lambda _left, times, _c, _e: fits.get(len(times), 7 - len(times)))
+    plans, lrs = [], []
+    real_cosine = distill_mod.cosine_factor
+    monkeypatch.setattr(distill_mod, "cosine_factor", lambda *a: lrs.append(real_cosine(*a)) or lrs[-1])
+    metrics = distill(copy.deepcopy(qmodel), model, copy.deepcopy(result.states), windows, cfg,
+                      deadline=time.perf_counter() + 3600, on_plan=plans.append)
+    assert plans == [3, 7] and metrics["steps"] == metrics["planned_steps"] == 7 and metrics["out_of_time"]
+    assert lrs and min(lrs) > 0  # every step trained (the old plan-only-shrinks loop ran 4 steps at 0)
+    monkeypatch.setattr(distill_mod, "cosine_factor", real_cosine)
     # the time runs out mid-way (the steps were slower than planned): the run stops there, like a cancel
     monkeypatch.setattr(distill_mod, "plan_steps", lambda _left, times, _c, _e: 5 if len(times) < 2 else 0)
     metrics = distill(copy.deepcopy(qmodel), model, copy.deepcopy(result.states), windows, cfg,

@@ -663,7 +663,7 @@ def distill(
                 best_kl, best_step = before, 0
                 metrics["kl_before"] = before
                 step_times: list[float] = []
-                for step in range(iters):
+                for step in range(config.distill_iters):
                     if should_stop():
                         metrics["cancelled"] = True
                         break
@@ -671,8 +671,12 @@ def distill(
                         now = time.perf_counter()
                         left = (plan_steps(deadline - now, step_times, check_s, every) if step_times
                                 else int(now < deadline))
-                        if step_times and 0 < left and step + left < iters:  # only ever fewer: shrink to what fits
-                            iters, warmup = step + left, int((step + left) * WARMUP_FRACTION)
+                        # the plan follows what fits, both ways (the first step pays one-time costs, so an early
+                        # plan is often short), never past distill_iters; the schedule stretches with it, and no
+                        # step runs past the plan (where the schedule's learning rate is 0)
+                        fit = min(config.distill_iters, step + left)
+                        if step_times and left > 0 and fit != iters:
+                            iters, warmup = fit, int(fit * WARMUP_FRACTION)
                             if on_plan is not None:
                                 on_plan(iters)
                         if left <= 0:
