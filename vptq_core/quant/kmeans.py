@@ -68,8 +68,9 @@ def _native_search():
 def _native_wins(d: int, k: int) -> bool:
     """Where the native brute force beats scipy's k-d tree (1 thread, Gaussian points and centroids, Zen 3 AVX2):
     0.11-0.38x its time for d = 2 at k <= 1024 and for d >= 6 at k <= 16384 (d = 6, k = 4096: 0.27-0.32x), 0.61x at
-    d = 2, k = 4096; the tree wins at d <= 4 from k = 16384 (1.8x) and d <= 6 at k = 65536 (1.9x)."""
-    return not ((d <= 4 and k >= 16384) or (d <= 6 and k >= 65536))
+    d = 2, k = 4096; the tree wins at d <= 4 from k = 16384 (1.8x) and d <= 6 at k = 65536 (1.9x). The kernel takes
+    vectors of up to 16 dimensions."""
+    return d <= 16 and not ((d <= 4 and k >= 16384) or (d <= 6 and k >= 65536))
 
 
 def _use_kdtree(d: int, k: int) -> bool:
@@ -104,7 +105,7 @@ class CodebookSearch:
                 raise ValueError(f"the {choice} search runs on CPU float32 codebooks only, got {C.dtype} on {C.device}")
             choice = "torch"  # $VPTQ_NEAREST names a CPU path: other devices keep the torch one
         self._native = None
-        if choice == "native" or (choice == "auto" and cpu32 and d <= 16 and _native_wins(d, k)):
+        if choice == "native" or (choice == "auto" and cpu32 and _native_wins(d, k)):
             self._native = _native_search()
             if self._native is None and choice == "native":
                 from kernels import native

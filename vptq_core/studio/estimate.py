@@ -231,7 +231,7 @@ def _search_backend(d: int, k: int) -> str:
 
     choice = nearest_backend()
     if choice == "auto":
-        if d <= 16 and _native_wins(d, k) and native.expected():
+        if _native_wins(d, k) and native.expected():
             return "native"
         return "kdtree" if _use_kdtree(d, k) else "numba"
     return choice
