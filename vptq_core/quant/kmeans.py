@@ -7,6 +7,7 @@ stays on the device; random draws come from a CPU generator (the same draws on e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,6 +74,14 @@ def _native_wins(d: int, k: int) -> bool:
     return d <= 16 and not ((d <= 4 and k >= 16384) or (d <= 6 and k >= 65536))
 
 
+def cpu_auto_backend(d: int, k: int, native_usable: Callable[[], bool]) -> str:
+    """The search "auto" picks for a CPU float32 codebook of k d-vectors: the native brute force where it beats the
+    tree and ``native_usable()`` (asked only then), else the k-d tree or numba brute force."""
+    if _native_wins(d, k) and native_usable():
+        return "native"
+    return "kdtree" if _use_kdtree(d, k) else "numba"
+
+
 def _use_kdtree(d: int, k: int) -> bool:
     """Where a k-d tree (scipy's cKDTree) beats the brute-force kernel on CPU. Measured on 1 thread with
     16k Gaussian points: 3.6x faster at d=6 k=4096, 1.8x at d=8 k=4096, 1.5x at d=4 k=256. Brute force
@@ -104,17 +113,13 @@ class CodebookSearch:
             if backend is not None:
                 raise ValueError(f"the {choice} search runs on CPU float32 codebooks only, got {C.dtype} on {C.device}")
             choice = "torch"  # $VPTQ_NEAREST names a CPU path: other devices keep the torch one
-        self._native = None
-        if choice == "native" or (choice == "auto" and cpu32 and _native_wins(d, k)):
-            self._native = _native_search()
-            if self._native is None and choice == "native":
-                from kernels import native
-
-                raise RuntimeError(f"the native search is unavailable: {native.status()[1]}")
-            if self._native is not None:
-                choice = "native"
         if choice == "auto":
-            choice = ("kdtree" if _use_kdtree(d, k) else "numba") if cpu32 else "torch"
+            choice = cpu_auto_backend(d, k, lambda: _native_search() is not None) if cpu32 else "torch"
+        self._native = _native_search() if choice == "native" else None
+        if choice == "native" and self._native is None:
+            from kernels import native
+
+            raise RuntimeError(f"the native search is unavailable: {native.status()[1]}")
         if choice == "numba" and _numba_kernel() is None:  # pragma: no cover - numba is a declared dependency
             choice = "torch"
         self.backend = choice

@@ -227,14 +227,10 @@ def _search_backend(d: int, k: int) -> str:
     from kernels import native
 
     from ..quant.device import nearest_backend
-    from ..quant.kmeans import _native_wins, _use_kdtree
+    from ..quant.kmeans import cpu_auto_backend
 
     choice = nearest_backend()
-    if choice == "auto":
-        if _native_wins(d, k) and native.expected():
-            return "native"
-        return "kdtree" if _use_kdtree(d, k) else "numba"
-    return choice
+    return cpu_auto_backend(d, k, native.expected) if choice == "auto" else choice
 
 
 def _query_seconds(d: int, k: int, threads: int = 1) -> float:
