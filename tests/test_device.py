@@ -60,7 +60,8 @@ def test_nearest_backend_from_the_environment(monkeypatch):
         with pytest.raises(ValueError, match="runs on CPU float32 codebooks only"):
             CodebookSearch(C.to(DEVICE), backend="kdtree")
     monkeypatch.setenv("VPTQ_NEAREST", "gpu")
-    with pytest.raises(ValueError, match=r"\$VPTQ_NEAREST must be one of auto, torch, native, kdtree, numba, got 'gpu'"):
+    with pytest.raises(ValueError,
+                       match=r"\$VPTQ_NEAREST must be one of auto, torch, native, kdtree, numba, got 'gpu'"):
         CodebookSearch(C)
 
 

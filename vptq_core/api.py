@@ -306,11 +306,12 @@ def source_model_of(path: str) -> str | None:
 
 def evaluate_model(
     model: str, reference: str | None = "auto", text: str = "wiki", seqlen: int = 512,
-    max_windows: int | None = None, dtype: str | None = None,
+    max_windows: int | None = None, dtype: str | None = None, head_bits: int | str = "auto",
 ) -> EvalResult:
     """Evaluate a model name or directory; ``reference`` "auto" compares a quantized checkpoint with the
-    model it was made from, "none" disables the comparison."""
-    qmodel, tok = load_model(model, dtype=dtype)
+    model it was made from, "none" disables the comparison. ``head_bits``: a quantized checkpoint's LM head
+    at run time (``load_quantized``)."""
+    qmodel, tok = load_model(model, dtype=dtype, head_bits=head_bits)
     ref_model = None
     if reference == "auto":
         reference = source_model_of(model) if Path(model).is_dir() else None

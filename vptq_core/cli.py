@@ -119,6 +119,11 @@ def _add_setting_flag(group, flag: str, setting: str, kind: str, text: str) -> N
         group.add_argument(flag, dest=setting, type=int if kind == "int" else float, help=text)
 
 
+HEAD_BITS_CHOICES = ["auto", "0", "4", "8"]
+HEAD_BITS_HELP = ("a quantized checkpoint's LM head, when stored in the model dtype, runs at this many bits "
+                  "(round-to-nearest at load, groups of 128): auto = 8 on the CPU for a large head, 0 = as stored")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m vptq_core", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -170,9 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="dense model dtype")
     e.add_argument("--json", action="store_true", help="print one JSON object")
     e.add_argument("--threads", type=_positive)
+    e.add_argument("--head-bits", choices=HEAD_BITS_CHOICES, default="auto", help=HEAD_BITS_HELP)
 
     ch = sub.add_parser("chat", help="chat in the terminal with a model or checkpoint")
     ch.add_argument("--model", required=True)
+    ch.add_argument("--head-bits", choices=HEAD_BITS_CHOICES, default="auto", help=HEAD_BITS_HELP)
     ch.add_argument("--max-new-tokens", type=_positive, default=128)
     ch.add_argument("--temperature", type=float, default=0.0)
     ch.add_argument("--prompt", help="answer one prompt and exit (otherwise read prompts from stdin)")
@@ -304,7 +311,7 @@ def _cmd_eval(args) -> int:
     from .api import evaluate_model
 
     result = evaluate_model(args.model, reference=args.reference, text=args.text, seqlen=args.seqlen,
-                            max_windows=args.max_windows, dtype=args.dtype)
+                            max_windows=args.max_windows, dtype=args.dtype, head_bits=args.head_bits)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:
@@ -319,7 +326,7 @@ def _cmd_chat(args) -> int:
     from .models import load_model
     from .studio.chat import ChatSession
 
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, head_bits=args.head_bits)
     session = ChatSession(model, tok)
     prompts = [args.prompt] if args.prompt else (line.strip() for line in sys.stdin)
     for prompt in prompts:

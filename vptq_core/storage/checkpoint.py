@@ -37,6 +37,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from transformers import initialization as hf_init
 
 from ..quant.states import ScalarLayerState, VQLayerState
+from .head import check_head_bits, quantize_head
 from .modules import (
     ScalarQLinear,
     VQLinear,
@@ -599,14 +600,19 @@ def _check_tensor_values(name: str, tensor: torch.Tensor, module: nn.Module, wha
 
 
 def load_quantized(
-    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
+    head_bits: int | str = "auto",
 ):
     """Read a checkpoint written by ``save_quantized`` (or a public VPTQ checkpoint with one safetensors file).
 
     Returns ``(model, tokenizer)``, the model in eval mode on ``device`` with float tensors in ``dtype``
     (default: the stored dtype); ``tokenizer`` is None when the directory holds none. Raises ValueError
     naming the file/tensor for anything missing, damaged or inconsistent.
+
+    ``head_bits``: an LM head stored in the model dtype runs at 8 or 4 bits (round-to-nearest at load,
+    ``storage.head``): "auto" = 8 bits for a large head on the CPU with the native kernels, 0 = as stored.
     """
+    check_head_bits(head_bits)
     root = Path(path)
     config_dict, quantization_config = read_quantization_config(root)
     config_path = root / CONFIG_NAME
@@ -649,7 +655,9 @@ def load_quantized(
             model.generation_config = GenerationConfig.from_pretrained(str(root))
         except (ValueError, OSError, TypeError) as exc:
             raise ValueError(f"{root / 'generation_config.json'}: cannot read ({exc})") from None
-    return model.to(device).eval(), _load_tokenizer(root)
+    model = model.to(device).eval()
+    quantize_head(model, head_bits)
+    return model, _load_tokenizer(root)
 
 
 def _swap_embedding(model: nn.Module, quantization_config: dict, modules: dict, dtype: torch.dtype,
