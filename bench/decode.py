@@ -11,6 +11,9 @@ Two sources:
                         W4A8 as LRQ makes it: 4-bit per-channel codes, 8-bit per-token activations, symmetric /
                         asymmetric); --quantize-head also
                         replaces the LM head (untied from the bf16 embedding), as the CLI's --quantize-head.
+  --head-bits auto|0|4|8  the quantized model's LM head at run time as ``load_quantized`` sets it (default auto:
+                        8-bit round-to-nearest in groups of 128 for a large head on the CPU; vptq_core.storage.head);
+                        --head-ab also times the quantized model with its head as stored (bf16) in the same pairs.
 
 Protocol: both models in the same process; a fixed chat prompt; one warm-up run per model; then --pairs pairs of
 timed runs, alternating which model goes first; each run = one prefill plus --tokens greedy single-token steps
@@ -32,6 +35,7 @@ the LM head and the rest (attention, norms, rotary, embedding, Python), measured
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import os
 import resource
@@ -53,6 +57,7 @@ from vptq_core.quant.blocks import block_linears, decoder_blocks  # noqa: E402
 from vptq_core.quant.embedding import module_name  # noqa: E402
 from vptq_core.quant.vptq import outlier_columns  # noqa: E402
 from vptq_core.storage.checkpoint import load_quantized  # noqa: E402
+from vptq_core.storage.head import quantize_head  # noqa: E402
 from vptq_core.storage.modules import ScalarQLinear, VQLinear, set_submodule  # noqa: E402
 
 PROMPT = "Explain in a few sentences why the sky looks blue during the day and red at sunset."
@@ -231,8 +236,6 @@ def random_packed(layout: str, out_f: int, in_f: int, bias: bool, seed: int) -> 
 def random_quantized(dense: nn.Module, layout: str, head: bool = False) -> nn.Module:
     """A copy of ``dense`` whose block linears (and, with ``head``, the LM head, as ``--quantize-head`` does) are
     random packed layers of ``layout``; the input embedding stays bf16."""
-    import copy
-
     model = copy.deepcopy(dense)
     for b, block in enumerate(decoder_blocks(model)):
         for i, (name, linear) in enumerate(block_linears(block).items()):
@@ -267,6 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--touch-ab", action="store_true",
                         help="also time the quantized model with the native GEMV's codebook touch off "
                              "(kernels/csrc: touch_lines), in the same alternated pairs")
+    parser.add_argument("--head-bits", choices=["auto", "0", "4", "8"], default="auto",
+                        help="the quantized model's LM head at run time, as load_quantized sets it (auto: 8 bits "
+                             "for a large head on the CPU; 0: as stored, bf16); not with --quantize-head")
+    parser.add_argument("--head-ab", action="store_true",
+                        help="also time the quantized model with its LM head as stored (bf16), same alternated pairs")
     parser.add_argument("--device", default="cpu", help="run both models on this device (cuda: GPU comparison)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
                         help="dtype of both models (float16 for the GPU comparison)")
@@ -279,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint:
         original, tok = load_model(args.original, dtype=torch.bfloat16)
         rss1 = rss_bytes()
-        quantized, qtok = load_quantized(args.checkpoint)
+        quantized, qtok = load_quantized(args.checkpoint, head_bits=0)  # the head is set below, after .to()
         tok = tok or qtok
         label = f"checkpoint {args.checkpoint} vs {args.original} (bf16)"
     else:
@@ -298,7 +306,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.device != "cpu" or dtype != torch.bfloat16:
         original, quantized = original.to(args.device, dtype), quantized.to(args.device, dtype)
         prompt_ids = prompt_ids.to(args.device)
+    stored_head = copy.copy(quantized)  # the same modules but its own child dict: the head as stored
+    stored_head._modules = dict(quantized._modules)
+    head_bits = 0 if args.quantize_head else quantize_head(quantized, args.head_bits)
+    rss2 = rss_bytes()
+    label += (f"; LM head at run time: {head_bits}-bit round-to-nearest, groups of 128 (--head-bits {args.head_bits})"
+              if head_bits else f"; LM head as stored (--head-bits {args.head_bits})")
     models = {"bf16 original": original, "quantized": quantized}
+    head_as_stored = "quantized, LM head as stored"
+    if args.head_ab and head_bits:
+        models[head_as_stored] = stored_head
     untouched = "quantized, codebooks not touched"
     if args.touch_ab:
         models[untouched] = quantized
@@ -347,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("| model | decode tok/s (median) | runs | prefill ms | param+buffer MB | RSS after load MB |")
     print("|---|---|---|---|---|---|")
-    load_delta = {"bf16 original": rss1 - rss0, "quantized": rss2 - rss1, untouched: 0}
+    load_delta = {"bf16 original": rss1 - rss0, "quantized": rss2 - rss1, untouched: 0, head_as_stored: 0}
     for name, model in models.items():
         runs = ", ".join(f"{v:.1f}" for v in tps(name))
         prefill_ms = statistics.median(p for p, _ in timings[name]) * 1e3
@@ -359,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.touch_ab:
         ab = [a / b for a, b in zip(tps("quantized"), tps(untouched))]
         print(f"codebook touch on / off: {statistics.median(ab):.2f}x (per pair: {', '.join(f'{r:.2f}' for r in ab)})")
+    if head_as_stored in models:
+        ab = [a / b for a, b in zip(tps("quantized"), tps(head_as_stored))]
+        print(f"LM head {head_bits}-bit / as stored: {statistics.median(ab):.2f}x (per pair: "
+              f"{', '.join(f'{r:.2f}' for r in ab)})")
     print(f"memory ratio quantized / bf16 (param+buffer): {tensor_bytes(quantized) / tensor_bytes(original):.2f}")
     if args.checkpoint:
         print(f"greedy tokens equal to the original: {agree}/{args.tokens + 1}")
