@@ -87,3 +87,10 @@ def test_cli_head_bits_choices(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["eval", "--model", "m", "--head-bits", "3"])
     assert "invalid choice: '3'" in capsys.readouterr().err
+
+
+def test_chat_tab_names_the_head_bits():
+    from vptq_core.studio import views
+
+    assert "lookup kernels, LM head 8-bit, cpu" in views.models_md("m", 2**20, "", 2**20, "bfloat16", "cpu", 8)
+    assert "LM head" not in views.models_md("m", 2**20, "", 2**20, "bfloat16", "cpu")

@@ -802,7 +802,7 @@ class Studio:
             raise self.error(exc) from None
         original_bytes = model_memory_bytes(original[0]) if original else None
         return (views.models_md(source, original_bytes, why, model_memory_bytes(qmodel), self.dtype,
-                                self.settings.device), [], [], "", "")
+                                self.settings.device, getattr(qmodel, "vptq_head_bits", 0)), [], [], "", "")
 
     def chat(self, prompt: str, history_original, history_quantized, run_id: str, temperature, top_p,
              max_new_tokens, request: gr.Request):

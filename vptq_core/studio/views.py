@@ -255,12 +255,13 @@ def runs_view(snaps: Iterable[JobSnapshot]) -> tuple[list[list], list[dict], lis
 
 # ----------------------------------------------------------------------------------------- chat tab
 def models_md(source: str | None, original_bytes: int | None, why: str, quantized_bytes: int, dtype: str,
-              device: str) -> str:
+              device: str, head_bits: int = 0) -> str:
     """Both sides of a run: the original model (``original_bytes`` None: not available, ``why``) and the
-    quantized one."""
+    quantized one (``head_bits``: its LM head's bits at run time, ``storage.head``; 0 = as stored)."""
     left = (f"**Original** `{source}` ({dtype}, {device}): weights {mb(original_bytes)}"
             if original_bytes is not None else f"**Original** not available: {why}")
-    right = f"**Quantized** ({dtype} activations, lookup kernels, {device}): weights {mb(quantized_bytes)}"
+    head = f", LM head {head_bits}-bit" if head_bits else ""
+    right = f"**Quantized** ({dtype} activations, lookup kernels{head}, {device}): weights {mb(quantized_bytes)}"
     return f"{left}  \n{right}"
 
 
