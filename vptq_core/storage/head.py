@@ -4,9 +4,9 @@ A checkpoint keeps its LM head in the model dtype unless it was quantized with `
 public VPTQ layout stores it that way too). In a decode step on a CPU the head is then a large part of the
 time: SmolLM2's 49152 x 576 head is ~21% of the model's linear weights, a 0.5B-class model's 151936 x 896 head
 ~28%, and it reads bf16 on both sides of the side-by-side chat. The head is also the most sensitive matrix:
-quantized alone with the blocks' own recipes, SmolLM2's wiki / pydocs perplexity went to 1.70x / 2.95x bf16
-(VPTQ v6 k4096), 1.30x / 1.70x (v4 k4096) and 1.08x / 1.11x (GPTQ 4-bit g128), while round-to-nearest 8-bit
-in groups of 128 gave 1.001x / 1.001x (16 windows of 512 tokens each).
+quantized alone with the blocks' own recipes, SmolLM2's wiki / pydocs perplexity went to 1.67x / 2.68x bf16
+(VPTQ v6 k4096), 1.30x / 1.65x (v4 k4096) and 1.08x / 1.13x (GPTQ 4-bit g128), while this module's 8-bit
+head gave 1.001x / 1.001x (bench/head_quality.py: 16 windows of 512 tokens per text).
 
 So at load time the head can be replaced by a ``ScalarQLinear`` holding its round-to-nearest codes (asymmetric
 grids, groups of ``GROUP_SIZE``), run by the same fused scalar kernels as GPTQ / RTN checkpoints:
