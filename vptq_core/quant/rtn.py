@@ -23,9 +23,14 @@ def effective_group_size(group_size: int, in_features: int) -> int:
 
 
 def grid_params(
-    W: torch.Tensor, bits: int, sym: bool = False, clip_search: bool = False, grid_steps: int = 20
+    W: torch.Tensor, bits: int, sym: bool = False, clip_search: bool = False, grid_steps: int = 20,
+    scale_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero point per row of ``W`` [rows, cols] -> (scale [rows, 1], zero [rows, 1]).
+
+    ``scale_dtype``: each scale is rounded up to a value exact in that dtype before its zero point (and the
+    codes) follow from it, so a module holding its scales in that dtype reproduces the grid the codes were
+    chosen on (rounding an 8-bit grid's fp32 scale to bf16 afterwards moves its top codes by up to half a step).
 
     ``clip_search`` shrinks the [min, max] range (factors 1.0 .. 0.5) per row to minimise the squared
     rounding error, as in the LRQ/OmniQuant initialisations.
@@ -40,6 +45,10 @@ def grid_params(
 
     def params(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = (hi - lo).clamp(min=1e-8) / maxq
+        if scale_dtype is not None:
+            exact = scale.to(scale_dtype)
+            up = torch.nextafter(exact, torch.full_like(exact, float("inf")))
+            scale = torch.where(exact.float() < scale, up, exact).float()
         zero = torch.full_like(scale, (maxq + 1) / 2) if sym else torch.round(-lo / scale)
         return scale, zero
 
@@ -70,16 +79,16 @@ def quantize_codes(W: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bit
 
 def rtn_quantize(
     W: torch.Tensor, bits: int, group_size: int = 0, sym: bool = False, clip_search: bool = False,
-    bias: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None, scale_dtype: torch.dtype | None = None,
 ) -> ScalarLayerState:
-    """Round-to-nearest of ``W`` [out, in] with per-(row, group) grids."""
+    """Round-to-nearest of ``W`` [out, in] with per-(row, group) grids (``scale_dtype``: see ``grid_params``)."""
     out_features, in_features = W.shape
     gs = effective_group_size(group_size, in_features)
     W = W.float()
     scales, zeros, codes = [], [], []
     for start in range(0, in_features, gs):
         block = W[:, start : start + gs]
-        scale, zero = grid_params(block, bits, sym=sym, clip_search=clip_search)
+        scale, zero = grid_params(block, bits, sym=sym, clip_search=clip_search, scale_dtype=scale_dtype)
         codes.append(quantize_codes(block, scale, zero, bits))
         scales.append(scale)
         zeros.append(zero)

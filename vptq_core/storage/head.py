@@ -83,29 +83,10 @@ def quantize_head(model: nn.Module, head_bits: object = "auto") -> int:
     return bits
 
 
-def rtn_state(weight: torch.Tensor, bits: int, bias: torch.Tensor | None = None) -> ScalarLayerState:
-    """Round-to-nearest of ``weight`` [out, in] in groups of ``GROUP_SIZE`` on grids whose scales are exact in
-    ``weight``'s dtype: each scale is rounded up to that dtype before the codes are chosen, so the module (which
-    holds its scales in the model dtype) reproduces the codes' grid and no code is off by the scale's rounding
-    (in bf16 that rounding alone moves the top codes of an 8-bit grid by up to half a step)."""
-    from ..quant.rtn import effective_group_size, grid_params, quantize_codes
 
-    out_features, in_features = weight.shape
-    gs = effective_group_size(GROUP_SIZE, in_features)
-    dtype = weight.dtype
-    scales, zeros, codes = [], [], []
-    for start in range(0, in_features, gs):
-        block = weight[:, start : start + gs].float()
-        scale, _ = grid_params(block, bits)
-        exact = scale.to(dtype)
-        exact = torch.where(exact.float() < scale, torch.nextafter(exact, torch.full_like(exact, float("inf"))), exact)
-        scale = exact.float()
-        lo = block.min(dim=1, keepdim=True).values.clamp(max=0)
-        zero = torch.round(-lo / scale)
-        codes.append(quantize_codes(block, scale, zero, bits).to(torch.uint8))
-        scales.append(scale)
-        zeros.append(zero)
-    return ScalarLayerState(
-        in_features=in_features, out_features=out_features, bits=bits, group_size=gs, codes=torch.cat(codes, dim=1),
-        scales=torch.cat(scales, dim=1), zeros=torch.cat(zeros, dim=1), bias=bias, method="rtn",
-    )
+def rtn_state(weight: torch.Tensor, bits: int, bias: torch.Tensor | None = None) -> ScalarLayerState:
+    """Round-to-nearest of ``weight`` [out, in] in groups of ``GROUP_SIZE``, its scales exact in ``weight``'s dtype
+    (the dtype the module holds them in; ``rtn.grid_params``)."""
+    from ..quant.rtn import rtn_quantize
+
+    return rtn_quantize(weight.float(), bits, GROUP_SIZE, bias=bias, scale_dtype=weight.dtype)
