@@ -103,6 +103,7 @@ LAYERS = [
     ("v2-k65536-res65536-outl-v16", _spec(37, 17, 2, 65536, 65536, outliers=(5, 16, 65536)), True, True, True),
     ("v1-k16", _spec(20, 10, 1, 16), True, False, False),
     ("v16-k4096-outl-v12", _spec(52, 47, 16, 4096, outliers=(4, 12, 64)), True, True, True),
+    ("v4-k4096-outl-v4", _spec(48, 70, 4, 4096, outliers=(3, 4, 256)), True, False, True),  # bf16 codebook on AVX2
 ]
 
 # Big enough to run on ATen's thread pool with 2 threads.

@@ -225,11 +225,14 @@ std::shared_ptr<VQLayer> prepare_vq(std::vector<int64_t> spec, Tensor indices, T
   }
   L->cb_exact_bf16 = exact;
   // The bf16 codebook halves the cache footprint of the lookups; used by the GEMV only when it is exact, the fp32
-  // one would not stay in L1, and the centroids have 8 lanes: widening 8 bf16 lanes is one broadcast + shuffle,
-  // while 4 or 16 lanes take a widening load + shift, which cost more than the fp32 codebook's cache misses
-  // (measured in one process, 1 thread, AVX-512: v4 k4096 0.36-0.53 of dense bf16 time with the fp32 codebook
-  // against 0.46-0.86 with bf16, v4 k8192 and v12/v16 alike; v6/v8 k4096 0.23-0.41 with bf16 against 0.27-0.47).
-  L->gemv_cb16 = exact && (g_cb16 == 1 || (g_cb16 == 0 && vp == 8 && (k + (res ? L->kr : 0)) * vp * 4 > 24 * 1024));
+  // one would not stay in L1, and widening pays for itself. 8 lanes (one broadcast + shuffle): on every CPU
+  // measured (AVX-512: v6/v8 k4096 0.23-0.41 of dense bf16 time with bf16 against 0.27-0.47 with fp32). 4 lanes
+  // (one 8-byte load + unpack): on the AVX2 kernels only. Zen 3 (32 KB L1, AVX2) in one process, 1 thread, 9
+  // alternated rounds, three runs: v4 k4096 at 4096x4096 0.44-0.58 with bf16 against 0.54-0.68 with fp32, SmolLM2's
+  // shapes 0.43-0.67 against 0.49-0.65 (11 of 15 cells faster); an AVX-512 machine measured the opposite (0.46-0.86
+  // with bf16 against 0.36-0.53, v4 k8192 and v12/v16 alike, with a costlier widening than today's). 16 lanes: fp32.
+  const bool wide_ok = vp == 8 || (vp == 4 && std::string(isa()->name) == "avx2");
+  L->gemv_cb16 = exact && (g_cb16 == 1 || (g_cb16 == 0 && wide_ok && (k + (res ? L->kr : 0)) * vp * 4 > 24 * 1024));
 
   // indices -> element offsets (code * vp), rows in blocks of 8
   const bool i32 = (std::max<int64_t>(k, res ? L->kr : 0) - 1) * vp > 65535;
