@@ -143,10 +143,11 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                                         initial["enable_perm"], label=labels["enable_perm"] + " (Hessian order)")
                                     fields["finetune_iters"] = number("finetune_iters")
                                 with gr.Row():
+                                    fields["bits_budget"] = number("bits_budget", " (0 = off)", integer=False)
                                     fields["layer_bits_cap"] = number("layer_bits_cap", " (0 = off)", integer=False)
                             groups[vptq_group] = ("vector_len", "num_centroids", "num_res_centroids",
                                                   "outlier_percent", "group_num", "kmeans_iters", "enable_norm",
-                                                  "enable_perm", "finetune_iters", "layer_bits_cap")
+                                                  "enable_perm", "finetune_iters", "bits_budget", "layer_bits_cap")
                             with gr.Group() as scalar_group, gr.Row():
                                 fields["bits"] = number("bits")
                                 fields["group_size"] = number("group_size", " (0 = per channel)")

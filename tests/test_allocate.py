@@ -3,6 +3,7 @@ import dataclasses
 import pytest
 import torch
 
+from vptq_core.quant import methods
 from vptq_core.quant.allocate import candidate_caps, cap_for_budget, model_bits
 from vptq_core.quant.config import VPTQConfig
 from vptq_core.quant.pipeline import quantize_model, total_linear_shapes
@@ -43,9 +44,12 @@ def test_allocator_meets_the_budget_exactly_codebooks_included(tiny_model, calib
         except ValueError:
             continue
         assert total > budget * weights or total <= bits.total_bits
-    # what the run stores is exactly what was allocated (codebooks, permutation, indices)
-    cfg = dataclasses.replace(BASE, layer_bits_cap=cap)
+    # what the run stores is exactly what was allocated (codebooks, permutation, indices); the run resolves a
+    # bits_budget itself, and the bits shown before it (Method.model_bits) are the same
+    cfg = dataclasses.replace(BASE, bits_budget=budget)
+    assert methods.get("vptq").model_bits(cfg, shapes) == bits
     _, result = quantize_model(model, calib_ids, "vptq", cfg)
+    assert result.config["layer_bits_cap"] == cap and result.config["bits_budget"] == budget
     assert result.bits == bits
     assert sum(st.storage_bits().total_bits for st in result.states.values()) == bits.total_bits
     assert len({st.spec.vector_len for st in result.states.values()}) > 1  # layers got different settings
@@ -66,3 +70,29 @@ def test_checkpoint_round_trips_differing_layer_settings(tmp_path, tiny_model, c
     with torch.no_grad():
         torch.testing.assert_close(loaded(calib_ids, use_cache=False).logits,
                                    qmodel(calib_ids, use_cache=False).logits, rtol=1e-4, atol=1e-4)
+
+
+# SmolLM2-135M's block linears: 30 x (q, k, v, o, gate, up, down)
+SMOLLM2 = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)] * 30
+
+
+def test_bits_budget_resolves_to_its_cap_once_and_refuses_a_different_cap():
+    preset = methods.get("vptq").make_config(methods.get("vptq").preset("2.5 bits"))
+    assert preset.bits_budget == 2.5 and preset.layer_bits_cap == 0.0
+    resolved = preset.for_model(SMOLLM2)
+    cap, bits = cap_for_budget(dataclasses.replace(preset, bits_budget=0.0), SMOLLM2, 2.5)
+    assert resolved.layer_bits_cap == cap and resolved.bits_budget == 2.5
+    assert resolved.for_model(SMOLLM2) == resolved  # resolving again changes nothing
+    assert methods.get("vptq").model_bits(preset, SMOLLM2) == bits
+    assert 2.49 < bits.total_bits_per_weight <= 2.5  # k/v and q/o at v5 k1024, gate/up/down at v6 k4096
+    assert {shape: (layer_config(resolved, *shape).vector_len, layer_config(resolved, *shape).num_centroids)
+            for shape in set(SMOLLM2)} == {(576, 576): (5, 1024), (192, 576): (5, 1024), (1536, 576): (6, 4096),
+                                           (576, 1536): (6, 4096)}
+    assert VPTQConfig().for_model(SMOLLM2) == VPTQConfig()  # no budget: the config itself
+    with pytest.raises(ValueError, match="bits_budget 2.5 and layer_bits_cap 3 are both set: set one of them"):
+        dataclasses.replace(preset, layer_bits_cap=3.0).for_model(SMOLLM2)
+    with pytest.raises(ValueError, match="bits_budget 1.5 cannot be met on this model with vector_len 6, "
+                                         "num_centroids 4096: the least it reaches is 2.150"):
+        dataclasses.replace(preset, bits_budget=1.5).for_model(SMOLLM2)
+    with pytest.raises(ValueError, match="bits_budget"):
+        VPTQConfig(bits_budget=-1.0)

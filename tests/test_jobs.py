@@ -363,9 +363,11 @@ def test_time_estimate_of_the_presets_matches_their_runs(monkeypatch):
     from vptq_core.studio.estimate import time_estimate, vptq_layer_phases
 
     info = model_info("smollm2-135m-instruct")
-    # those runs checkpointed the blocks during distillation and had no time budget
+    # those runs checkpointed the blocks during distillation and had no time budget; "2.5 bits" capped every layer
+    # at 2.5 bits then (its total-bits budget came later)
     measured = {"distill_checkpointing": True, "time_budget": 0.0}
-    two = VPTQConfig(**{**PRESETS["2.5 bits"], "distill_iters": 32, **measured})
+    two = VPTQConfig(**{**PRESETS["2.5 bits"], "distill_iters": 32, "bits_budget": 0.0, "layer_bits_cap": 2.5,
+                        **measured})
     three = VPTQConfig(**{**PRESETS["3.5 bits"], "calib_sampled_share": 0.5, **measured})
     # per layer: the sum of the 210 layers' seconds (k-means, sweep, the rest) in the run
     assert sum(vptq_layer_phases(o, i, two)["whole"] for o, i in info.linear_shapes) == pytest.approx(116, rel=0.15)

@@ -59,6 +59,8 @@ METHOD_FLAGS: dict[str, dict[str, tuple[str, str, str]]] = {
         "--finetune-iters": ("finetune_iters", "int", "layer-wise fine-tuning steps per block (codebooks + norms)"),
         "--layer-bits-cap": ("layer_bits_cap", "float", "total bits per weight no layer may exceed (shorter "
                              "vectors, same index bits, where codebooks are expensive); 0 = off"),
+        "--bits-budget": ("bits_budget", "float", "total bits per weight of the whole model: becomes the loosest "
+                          "--layer-bits-cap that meets it for this model; 0 = off (set one of the two)"),
         "--no-second-order": ("second_order", "false", "ablation: plain nearest-centroid assignment"),
     },
     "sampled calibration and distillation (every method)": {

@@ -60,6 +60,12 @@ class ConfigBase:
             raise ValueError(f"unknown {cls.__name__} settings {sorted(unknown)}; allowed: {sorted(names)}")
         return cls(**data)
 
+    def for_model(self, shapes) -> ConfigBase:
+        """The config a run on a model with these block linear shapes [(out, in), ...] uses: settings that
+        depend on the whole model (a total-bits budget) resolved; itself when there are none. The pipeline,
+        the bits shown before a run and the time estimate all go through it."""
+        return self
+
 
 # Scalar methods distil log-scales: on SmolLM2 W4A8 (LRQ, 32 steps on the calibration windows) lr 2e-3 took
 # pydocs from 1.42x to 1.39x bf16, 5e-4 left it at 1.42x (README, "Distilling scalar checkpoints").
@@ -195,6 +201,11 @@ class VPTQConfig(DistillSettings):
     # v4 k256 ...: smaller codebooks) until it fits, so the model's total never exceeds it either
     # (vptq.layer_config; allocate.cap_for_budget finds the loosest cap for a model-level budget).
     layer_bits_cap: float = 0.0
+    # Total bits per weight of the whole model (every block linear, codebooks, outliers and permutation
+    # included); 0 = off. Before a run it becomes the loosest layer_bits_cap whose model total stays within it
+    # (``for_model`` -> allocate.cap_for_budget over the model's layer shapes): the layers whose codebooks are
+    # expensive next to their weights step down, the budget goes to the others. Set this or layer_bits_cap.
+    bits_budget: float = 0.0
     # Conjugate-gradient steps refitting every codebook of a layer after the sweep (indices fixed) on
     # tr(ΔW H ΔWᵀ); 0 = off. See quant/refit.py.
     refit_iters: int = 0
@@ -230,12 +241,22 @@ class VPTQConfig(DistillSettings):
         check_int("finetune_eval_every", self.finetune_eval_every, 0, 100000)
         check_target_chain(self.target_chain)
         check_float("layer_bits_cap", self.layer_bits_cap, 0.0, 64.0)
+        check_float("bits_budget", self.bits_budget, 0.0, 64.0)
         check_bools(self, ("enable_norm", "enable_perm", "second_order"))
         self.check_distill()
 
     @property
     def index_bits(self) -> int:
         return int(math.log2(self.num_centroids))
+
+    def for_model(self, shapes) -> VPTQConfig:
+        """With ``bits_budget``: the same config with the ``layer_bits_cap`` that budget means for these shapes
+        (allocate.resolve_budget; ValueError when the budget cannot be met or a different cap is set too)."""
+        if not self.bits_budget:
+            return self
+        from .allocate import resolve_budget
+
+        return resolve_budget(self, shapes)
 
     @property
     def res_bits(self) -> int:

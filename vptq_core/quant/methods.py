@@ -172,7 +172,9 @@ class Method:
         return dict(self.presets[name])
 
     def model_bits(self, config, shapes) -> BitsInfo:
-        """Sum of ``bits`` over linear shapes [(out, in), ...]."""
+        """Sum of ``bits`` over linear shapes [(out, in), ...] (the config resolved for them: ``for_model``)."""
+        shapes = list(shapes)
+        config = config.for_model(shapes)
         total = BitsInfo(0, 0, 0)
         for out_features, in_features in shapes:
             total = total + self.bits(config, out_features, in_features)

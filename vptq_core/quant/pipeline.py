@@ -414,6 +414,7 @@ def quantize_model(
     """
     method = methods.get(method)
     method.check_config(config)
+    config = config.for_model(total_linear_shapes(model))  # e.g. a total-bits budget -> its per-layer cap
     if calib_ids.dim() != 2 or calib_ids.shape[0] < 1:
         raise ValueError(f"calib_ids must be [samples, seqlen], got shape {tuple(calib_ids.shape)}")
     check_linear_shapes(model, lambda out_f, in_f: method.bits(config, out_f, in_f),

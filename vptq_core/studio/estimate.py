@@ -339,6 +339,7 @@ def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
     counted. A ``time_budget`` caps distillation at what the rest leaves of it."""
     weights, params = info.linear_weights, info.linear_weights + info.other_params
     tokens = max(int(samples), 1) * max(int(seqlen), 1)
+    config = config.for_model(info.linear_shapes)
     settings = config.to_dict()
     # FP-chain targets: the original block runs on the original chain's inputs too
     forwards = _FP_CHAIN_FORWARDS if settings.get("target_chain") == "fp" else 1.0
