@@ -279,15 +279,45 @@ def bucket_kl(logits: torch.Tensor, t_logp: torch.Tensor, t_index: torch.Tensor,
     logits = logits.float()
     if cap:
         logits = torch.tanh(logits / cap) * cap
-    lse = logits.logsumexp(-1)
-    q_top = logits.gather(-1, t_index) - lse[:, None]
-    q_rest = logits.scatter(-1, t_index, float("-inf")).logsumexp(-1) - lse
-    p_top = t_logp.exp()
-    p_rest = t_rest.exp()
-    kl_top = (p_top * (t_logp - q_top)).sum(-1)
-    # the rest bucket: 0 * log(0 / q) = 0 when the teacher's top k hold all the mass
-    kl_rest = torch.where(p_rest > 0, p_rest * (t_rest - q_rest), torch.zeros_like(p_rest))
-    return (kl_top + kl_rest).sum()
+    return _BucketKL.apply(logits, t_logp.float(), t_index, t_rest.float())
+
+
+class _BucketKL(torch.autograd.Function):
+    """``bucket_kl`` on float32 logits in a few passes over the [t, V] matrix, with its gradient written out.
+
+    Per token, with E = exp(l - max l) and the teacher's top-k tokens T: S = sum of E over all tokens, R = sum of
+    E outside T (summed with T zeroed, so no cancellation when T holds nearly all the mass), log Q_i = l_i - max
+    l - log S on T, log Q_rest = log R - log S, and KL = sum_T p_i (log p_i - log Q_i) + p_rest (log p_rest - log
+    Q_rest). d KL / d l_j = E_j ((P_T + p_rest) / S - p_rest / R) outside T, E_j (P_T + p_rest) / S - p_j on T.
+    Autograd through logsumexp and a scattered copy took ~1.7 s of a ~8 s SmolLM2 step at 511 tokens x 49152
+    (tests: the value and the gradient equal that formulation's)."""
+
+    @staticmethod
+    def forward(ctx, logits, t_logp, t_index, t_rest):
+        m = logits.amax(-1, keepdim=True)
+        e = torch.sub(logits, m).exp_()
+        e_top = e.gather(-1, t_index)
+        e.scatter_(-1, t_index, 0.0)
+        s_rest = e.sum(-1)
+        s_all = s_rest + e_top.sum(-1)
+        p_top, p_rest = t_logp.exp(), t_rest.exp()
+        log_s = s_all.log()
+        q_top = logits.gather(-1, t_index) - m - log_s[:, None]
+        kl_top = (p_top * (t_logp - q_top)).sum(-1)
+        # the rest bucket: 0 * log(0 / q) = 0 when the teacher's top k hold all the mass
+        has_rest = p_rest > 0
+        kl_rest = torch.where(has_rest, p_rest * (t_rest - (s_rest.log() - log_s)), torch.zeros_like(p_rest))
+        ctx.save_for_backward(e, e_top, t_index, p_top, p_rest, s_all, s_rest, has_rest)
+        return (kl_top + kl_rest).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        e, e_top, t_index, p_top, p_rest, s_all, s_rest, has_rest = ctx.saved_tensors
+        a = (p_top.sum(-1) + torch.where(has_rest, p_rest, torch.zeros_like(p_rest))) / s_all
+        b = torch.where(has_rest, p_rest / s_rest, torch.zeros_like(p_rest))
+        g = e * ((a - b) * grad)[:, None]  # outside T (e is 0 on T)
+        g.scatter_add_(-1, t_index, (e_top * a[:, None] - p_top) * grad)
+        return g, None, None, None
 
 
 # ------------------------------------------------------------------------------------------- student
