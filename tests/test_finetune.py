@@ -50,6 +50,12 @@ def test_codebook_linear_matches_the_dequantized_layer_and_trains_every_float_te
     y.square().sum().backward()
     for key, p in layer.params.items():
         assert p.grad is not None and p.grad.abs().sum() > 0, key
+    # the codebooks' gradients (summed by a sparse row-sum product on the CPU) equal autograd's through the
+    # reference dequantization
+    leaves = {key: getattr(st, key).detach().clone().requires_grad_() for key in layer.params}
+    F.linear(x, dataclasses.replace(st, **leaves).dequantize(), st.bias).square().sum().backward()
+    for key, p in layer.params.items():
+        torch.testing.assert_close(p.grad, leaves[key].grad, rtol=1e-4, atol=1e-4, msg=key)
     # trained_state() is a copy with the current tensors; the given state is untouched
     with torch.no_grad():
         layer.params["centroids"].add_(0.5)

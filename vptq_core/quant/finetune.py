@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -38,6 +39,38 @@ from .states import ScalarLayerState, VQLayerState
 # The float tensors of a VQ layer that training moves (indices, permutation and shapes never change).
 TRAINED_TENSORS = ("centroids", "res_centroids", "outlier_centroids", "weight_scale", "weight_bias")
 EVAL_BATCH = 8  # windows per no-grad forward when measuring held-out error
+
+
+def row_sum_matrix(rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The [num_rows, n] 0/1 matrix (sparse CSR, int32 indices) with a 1 at (rows[j], j): times a [n, v] matrix it
+    sums each group of rows gathered from the same codebook row."""
+    order = torch.argsort(rows, stable=True)
+    crow = F.pad(torch.bincount(rows, minlength=num_rows).cumsum(0), (1, 0))
+    with warnings.catch_warnings():  # "sparse CSR support is in beta": CSR x dense is all this needs
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.sparse_csr_tensor(crow.to(torch.int32), order.to(torch.int32),
+                                       torch.ones(rows.numel(), dtype=torch.float32, device=rows.device),
+                                       size=(num_rows, rows.numel()))
+
+
+class _RowGather(torch.autograd.Function):
+    """codebook [K, v] -> codebook[rows] [n, v], whose backward sums the n row gradients into the K codebook rows
+    as one sparse x dense product (``row_sum_matrix``) instead of autograd's index_add: 6x faster on the CPU
+    (147 456 rows of a 4096 x 6 codebook: 0.47 against 3.0 ms, 2 threads; ~0.5 s of a ~6.5 s SmolLM2
+    distillation step)."""
+
+    @staticmethod
+    def forward(ctx, codebook: torch.Tensor, rows: torch.Tensor, row_sums: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows)
+        ctx.row_sums, ctx.num_rows = row_sums, codebook.shape[0]
+        return codebook.index_select(0, rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if grad.dtype != ctx.row_sums.dtype:  # e.g. a reduced-precision gradient: the plain sum
+            (rows,) = ctx.saved_tensors
+            return grad.new_zeros(ctx.num_rows, grad.shape[1]).index_add_(0, rows, grad), None, None
+        return torch.sparse.mm(ctx.row_sums, grad.contiguous()), None, None
 
 
 class CodebookLinear(nn.Module):
@@ -70,24 +103,31 @@ class CodebookLinear(nn.Module):
         if state.outlier_indices is not None:
             self._outlier_rows = as_index(state.outlier_indices[0]).to(device).reshape(-1)
         self._perm = None if state.perm is None else as_index(state.perm).to(device)
+        self._row_sums: dict[str, torch.Tensor] = {}  # codebook name -> row_sum_matrix, built at the first step
 
-    @staticmethod
-    def _expand(codebook: torch.Tensor, rows: torch.Tensor, v: int, n_rows: int, cols: int, out: int):
-        vectors = codebook.reshape(-1, v).index_select(0, rows)  # [n_rows * cols, v]
+    def _expand(self, key: str, rows: torch.Tensor, v: int, n_rows: int, cols: int, out: int):
+        codebook = self.params[key].reshape(-1, v)
+        if codebook.requires_grad and codebook.device.type == "cpu" and torch.is_grad_enabled():
+            if key not in self._row_sums:
+                self._row_sums[key] = row_sum_matrix(rows, codebook.shape[0])
+            vectors = _RowGather.apply(codebook, rows, self._row_sums[key])
+        else:
+            vectors = codebook.index_select(0, rows)  # [n_rows * cols, v]
         return vectors.view(n_rows, cols, v).permute(0, 2, 1).reshape(n_rows * v, cols)[:out]
 
     def stored_weight(self) -> torch.Tensor:
         """Ŵp [out, in] float32 in stored column order (``Ŵ = Ŵp[:, argsort(perm)]``), differentiable."""
-        spec, p = self.spec, self.params
+        spec = self.spec
         cols = spec.group_num * spec.group_size
-        weight = self._expand(p["centroids"], self._rows, spec.vector_len, spec.rows, cols, spec.out_features)
+        weight = self._expand("centroids", self._rows, spec.vector_len, spec.rows, cols, spec.out_features)
         if self._res_rows is not None:
-            weight = weight + self._expand(p["res_centroids"], self._res_rows, spec.vector_len, spec.rows, cols,
+            weight = weight + self._expand("res_centroids", self._res_rows, spec.vector_len, spec.rows, cols,
                                            spec.out_features)
         if self._outlier_rows is not None:
-            outliers = self._expand(p["outlier_centroids"], self._outlier_rows, spec.outlier_vector_len,
+            outliers = self._expand("outlier_centroids", self._outlier_rows, spec.outlier_vector_len,
                                     spec.outlier_rows, spec.outlier_size, spec.out_features)
             weight = torch.cat([outliers, weight], dim=1)
+        p = self.params
         if "weight_scale" in p:
             scale = p["weight_scale"] if self._perm is None else p["weight_scale"][self._perm]
             weight = weight * scale
