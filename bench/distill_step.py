@@ -1,8 +1,9 @@
 """What one end-to-end distillation step costs on this machine, by training dtype and activation checkpointing.
 
 Protocol: SmolLM2-135M-Instruct (fp32, the bundled weights) is the teacher; the student is the same model with
-every block linear replaced by a random VPTQ layer of the "2.5 bits" preset's shapes (v6 k4096 for gate/up,
-v5 k1024 for q/o/down, v4 k256 for k/v, 0.5% outlier columns v4 k256, perm; speed does not depend on the
+every block linear replaced by a random VPTQ layer of the "2.5 bits" preset's shapes (its 2.5-bit budget on
+SmolLM2: v6 k4096 for gate/up/down, v5 k1024 for q/o/k/v, 0.5% outlier columns v4 k256, perm; speed does not
+depend on the
 values, codebooks scaled to the weights' RMS). Each variant runs ``distill`` on the same windows (the bundled
 wiki calibration split, ``--seqlen`` tokens): ``--steps`` timed steps after ``--warmup`` steps, no held-out
 checks in between (only the one before and after, not timed). Variants run one after another, alternating
@@ -35,9 +36,10 @@ from vptq_core.quant.distill import distill  # noqa: E402
 from vptq_core.quant.states import VQLayerState  # noqa: E402
 from vptq_core.quant.vptq import outlier_columns  # noqa: E402
 
-# projection name suffix -> (v, k) of the "2.5 bits" preset on SmolLM2 (README, "Quality vs TOTAL bits")
-SHAPES = {"q_proj": (5, 1024), "o_proj": (5, 1024), "k_proj": (4, 256), "v_proj": (4, 256),
-          "gate_proj": (6, 4096), "up_proj": (6, 4096), "down_proj": (5, 1024)}
+# projection name suffix -> (v, k) of the "2.5 bits" preset on SmolLM2 (bits_budget 2.5 -> layer cap 3.0137;
+# README, "Spending the whole budget")
+SHAPES = {"q_proj": (5, 1024), "o_proj": (5, 1024), "k_proj": (5, 1024), "v_proj": (5, 1024),
+          "gate_proj": (6, 4096), "up_proj": (6, 4096), "down_proj": (6, 4096)}
 
 
 def random_state(weight: torch.Tensor, v: int, k: int, gen: torch.Generator) -> VQLayerState:
