@@ -65,8 +65,9 @@ def cap_for_budget(config: VPTQConfig, shapes: Iterable[tuple[int, int]], budget
             best = (total, cap, bits)
     if best is None:
         reach = f"the least it reaches is {lowest:.3f}" if lowest is not None else "no cap fits every layer"
-        raise ValueError(f"total-bits budget {budget} cannot be met with {config.vector_len=} "
-                         f"{config.num_centroids=} {config.num_res_centroids=}: {reach}")
+        res = f", num_res_centroids {config.num_res_centroids}" if config.num_res_centroids else ""
+        raise ValueError(f"bits_budget {budget} cannot be met on this model with vector_len {config.vector_len}, "
+                         f"num_centroids {config.num_centroids}{res}: {reach}")
     return best[1], best[2]
 
 
@@ -75,14 +76,8 @@ def resolve_budget(config: VPTQConfig, shapes: Iterable[tuple[int, int]]) -> VPT
     these shapes (the budget is kept, so resolving again gives the same config). ValueError when the budget
     cannot be met, or when ``layer_bits_cap`` is set to something else as well."""
     budget = config.bits_budget
-    try:
-        cap, _ = cap_for_budget(dataclasses.replace(config, layer_bits_cap=0.0, bits_budget=0.0), shapes, budget)
-    except ValueError as exc:
-        reach = str(exc).rpartition(": ")[2]
-        raise ValueError(f"bits_budget {budget:g} cannot be met on this model with vector_len {config.vector_len}, "
-                         f"num_centroids {config.num_centroids}: {reach}") from None
+    cap, _ = cap_for_budget(dataclasses.replace(config, layer_bits_cap=0.0, bits_budget=0.0), shapes, budget)
     if config.layer_bits_cap and config.layer_bits_cap != cap:
         raise ValueError(f"bits_budget {budget:g} and layer_bits_cap {config.layer_bits_cap:g} are both set: set "
                          f"one of them (for this model the budget means layer_bits_cap {cap:.6g})")
     return dataclasses.replace(config, layer_bits_cap=cap)
-

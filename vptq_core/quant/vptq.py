@@ -330,20 +330,20 @@ def _finetune_hook(ctx) -> dict | None:
                                     should_stop=ctx.should_stop)
 
 
-# Presets are named by TOTAL bits per weight (codebooks, outliers, permutation included) and hold on any
-# model. "2.5 bits" is a budget for the whole model (``bits_budget``: the loosest per-layer cap whose model total
-# stays within it, found for each model before its run; SmolLM2-135M: cap 3.014, 2.496 total bits, k/v and q/o
-# at v5 k1024, gate/up/down at v6 k4096). On the Zen 3 machine, CLI, same 10 minutes: wiki / pydocs 2.43x /
-# 2.63x bf16 against 2.69x / 2.90x with the per-layer cap of 2.5 it had before (2.37 total bits; README, "Spending
-# the whole budget"). "3.5 bits" and "4.5 bits" cap every layer (3.31 and 4.11 total on SmolLM2): "3.5 bits" at
-# its budget's cap (3.44 total) was mixed, wiki 1.398x against 1.368x, pydocs 1.339x against 1.362x; where a
-# layer's codebook is expensive it gets a shorter vector at the same index bits. In "2.5 bits" and "3.5 bits" a
-# share of the calibration windows is
-# written by the original model itself (``calib_sampled_share``) and the run ends with end-to-end distillation on
-# those calibration windows, as many steps as fit 10 minutes on 2 cores for SmolLM2 (AMD machine, CLI, wiki /
-# pydocs x bf16 perplexity; README, "Calibrating on text the model writes itself"): with 3/4 self-written windows
-# "2.5 bits" went from 2.57x / 2.62x with 32 steps to 2.46x / 2.48x with 48 (64, checked every 16: 2.43x /
-# 2.51x), "3.5 bits" from 1.40x / 1.41x with 16 steps (half self-written) to 1.37x / 1.33x with 48.
+# Presets are named by TOTAL bits per weight (codebooks, outliers, permutation included) and hold on any model. "2.5
+# bits" is a budget for the whole model (``bits_budget``: the loosest per-layer cap whose model total stays within it,
+# found for each model before its run; SmolLM2-135M: cap 3.014, 2.496 total bits, k/v and q/o at v5 k1024,
+# gate/up/down at v6 k4096). On the Zen 3 machine, CLI, same 10 minutes: wiki / pydocs 2.43x / 2.63x bf16 against
+# 2.69x / 2.90x with the per-layer cap of 2.5 it had before (2.37 total bits; README, "Spending the whole budget").
+# "3.5 bits" and "4.5 bits" cap every layer (3.31 and 4.11 total on SmolLM2): "3.5 bits" at its budget's cap (3.44
+# total) was mixed, wiki 1.398x against 1.368x, pydocs 1.339x against 1.362x; where a layer's codebook is expensive it
+# gets a shorter vector at the same index bits. With the faster distillation step of the same round, "2.5 bits" ran 36
+# steps instead of 18: 2.33x / 2.47x. In "2.5 bits" and "3.5 bits" a share of the calibration windows is written by
+# the original model itself (``calib_sampled_share``) and the run ends with end-to-end distillation on those
+# calibration windows, as many steps as fit 10 minutes on 2 cores for SmolLM2 (AMD machine, CLI, wiki / pydocs x bf16
+# perplexity; README, "Calibrating on text the model writes itself"): with 3/4 self-written windows "2.5 bits" went
+# from 2.57x / 2.62x with 32 steps to 2.46x / 2.48x with 48 (64, checked every 16: 2.43x / 2.51x), "3.5 bits" from
+# 1.40x / 1.41x with 16 steps (half self-written) to 1.37x / 1.33x with 48.
 # (distill_samples is named so that picking the preset resets every distillation field of the form)
 # The run's pipeline must end within this many seconds (loading and writing the checkpoint take ~10-20 s more): on a
 # slower machine distillation runs fewer steps instead of running late (an AVX2-only Zen 3 took 1076 s for the
