@@ -155,8 +155,9 @@ def test_quantize_evaluate_download_reload_chat_in_the_browser(app, browser, pag
     expect(page.locator("#start-btn")).to_be_enabled()
     assert _error_badges(page) == 0  # the refused settings marked no component with an error
 
-    # A slower job (v2 k64, the per-layer bits cap off so the vectors stay that short), cancelled while it runs:
-    # the page reports it and stays usable.
+    # A slower job (v2 k64, the preset's total-bits budget and per-layer bits cap off so the vectors stay that
+    # short), cancelled while it runs: the page reports it and stays usable.
+    _set_number(page, "total bits budget (0 = off)", "0")
     _set_number(page, "max total bits per layer (0 = off)", "0")
     _set_number(page, "centroids (power of 2)", "64")
     _set_number(page, "vector length", "2")
