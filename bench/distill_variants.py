@@ -38,7 +38,7 @@ from vptq_core.data import calibration_windows  # noqa: E402
 from vptq_core.eval import evaluate  # noqa: E402
 from vptq_core.models import load_model  # noqa: E402
 from vptq_core.quant.act_quant import install_activation_quant  # noqa: E402
-from vptq_core.quant.distill import distill  # noqa: E402
+from vptq_core.quant.distill import distill, sampled_calibration  # noqa: E402
 from vptq_core.quant.finetune import with_heldout  # noqa: E402
 from vptq_core.quant.pipeline import quantize_model  # noqa: E402
 from vptq_core.quant.states import ScalarLayerState, VQLayerState  # noqa: E402
@@ -116,14 +116,32 @@ def main() -> None:
     # the calibration windows and, drawn on top of them, distillation's held-out check windows (``with_heldout``)
     calib = calibration_windows(tok, "wiki", with_heldout(args.calib_samples, dataclasses.replace(
         config, distill_iters=max(config.distill_iters, 1))), 512, seed=0)
+    # A row with self-written calibration (``calib_sampled_share``, the presets): the original model writes those
+    # windows once, as the pipeline does (its top-k on them kept for distillation); they are cached with the states.
+    written = None
+    if getattr(config, "calib_sampled_share", 0):
+        if (cache / "written.safetensors").is_file():
+            written = load_file(str(cache / "written.safetensors"))
+        else:
+            t0 = time.perf_counter()
+            calib_w, teacher = sampled_calibration(model, calib, config, topk=config.distill_topk)
+            written = {"windows": calib_w, **{f"teacher.{k}": v for k, v in teacher.items()},
+                       "seconds": torch.tensor(time.perf_counter() - t0)}
+            cache.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in written.items()}, str(cache / "written.safetensors"))
+        calib = written["windows"]
+    known = {k.split(".", 1)[1]: v for k, v in written.items() if k.startswith("teacher.")} if written else None
     if (cache / "states.json").is_file():
         states, meta = load_states(cache)
     else:
         t0 = time.perf_counter()
         _, result = quantize_model(model, calib[: args.calib_samples], method,
-                                   dataclasses.replace(config, distill_iters=0), device="cpu")
+                                   dataclasses.replace(config, distill_iters=0, calib_sampled_share=0.0,
+                                                       time_budget=0.0), device="cpu")
         meta = {"quant_seconds": time.perf_counter() - t0, "total_bits": result.bits.total_bits_per_weight,
                 "index_bits": result.bits.index_bits_per_weight}
+        if written:
+            meta["sample_seconds"] = float(written["seconds"])
         states = result.states
         save_states(states, cache, meta)
 
@@ -154,7 +172,7 @@ def main() -> None:
         metrics = {}
         if name != "none":
             with torch.enable_grad():
-                metrics = distill(qmodel, model, own, calib, cfg)
+                metrics = distill(qmodel, model, own, calib, cfg, known_teacher=known)
         rec = {"model": args.model, "row": args.row, "variant": name, "overrides": overrides, "config": cfg.to_dict(),
                "quant": meta, "distill": metrics, "scores": scores(qmodel), "load": os.getloadavg(),
                "threads": args.threads, "calib_samples": args.calib_samples, "windows": args.windows}

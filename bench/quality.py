@@ -83,6 +83,8 @@ ROWS: dict[str, tuple[str, object, str]] = {
                                                      distill_data="mixed"),
                                   "VPTQ allocator at 2.5 total bits + distillation on calibration + 32 sampled "
                                   "windows, 64 steps"),
+    "preset-2.5": ("vptq", VPTQConfig(**PRESETS["2.5 bits"]), 'preset "2.5 bits" as the app and CLI run it'),
+    "preset-3.5": ("vptq", VPTQConfig(**PRESETS["3.5 bits"]), 'preset "3.5 bits" as the app and CLI run it'),
     "preset-2.5-kd16": ("vptq", VPTQConfig(**{**PRESETS["2.5 bits"], **KD16_LR5}),
                         'preset "2.5 bits" + distillation 16 steps, lr 2.5e-3'),
     "preset-3.5-kd16": ("vptq", VPTQConfig(**{**PRESETS["3.5 bits"], **KD16_LR5}),
