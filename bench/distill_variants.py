@@ -125,12 +125,12 @@ def main() -> None:
         else:
             t0 = time.perf_counter()
             calib_w, teacher = sampled_calibration(model, calib, config, topk=config.distill_topk)
-            written = {"windows": calib_w, **{f"teacher.{k}": v for k, v in teacher.items()},
+            written = {"windows": calib_w, **{f"teacher.{k}": v for k, v in (teacher or {}).items()},
                        "seconds": torch.tensor(time.perf_counter() - t0)}
             cache.mkdir(parents=True, exist_ok=True)
             save_file({k: v.contiguous() for k, v in written.items()}, str(cache / "written.safetensors"))
         calib = written["windows"]
-    known = {k.split(".", 1)[1]: v for k, v in written.items() if k.startswith("teacher.")} if written else None
+    known = {k.split(".", 1)[1]: v for k, v in (written or {}).items() if k.startswith("teacher.")} or None
     if (cache / "states.json").is_file():
         states, meta = load_states(cache)
     else:
