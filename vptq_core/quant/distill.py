@@ -64,6 +64,7 @@ from .finetune import (
 )
 from .lean_decoder import LeanDecoder
 from .methods import ModelHook
+from .packed_dense import packed_linears
 from .states import ScalarLayerState, VQLayerState
 
 OnStep = Callable[[int, float], None]
@@ -196,7 +197,7 @@ def _stack_teacher(rows: list[dict[str, torch.Tensor]], dim: int = 0, cat: bool 
 def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed: int = 0, batch: int = 8,
                    temperature: float = 1.0, should_stop: Callable[[], bool] | None = None,
                    topk: int = 0, device: torch.device | None = None, rows: torch.Tensor | None = None,
-                   dtype: str = "model"):
+                   dtype: str = "model", pack: bool = True):
     """Windows of ``seqlen`` tokens sampled from ``reference`` itself -> [n, seqlen] int64 on the CPU.
 
     Row i begins with ``starts[i]`` ([n, s] token ids, 1 <= s < seqlen; e.g. the BOS token, or a calibration
@@ -208,7 +209,8 @@ def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed
     (polled before every token). With ``topk`` > 0 it returns (windows, teacher): the reference's top-k
     log-probabilities at every predicted position, as ``teacher_topk`` gives them (on ``device``), taken from
     the logits the sampling computed anyway. ``rows`` [n]: the row numbers that seed each row's generator
-    (default 0..n-1), so any subset of a larger draw gets exactly that draw's rows.
+    (default 0..n-1), so any subset of a larger draw gets exactly that draw's rows. ``pack``: a float32 model on
+    the CPU runs its linears through oneDNN with packed weights while sampling (``packed_dense``); False: as it is.
     """
     starts = torch.as_tensor(starts, dtype=torch.long)
     if starts.dim() != 2 or starts.shape[0] < 1 or not 1 <= starts.shape[1] < seqlen:
@@ -225,31 +227,34 @@ def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed
     params = _cast_params(reference, sampling_dtype(reference, dtype))  # one set of copies for either path
     forward = _runner(reference, params)
     out, teachers = [], []
-    for lo in range(0, starts.shape[0], batch):
-        ids = starts[lo : lo + batch].cpu()
-        # one generator per row: a row's tokens do not depend on the batch it was sampled in
-        gens = [torch.Generator().manual_seed(seed * 1_000_003 + int(r)) for r in rows[lo : lo + batch]]
-        # llama-family models: the lean decoder (the same weights, far fewer ops per token, no cache growth)
-        lean = LeanDecoder.for_model(reference, seqlen, batch=ids.shape[0], params=params)
-        step_in, past, steps = ids, None, []
-        while ids.shape[1] < seqlen:
-            if should_stop is not None and should_stop():
-                return None
-            if lean is None:
-                res = forward(input_ids=step_in.to(ref_device), past_key_values=past, use_cache=True)
-                past, logits = res.past_key_values, res.logits
-            elif step_in is ids:  # the first pass: the start tokens
-                logits = lean.prefill(step_in.to(ref_device), all_positions=bool(topk))
-            else:
-                logits = lean.step(step_in.to(ref_device))
-            logits = logits if logits.dim() == 3 else logits[:, None]
+    # float32 on the CPU: the linears through oneDNN with packed weights (packed_dense; 1.4-2.3x faster at
+    # these few-row products on an AVX2 EPYC), for the sampling only
+    with packed_linears(reference, enabled=pack and params is None, rows=min(batch, starts.shape[0])):
+        for lo in range(0, starts.shape[0], batch):
+            ids = starts[lo : lo + batch].cpu()
+            # one generator per row: a row's tokens do not depend on the batch it was sampled in
+            gens = [torch.Generator().manual_seed(seed * 1_000_003 + int(r)) for r in rows[lo : lo + batch]]
+            # llama-family models: the lean decoder (the same weights, far fewer ops per token, no cache growth)
+            lean = LeanDecoder.for_model(reference, seqlen, batch=ids.shape[0], params=params)
+            step_in, past, steps = ids, None, []
+            while ids.shape[1] < seqlen:
+                if should_stop is not None and should_stop():
+                    return None
+                if lean is None:
+                    res = forward(input_ids=step_in.to(ref_device), past_key_values=past, use_cache=True)
+                    past, logits = res.past_key_values, res.logits
+                elif step_in is ids:  # the first pass: the start tokens
+                    logits = lean.prefill(step_in.to(ref_device), all_positions=bool(topk))
+                else:
+                    logits = lean.step(step_in.to(ref_device))
+                logits = logits if logits.dim() == 3 else logits[:, None]
+                if topk:
+                    steps.append(_topk_of(logits, topk, device or ref_device))  # [b, new positions, k]
+                step_in = _draw(logits[:, -1], temperature, gens)
+                ids = torch.cat([ids, step_in], dim=1)
+            out.append(ids)
             if topk:
-                steps.append(_topk_of(logits, topk, device or ref_device))  # [b, new positions, k]
-            step_in = _draw(logits[:, -1], temperature, gens)
-            ids = torch.cat([ids, step_in], dim=1)
-        out.append(ids)
-        if topk:
-            teachers.append(_stack_teacher(steps, dim=1, cat=True))
+                teachers.append(_stack_teacher(steps, dim=1, cat=True))
     windows = torch.cat(out)
     return (windows, _stack_teacher(teachers, cat=True)) if topk else windows
 
