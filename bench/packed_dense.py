@@ -2,11 +2,9 @@
 
 Protocol: random float32 weights of each shape; per shape and row count, both paths warmed up, then ``--rounds``
 alternated rounds of ``--calls`` calls each; the table gives the median ms per call and the ratio torch / packed.
-With ``--sample`` also the end-to-end effect on self-written calibration: ``sample_windows`` of the bundled
-SmolLM2 (float32) writing ``--windows`` windows of ``--tokens`` tokens in one batch with the teacher's top-64 kept,
-packed and not, alternated over ``--rounds`` rounds (one warm-up run of each first).
+The end-to-end effect on self-written calibration: ``bench/sampling.py``.
 
-    python bench/packed_dense.py [--threads 2] [--rows 1 24 512] [--sample] [--model smollm2-135m-instruct]
+    python bench/packed_dense.py [--threads 2] [--rows 1 24 512] [--rounds 4]
 """
 
 from __future__ import annotations
@@ -60,44 +58,12 @@ def kernels(args) -> None:
             print(f"| {name} ({out_f} x {in_f}) | {rows} | {ta:.3f} | {tb:.3f} | {ta / tb:.2f}x |", flush=True)
 
 
-def sampling(args) -> None:
-    from vptq_core.data import calibration_windows
-    from vptq_core.models import load_model
-    from vptq_core.quant.distill import sample_windows
-
-    model, tok = load_model(args.model, dtype=torch.float32)
-    model.eval()
-    starts = calibration_windows(tok, "wiki", samples=args.windows, seqlen=64, seed=0)[:, :1]
-
-    def run(pack: bool) -> float:
-        t0 = time.perf_counter()
-        sample_windows(model, starts, args.tokens, batch=args.windows, topk=64, pack=pack)
-        return time.perf_counter() - t0
-
-    run(True), run(False)
-    got: dict[bool, list[float]] = {True: [], False: []}
-    for rnd in range(args.rounds):
-        for pack in (True, False) if rnd % 2 == 0 else (False, True):
-            got[pack].append(run(pack))
-    plain, packed = statistics.median(got[False]), statistics.median(got[True])
-    print(f"\nsampling {args.windows} windows x {args.tokens} tokens of {args.model} (float32, top-64 kept), "
-          f"{args.rounds} alternated rounds:")
-    print("| path | seconds (median) | runs | torch / packed |")
-    print("|---|---|---|---|")
-    print(f"| torch (MKL) | {plain:.1f} | {', '.join(f'{s:.1f}' for s in got[False])} | |")
-    print(f"| packed (oneDNN) | {packed:.1f} | {', '.join(f'{s:.1f}' for s in got[True])} | {plain / packed:.2f}x |")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 24, 512])
     ap.add_argument("--calls", type=int, default=50, help="calls per round at 576 x 576 (fewer for bigger shapes)")
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--sample", action="store_true", help="also time sample_windows packed and not")
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--windows", type=int, default=24)
-    ap.add_argument("--tokens", type=int, default=128)
     args = ap.parse_args()
     if not available():
         sys.exit("oneDNN packed linears are unavailable in this torch build")
@@ -106,8 +72,6 @@ def main() -> None:
     print(f"# torch {torch.__version__}, {args.threads} threads, CPU flags: {', '.join(flags) or 'none known'}; "
           f"median of {args.rounds} alternated rounds\n")
     kernels(args)
-    if args.sample:
-        sampling(args)
 
 
 if __name__ == "__main__":

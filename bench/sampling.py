@@ -1,11 +1,13 @@
 """Time of writing calibration windows with the original model (``calib_sampled_share``; ``distill.sample_windows``):
-the model's own forward with transformers' KV cache against the lean decoder, in one process.
+the model's own forward with transformers' KV cache, the lean decoder, and the lean decoder with the float32 linears
+through oneDNN with packed weights (``packed_dense``, what the pipeline runs), in one process.
 
 Protocol: the bundled SmolLM2-135M-Instruct in float32 (what the presets sample with where the CPU has no bf16
 instructions; ``--dtype auto`` picks bf16 copies where it has them), --rows windows of --seqlen tokens started from
 the BOS token, batch 32 as the pipeline uses, the teacher's top-k recorded as the presets record it; one warm-up
-of each path on a short draw, then --runs alternated runs of each; medians. Both paths draw the same tokens (same
-per-row generators); the table says how many windows came out identical.
+of each path on a short draw, then --runs runs of each, the order reversed every run; medians. The paths draw with
+the same per-row generators; the table says how many windows came out identical to the first path's (fp32
+rounding moves a draw now and then).
 
     python bench/sampling.py [--rows 32] [--seqlen 256] [--topk 32] [--threads 2] [--runs 2]
 """
@@ -26,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vptq_core.models import load_model  # noqa: E402
 from vptq_core.quant import distill  # noqa: E402
+
+PACKED = "lean decoder, packed linears"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,10 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         with patch:
             start = time.perf_counter()
             windows, _ = distill.sample_windows(model, starts, seqlen, seed=0, batch=distill.SAMPLE_BATCH,
-                                                topk=args.topk, dtype=args.dtype)
+                                                topk=args.topk, dtype=args.dtype, pack=path == PACKED)
             return time.perf_counter() - start, windows
 
-    paths = ("model forward", "lean decoder")
+    paths = ("model forward", "lean decoder", PACKED)
     for p in paths:
         run(p, 8)
     times: dict[str, list[float]] = {p: [] for p in paths}
@@ -60,21 +64,19 @@ def main(argv: list[str] | None = None) -> int:
         for p in (paths if r % 2 == 0 else paths[::-1]):
             seconds, drawn[p] = run(p, args.seqlen)
             times[p].append(seconds)
-    same = int((drawn[paths[0]] == drawn[paths[1]]).all(1).sum())
+    same = {p: int((drawn[paths[0]] == drawn[p]).all(1).sum()) for p in paths}
     print("sampling benchmark: SmolLM2-135M-Instruct float32 model, sample dtype", args.dtype,
           f"({distill.sampling_dtype(model, args.dtype) or 'model'}); {args.rows} windows x {args.seqlen} tokens, "
           f"batch {distill.SAMPLE_BATCH}, top-{args.topk} teacher; {args.threads} threads; {args.runs} alternated "
           "runs each after a warm-up; medians")
     print()
-    print("| path | s (median) | runs | tokens/s |")
-    print("|---|---|---|---|")
+    print("| path | s (median) | runs | tokens/s | speed-up over the model forward | windows identical to its |")
+    print("|---|---|---|---|---|---|")
+    base = statistics.median(times[paths[0]])
     for p in paths:
         med = statistics.median(times[p])
         print(f"| {p} | {med:.1f} | {', '.join(f'{t:.1f}' for t in times[p])} | "
-              f"{args.rows * (args.seqlen - 1) / med:.0f} |")
-    print()
-    print(f"speed-up {statistics.median(times[paths[0]]) / statistics.median(times[paths[1]]):.2f}x; "
-          f"identical windows: {same} / {args.rows}")
+              f"{args.rows * (args.seqlen - 1) / med:.0f} | {base / med:.2f}x | {same[p]} / {args.rows} |")
     return 0
 
 
