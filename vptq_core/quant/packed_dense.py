@@ -5,7 +5,8 @@ weights packed once (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_poi
 compiler uses) took 1.1-2.3x less time at the 24-row products of sampling 24 windows at once: SmolLM2's gate/up
 0.595 -> 0.439 ms, its LM head 27.1 -> 13.0 ms, Gemma-3-270M's head 187 -> 82 ms (about the same at 512 rows,
 slower for SmolLM2's small projections at 1 row; ``bench/packed_dense.py``, ``bench/results/packed_dense_zen3.txt``).
-Writing 24 windows of 128 tokens took 13.7 s instead of 18.8. ``packed_linears`` swaps such modules in for the
+In the "2.5 bits" preset on SmolLM2 the self-written calibration (24 windows of 512 tokens) took 69 s instead of
+100 (``bench/sampling.py`` times the paths side by side). ``packed_linears`` swaps such modules in for the
 length of a ``with`` block; the model itself is restored after, and everything falls back to the model as it is
 where the ops are missing or disagree with ``F.linear``.
 """
