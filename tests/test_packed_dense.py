@@ -56,10 +56,14 @@ def test_packed_linears_leave_the_model_alone_without_the_ops(tiny_model, monkey
         assert any(type(m) is nn.Linear for m in model.modules())
 
 
-def test_packed_linears_skip_other_dtypes():
+def test_packed_linears_skip_other_dtypes_and_hooked_modules():
     lin = nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16))
     with torch.no_grad(), packed_linears(lin) as swapped:
         assert swapped == 0 and type(lin[0]) is nn.Linear
+    hooked = nn.Sequential(nn.Linear(8, 8))
+    hooked[0].register_forward_pre_hook(lambda module, args: None)
+    with torch.no_grad(), packed_linears(hooked) as swapped:
+        assert swapped == 0 and type(hooked[0]) is nn.Linear
 
 
 @needs_onednn

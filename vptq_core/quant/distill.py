@@ -227,7 +227,7 @@ def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed
     params = _cast_params(reference, sampling_dtype(reference, dtype))  # one set of copies for either path
     forward = _runner(reference, params)
     out, teachers = [], []
-    # float32 on the CPU: the linears through oneDNN with packed weights (packed_dense; 1.4-2.3x faster at
+    # float32 on the CPU: the linears through oneDNN with packed weights (packed_dense; up to 2.3x faster at
     # these few-row products on an AVX2 EPYC), for the sampling only
     with packed_linears(reference, enabled=pack and params is None, rows=min(batch, starts.shape[0])):
         for lo in range(0, starts.shape[0], batch):

@@ -55,8 +55,11 @@ class PackedLinear(nn.Module):
 
 
 def packable(module: nn.Module) -> bool:
-    """A plain float32 nn.Linear on the CPU (a subclass, e.g. a quantized layer, is left as it is)."""
-    return type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu"
+    """A plain float32 nn.Linear on the CPU without hooks (a subclass, e.g. a quantized layer, or a module an
+    offloading hook feeds is left as it is)."""
+    hooked = module._forward_hooks or module._forward_pre_hooks or getattr(module, "_hf_hook", None)
+    return (type(module) is nn.Linear and not hooked and module.weight.dtype == torch.float32
+            and module.weight.device.type == "cpu")
 
 
 @contextlib.contextmanager
