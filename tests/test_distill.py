@@ -626,6 +626,46 @@ def test_sampled_calibration_replaces_the_last_block_stage_windows(tiny_model, w
     assert sampled_calibration(model, windows, cfg, should_stop=lambda: True) is None
 
 
+def test_self_written_windows_stay_text_when_too_slow_for_the_time_budget(tiny_model, windows):
+    """Under a time_budget the writing may take SAMPLING_BUDGET_SHARE of it, projected from its first tokens:
+    over it every window stays text (and says why); within it the windows are written as without a budget. The
+    pipeline records the decision, and the time estimate leaves the writing out by the same rule."""
+    from vptq_core.quant import distill as distill_mod
+    from vptq_core.quant.distill import sampled_calibration
+    from vptq_core.studio import estimate as est
+
+    model, _ = tiny_model
+    cfg = ScalarConfig(bits=3, group_size=16, calib_sampled_share=0.5, distill_iters=2, distill_holdout=0.25)
+    info: dict = {}
+    got, teacher = sampled_calibration(model, windows, dataclasses.replace(cfg, time_budget=1e-3), topk=4,
+                                       info=info)
+    assert got is windows and teacher is None
+    assert info["self_written"] == 0 and info["projected_seconds"] >= info["limit_seconds"] == 0.0
+    assert "calibration stays text" in info["reason"]
+    roomy: dict = {}
+    assert torch.equal(sampled_calibration(model, windows, dataclasses.replace(cfg, time_budget=1e6), info=roomy),
+                       sampled_calibration(model, windows, cfg)) and not roomy
+    _, result = quantize_model(copy.deepcopy(model), windows, "rtn",
+                               dataclasses.replace(cfg, distill_iters=0, time_budget=1e-3))
+    assert result.model_metrics["calibration"]["self_written"] == 0
+    # the estimate: where the writing would exceed its share of the budget the run is priced without it
+    def info(hidden: int, blocks: int) -> est.ModelInfo:
+        shapes = ((hidden, hidden), (hidden // 4, hidden), (hidden // 4, hidden), (hidden, hidden),
+                  (4 * hidden, hidden), (4 * hidden, hidden), (hidden, 4 * hidden)) * blocks
+        return est.ModelInfo(name="synthetic", num_blocks=blocks, modules=("q", "k", "v", "o", "g", "u", "d"),
+                             linear_shapes=shapes, other_params=50_000 * hidden)
+
+    preset = VPTQConfig(vector_len=6, num_centroids=4096, calib_sampled_share=0.75, distill_iters=48,
+                        distill_data="calibration", time_budget=570.0)
+    text = dataclasses.replace(preset, calib_sampled_share=0.0)
+    big, small = info(2048, 24), info(64, 2)
+    params = big.linear_weights + big.other_params
+    assert est.sampling_estimate(params, distill_mod.sampled_count(32, preset), 512) > \
+        distill_mod.SAMPLING_BUDGET_SHARE * preset.time_budget
+    assert est.time_estimate(big, preset, 32, 512) == est.time_estimate(big, text, 32, 512)
+    assert est.time_estimate(small, preset, 32, 512) != est.time_estimate(small, text, 32, 512)
+
+
 def test_self_written_windows_need_no_teacher_pass(tiny_model, windows):
     """The top-k the sampling computed for the windows the original wrote is its teacher pass on them (fp32
     tolerance: the KV-cache decode vs one forward); distillation handed it runs the teacher on the other windows

@@ -73,7 +73,8 @@ class QuantizeResult:
     # the method's phases (VPTQ: kmeans, inverse_hessian, sweep; scalar: quantize; lrq: lrq_train), its
     # after-block hooks (finetune, act_calibration), block_outputs (quantized block forwards)
     timings: Timings = field(default_factory=Timings)
-    model_metrics: dict = field(default_factory=dict)  # after-model hook phase -> its metrics (distillation)
+    # after-model hook phase -> its metrics (distillation); "calibration": why no window was self-written
+    model_metrics: dict = field(default_factory=dict)
 
     def timed(self, phase: str):
         """``with result.timed(phase): ...`` adds the wall time to ``timings[phase]``."""
@@ -449,8 +450,11 @@ def quantize_model(
         # about to be quantized writes them, not the reference: the reference stays untouched (not paged in)
         # until distillation, which kept the "2.5 bits" run's peak at 3.08 GB against 3.89 GB.
         topk = config.distill_topk if model_hooks and config.distill_data != "sampled" else 0
+        written: dict = {}
         with result.timed("sample_calibration"):
-            sampled = sampled_calibration(model, calib_ids, config, should_stop, topk=topk)
+            sampled = sampled_calibration(model, calib_ids, config, should_stop, topk=topk, info=written)
+        if written:  # too slow for the time budget here: the calibration stayed text
+            result.model_metrics["calibration"] = written
         if sampled is None:
             result.cancelled = True
             result.seconds = time.perf_counter() - start_time

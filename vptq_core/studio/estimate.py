@@ -4,6 +4,7 @@ bits per weight and checkpoint size, and whether the hub can be reached."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import json
 import math
@@ -335,8 +336,9 @@ def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
     per-layer settings; LRQ trains ``iters`` steps of ``batch_size`` windows per block, ``_LRQ_STEP`` forwards
     each, plus ``_LRQ_FIXED`` passes over the calibration; FP-chain targets add half a pass of block forwards;
     a config with ``act_order`` sweeps columns as GPTQ does; the ``calib_sampled_share`` windows the original
-    writes: ``sampling_estimate``; distillation: ``distill_estimate``). Layer-wise fine-tuning steps are not
-    counted. A ``time_budget`` caps distillation at what the rest leaves of it."""
+    writes: ``sampling_estimate``, left out as the run leaves them out when over ``SAMPLING_BUDGET_SHARE`` of a
+    ``time_budget``; distillation: ``distill_estimate``). Layer-wise fine-tuning steps are not counted. A
+    ``time_budget`` caps distillation at what the rest leaves of it."""
     weights, params = info.linear_weights, info.linear_weights + info.other_params
     tokens = max(int(samples), 1) * max(int(seqlen), 1)
     config = config.for_model(info.linear_shapes)
@@ -352,13 +354,16 @@ def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
         seconds += _FORWARD_S * weights * (_LRQ_STEP * steps + _LRQ_FIXED * tokens)
     else:
         seconds += (_GPTQ_SWEEP_S if "act_order" in settings else _ROUND_S) * weights
-    from ..quant.distill import sampled_count
+    from ..quant.distill import SAMPLING_BUDGET_SHARE, sampled_count
 
     # the block stage sees exactly ``samples`` windows (distillation's check windows are drawn on top)
-    seconds += sampling_estimate(params, sampled_count(max(int(samples), 1), config), seqlen)
+    writing = sampling_estimate(params, sampled_count(max(int(samples), 1), config), seqlen)
+    budget = settings.get("time_budget", 0.0) or 0.0
+    if budget > 0 and writing > SAMPLING_BUDGET_SHARE * budget:  # as the run decides: the windows stay text
+        writing, config = 0.0, dataclasses.replace(config, calib_sampled_share=0.0)
+    seconds += writing
     outputs = sum(o for o, _ in info.linear_shapes)
     distilling = distill_estimate(params, config, samples, seqlen, outputs or None)
-    budget = settings.get("time_budget", 0.0) or 0.0
     if budget > 0:  # distillation gets what the block stage leaves of the budget (the block stage is never cut)
         distilling = min(distilling, max(0.0, budget - seconds))
     return seconds + distilling
