@@ -344,6 +344,8 @@ def _finetune_hook(ctx) -> dict | None:
 # perplexity; README, "Calibrating on text the model writes itself"): with 3/4 self-written windows "2.5 bits" went
 # from 2.57x / 2.62x with 32 steps to 2.46x / 2.48x with 48 (64, checked every 16: 2.43x / 2.51x), "3.5 bits" from
 # 1.40x / 1.41x with 16 steps (half self-written) to 1.37x / 1.33x with 48.
+# Where writing those windows would take more than 20% of the time budget (distill.SAMPLING_BUDGET_SHARE; Gemma-3-270M
+# on the AVX2 machine) they stay text: 1.70x / 1.93x there against 6.26x / 4.17x with them.
 # (distill_samples is named so that picking the preset resets every distillation field of the form)
 # The run's pipeline must end within this many seconds (loading and writing the checkpoint take ~10-20 s more): on a
 # slower machine distillation runs fewer steps instead of running late (an AVX2-only Zen 3 took 1076 s for the
