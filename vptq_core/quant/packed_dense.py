@@ -2,7 +2,8 @@
 
 Torch multiplies float32 on the CPU through MKL's sgemm. On an AMD EPYC (Zen 3, AVX2, 2 threads) oneDNN with its
 weights packed once (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``, the pair torch's own
-compiler uses) took 1.1-2.3x less time at the 24-row products of sampling 24 windows at once: SmolLM2's gate/up
+compiler uses) took up to 2.3x less time at the 24-row products of sampling 24 windows at once (all but SmolLM2's
+small k/v projections, 0.97x, gained 1.1x or more): SmolLM2's gate/up
 0.595 -> 0.439 ms, its LM head 27.1 -> 13.0 ms, Gemma-3-270M's head 187 -> 82 ms (about the same at 512 rows,
 slower for SmolLM2's small projections at 1 row; ``bench/packed_dense.py``, ``bench/results/packed_dense_zen3.txt``).
 In the "2.5 bits" preset on SmolLM2 the self-written calibration (24 windows of 512 tokens) took 69 s instead of
