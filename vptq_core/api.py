@@ -91,7 +91,9 @@ def quantize_to_dir(
     End-to-end distillation (VPTQ ``distill_iters``; any method's after-model hooks) trains the whole
     quantized model against the original (loaded a second time): the model is then loaded whole (no
     streaming), a resume starts over (the finished blocks are quantized again), and ``on_step(phase, step,
-    steps, loss)`` reports every training step; a cancel during it writes nothing, like any other.
+    steps, loss)`` reports every training step; a cancel during it writes nothing, like any other. VPTQ's
+    ``allocation="sensitivity"`` (a per-layer plan measured on the whole original model before the first block)
+    loads the model whole as well, and a resume starts over.
 
     ``head`` / ``embedding``: also quantize the LM head (its Hessian from the final-norm outputs of the
     quantized blocks) and / or the input embedding, with the same method and settings
@@ -114,9 +116,14 @@ def quantize_to_dir(
     whole = [hook.phase for hook in method_obj.after_model if hook.applies(config)]
     if whole and stream is True:
         raise ValueError(f"cannot stream block by block with {', '.join(whole)}: it trains the whole model")
+    planned = [hook.phase for hook in method_obj.before_blocks if hook.applies(config)]
+    if planned and stream is True:
+        raise ValueError(f"cannot stream block by block with {', '.join(planned)}: it measures the whole model")
     source, stream_note = None, "off"
     if whole:
         stream, stream_note = False, f"off: {', '.join(whole)} trains the whole model"
+    elif planned:
+        stream, stream_note = False, f"off: {', '.join(planned)} measures the whole model"
     elif getattr(config, "calib_sampled_share", 0):
         if stream is True:
             raise ValueError("cannot stream block by block with calib_sampled_share: the original model writes those "
@@ -144,7 +151,7 @@ def quantize_to_dir(
     partial = PartialRun(out_dir)
     main = distributed.is_main()  # with several ranks (torchrun) every rank computes, rank 0 alone writes
     point = None
-    if resume and partial.exists() and not whole:
+    if resume and partial.exists() and not whole and not planned:  # a plan is measured on the whole model, again
         point = partial.resume_point(fingerprint, blocks_total)
     distributed.barrier()  # every rank has read the unfinished run before rank 0 may replace it
     if point is None and main:

@@ -76,7 +76,8 @@ def resolve_budget(config: VPTQConfig, shapes: Iterable[tuple[int, int]]) -> VPT
     these shapes (the budget is kept, so resolving again gives the same config). ValueError when the budget
     cannot be met, or when ``layer_bits_cap`` is set to something else as well."""
     budget = config.bits_budget
-    cap, _ = cap_for_budget(dataclasses.replace(config, layer_bits_cap=0.0, bits_budget=0.0), shapes, budget)
+    cap, _ = cap_for_budget(dataclasses.replace(config, layer_bits_cap=0.0, bits_budget=0.0, allocation="cap"),
+                            shapes, budget)
     if config.layer_bits_cap and config.layer_bits_cap != cap:
         raise ValueError(f"bits_budget {budget:g} and layer_bits_cap {config.layer_bits_cap:g} are both set: set "
                          f"one of them (for this model the budget means layer_bits_cap {cap:.6g})")

@@ -66,6 +66,11 @@ class ConfigBase:
         the bits shown before a run and the time estimate all go through it."""
         return self
 
+    def for_layer(self, name: str) -> ConfigBase:
+        """The config the linear ``name`` (full module name) is quantized with: itself unless the config plans
+        layers one by one (VPTQ's ``layer_plan``)."""
+        return self
+
 
 # Scalar methods distil log-scales: on SmolLM2 W4A8 (LRQ, 32 steps on the calibration windows) lr 2e-3 took
 # pydocs from 1.42x to 1.39x bf16, 5e-4 left it at 1.42x (README, "Distilling scalar checkpoints").
@@ -206,6 +211,13 @@ class VPTQConfig(DistillSettings):
     # (``for_model`` -> allocate.cap_for_budget over the model's layer shapes): the layers whose codebooks are
     # expensive next to their weights step down, the budget goes to the others. Set this or layer_bits_cap.
     bits_budget: float = 0.0
+    # How a bits_budget is spent: "cap" = the same index bits everywhere, codebooks shrunk where they are
+    # expensive (allocate.py; known before the run); "sensitivity" = more bits where the model's loss feels the
+    # error, measured on the calibration windows before the first block (quant/sensitivity.py).
+    allocation: str = "cap"
+    # The per-layer settings a "sensitivity" run chose: ((full module name, vector_len, num_centroids), ...);
+    # filled by the run (stored in its config, so a resume quantizes the remaining layers the same way).
+    layer_plan: tuple = ()
     # Conjugate-gradient steps refitting every codebook of a layer after the sweep (indices fixed) on
     # tr(ΔW H ΔWᵀ); 0 = off. See quant/refit.py.
     refit_iters: int = 0
@@ -242,6 +254,7 @@ class VPTQConfig(DistillSettings):
         check_target_chain(self.target_chain)
         check_float("layer_bits_cap", self.layer_bits_cap, 0.0, 64.0)
         check_float("bits_budget", self.bits_budget, 0.0, 64.0)
+        check_allocation(self)
         check_bools(self, ("enable_norm", "enable_perm", "second_order"))
         self.check_distill()
 
@@ -258,6 +271,18 @@ class VPTQConfig(DistillSettings):
 
         return resolve_budget(self, shapes)
 
+    def for_layer(self, name: str) -> VPTQConfig:
+        """The settings layer ``name`` (full module name) is quantized with: its entry of ``layer_plan``, or
+        this config (its cap applies by shape, ``vptq.layer_config``)."""
+        if not self.layer_plan:
+            return self
+        plan = {entry: (v, k) for entry, v, k in self.layer_plan}
+        if name not in plan:
+            return self
+        from .sensitivity import layer_settings
+
+        return layer_settings(self, *plan[name])
+
     @property
     def res_bits(self) -> int:
         return int(math.log2(self.num_res_centroids)) if self.num_res_centroids else 0
@@ -265,6 +290,30 @@ class VPTQConfig(DistillSettings):
     @property
     def bits_per_index_weight(self) -> float:
         return (self.index_bits + self.res_bits) / self.vector_len
+
+
+ALLOCATIONS = ("cap", "sensitivity")
+
+
+def check_allocation(config) -> None:
+    """``allocation`` and ``layer_plan`` of a VPTQConfig (a plan as JSON gives lists: turned into tuples)."""
+    if config.allocation not in ALLOCATIONS:
+        raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {config.allocation!r}")
+    if config.allocation == "sensitivity" and not config.bits_budget:
+        raise ValueError("allocation 'sensitivity' spends a bits_budget: set bits_budget (total bits per weight)")
+    if config.allocation == "sensitivity" and config.num_res_centroids:
+        raise ValueError("allocation 'sensitivity' plans single codebooks: set num_res_centroids 0 or allocation 'cap'")
+    plan = config.layer_plan
+    if not isinstance(plan, (tuple, list)):
+        raise ValueError(f"layer_plan must be a list of [module name, vector_len, num_centroids], got {plan!r}")
+    entries = []
+    for entry in plan:
+        if (not isinstance(entry, (tuple, list)) or len(entry) != 3 or not isinstance(entry[0], str)):
+            raise ValueError(f"layer_plan entries must be [module name, vector_len, num_centroids], got {entry!r}")
+        check_int(f"layer_plan vector_len of {entry[0]!r}", entry[1], 1, 16)
+        check_pow2(f"layer_plan num_centroids of {entry[0]!r}", entry[2], 2, 65536)
+        entries.append(tuple(entry))
+    object.__setattr__(config, "layer_plan", tuple(entries))
 
 
 def check_target_chain(value) -> None:

@@ -118,6 +118,16 @@ class ModelHook(NamedTuple):
     run: Callable[[ModelContext], dict | None]
 
 
+class PlanHook(NamedTuple):
+    """A step before the first block, on the whole original model, for configs where ``applies(config)``:
+    ``run(model, calib_ids, config, device, should_stop)`` returns (the config the run goes on with, metrics for
+    ``QuantizeResult.model_metrics[phase]``); e.g. VPTQ's per-layer bit allocation from measured sensitivity."""
+
+    phase: str
+    applies: Callable[[Any], bool]
+    run: Callable[..., tuple[Any, dict]]
+
+
 @dataclass(frozen=True)
 class Method:
     """One quantization method. Exactly one of ``quantize_linear`` / ``quantize_block`` is given.
@@ -138,6 +148,7 @@ class Method:
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     quantize_linear: QuantizeLinear | None = None
     quantize_block: Callable[[BlockContext], None] | None = None
+    before_blocks: tuple[PlanHook, ...] = ()  # need the whole model in memory (not with streamed weights)
     after_block: tuple[BlockHook, ...] = ()
     after_model: tuple[ModelHook, ...] = ()  # need the original model (``quantize_model(reference=...)``)
     block_phase: str = "quantize"  # the timing phase of ``quantize_block``

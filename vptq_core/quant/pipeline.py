@@ -285,7 +285,8 @@ def quantize_linears(ctx: BlockContext) -> None:
             if ctx.should_stop():
                 raise Cancelled
             t0 = time.perf_counter()
-            res = ctx.method.quantize_linear(linear.weight.data, ctx.hessians[name], ctx.config, linear.bias, cache)
+            res = ctx.method.quantize_linear(linear.weight.data, ctx.hessians[name], ctx.config.for_layer(
+                ctx.full_name(name)), linear.bias, cache)
             ctx.result.timings.merge(res.timings or {"quantize": time.perf_counter() - t0})
             ctx.publish(name, res, time.perf_counter() - t0)
         return
@@ -302,7 +303,8 @@ def quantize_linears(ctx: BlockContext) -> None:
                 status = distributed.STOPPED
                 break
             t0 = time.perf_counter()
-            res = ctx.method.quantize_linear(linear.weight.data, ctx.hessians[name], ctx.config, linear.bias, cache)
+            res = ctx.method.quantize_linear(linear.weight.data, ctx.hessians[name], ctx.config.for_layer(
+                ctx.full_name(name)), linear.bias, cache)
             seconds = time.perf_counter() - t0
             ctx.result.timings.merge(res.timings or {"quantize": seconds})
             done[name] = (res, seconds)
@@ -462,6 +464,22 @@ def quantize_model(
         if topk:
             sampled, known_teacher = sampled
         calib_ids = sampled  # distillation after the blocks trains and checks on these same windows
+    plan_hooks = [hook for hook in method.before_blocks if hook.applies(config)]
+    if plan_hooks and not resumed:
+        if weights is not None:
+            raise ValueError(f"{', '.join(h.phase for h in plan_hooks)} runs on the whole original model; not possible "
+                             "with streamed weights")
+        for hook in plan_hooks:
+            with result.timed(hook.phase):
+                try:
+                    config, metrics = hook.run(model, calib_ids[: layerwise_count(calib_ids.shape[0], config)],
+                                               config, dev, should_stop)
+                except Cancelled:
+                    result.cancelled = True
+                    result.seconds = time.perf_counter() - start_time
+                    return model, result
+            result.model_metrics[hook.phase] = metrics
+        result.config = config.to_dict()
     blocks = decoder_blocks(model)
     prefix = blocks_prefix(model)
     model_dtype = next(model.parameters()).dtype

@@ -22,7 +22,7 @@ from .distill import DISTILL_HOOK, distill_label
 from .finetune import finetune_block_centroids
 from .hessian import inverse_hessian_cholesky, prepare_hessian, proxy_loss
 from .kmeans import CodebookSearch, weighted_kmeans
-from .methods import BlockHook, Method, QuantResult, register
+from .methods import BlockHook, Method, PlanHook, QuantResult, register
 from .refit import CodebookUse, refit_codebooks
 from .states import VQLayerState
 from .sweep import error_feedback_sweep
@@ -330,6 +330,12 @@ def _finetune_hook(ctx) -> dict | None:
                                     should_stop=ctx.should_stop)
 
 
+def _plan_hook(model, calib_ids, config, device, should_stop):
+    from .sensitivity import plan_config  # imports this module
+
+    return plan_config(model, calib_ids, config, device, config_bits, should_stop)
+
+
 # Presets are named by TOTAL bits per weight (codebooks, outliers, permutation included) and hold on any model. "2.5
 # bits" is a budget for the whole model (``bits_budget``: the loosest per-layer cap whose model total stays within it,
 # found for each model before its run; SmolLM2-135M: cap 3.014, 2.496 total bits, k/v and q/o at v5 k1024,
@@ -366,6 +372,8 @@ METHOD = register(Method(
     name="vptq", label="VPTQ", config_class=VPTQConfig, bits=config_bits, describe=describe, presets=PRESETS,
     description="vector quantization: Hessian-weighted k-means codebooks with second-order error feedback",
     quantize_linear=lambda W, H, config, bias, cache: vptq_quantize(W, H, config, bias, hessian_cache=cache),
+    before_blocks=(PlanHook("allocation", lambda config: config.allocation == "sensitivity" and not config.layer_plan,
+                            _plan_hook),),
     after_block=(BlockHook("finetune", lambda config: config.finetune_iters > 0, _finetune_hook),),
     after_model=(DISTILL_HOOK,),
 ))

@@ -1,0 +1,162 @@
+import dataclasses
+import itertools
+import json
+
+import pytest
+import torch
+
+from vptq_core.quant import methods
+from vptq_core.quant.blocks import block_linears, decoder_blocks
+from vptq_core.quant.config import VPTQConfig
+from vptq_core.quant.hessian import inverse_hessian_cholesky, prepare_hessian
+from vptq_core.quant.pipeline import quantize_model, total_linear_shapes
+from vptq_core.quant.sensitivity import LayerSensitivity, allocate, ladder, layer_settings, measure
+from vptq_core.quant.vptq import config_bits
+
+BASE = VPTQConfig(vector_len=4, num_centroids=256, kmeans_iters=2, outlier_percent=0.0)
+
+
+def test_ladder_spans_the_index_bits_with_codebooks_up_to_the_configs():
+    steps = ladder(VPTQConfig(vector_len=6, num_centroids=4096))
+    assert (6, 4096) in steps and (4, 4096) in steps and (8, 4096) in steps and (2, 64) in steps
+    assert all(2 <= v <= 8 and 16 <= k <= 4096 and 1.0 <= k.bit_length() - 1 <= 4 * v for v, k in steps)
+    assert all(1.0 <= (k.bit_length() - 1) / v <= 4.0 for v, k in steps)
+    assert len(steps) == len(set(steps))
+
+
+def test_measure_gives_each_linears_output_gradient_and_its_inputs_feedback(tiny_model, calib_ids):
+    model, _ = tiny_model
+    windows = calib_ids[:2]
+    sens = measure(model, windows, 0.1, torch.device("cpu"))
+    assert set(sens) == {f"model.layers.{b}.{n}" for b, blk in enumerate(decoder_blocks(model))
+                         for n in block_linears(blk)}
+    # the same quantities the plain way: outputs kept with retain_grad, inputs stacked, one window at a time
+    name = "model.layers.1.mlp.down_proj"
+    linear = model.get_submodule(name)
+    grads, inputs = [], []
+    for i in range(windows.shape[0]):
+        kept = {}
+        handle = linear.register_forward_hook(lambda _m, args, out: kept.update(x=args[0].detach(), y=out))
+        try:
+            embeds = model.get_input_embeddings()(windows[i : i + 1]).detach().requires_grad_(True)
+            out = model(inputs_embeds=embeds, labels=windows[i : i + 1])
+            kept["y"].retain_grad()
+            out.loss.backward()
+        finally:
+            handle.remove()
+            model.zero_grad(set_to_none=True)
+        grads.append(kept["y"].grad.reshape(-1, linear.out_features))
+        inputs.append(kept["x"].reshape(-1, linear.in_features))
+    tokens = windows.numel()
+    g = torch.cat(grads)
+    assert sens[name].grad_sq == pytest.approx(float(g.pow(2).sum()) / (tokens * linear.out_features), rel=1e-5)
+    x = torch.cat(inputs)
+    _, Hd = prepare_hessian(linear.weight.detach(), x.T @ x, 0.1)
+    perm = torch.argsort(torch.diag(Hd), descending=True, stable=True)
+    U = inverse_hessian_cholesky(Hd[perm][:, perm])
+    assert sens[name].feedback == pytest.approx(float((1 / torch.diag(U).double() ** 2).sum()) / tokens, rel=1e-4)
+    s = sens[name]
+    assert s.weight == pytest.approx(0.5 * s.grad_sq * s.out_features * s.weight_ms * s.feedback)
+    assert s.weight_ms == pytest.approx(float(linear.weight.detach().double().pow(2).mean()))
+    assert all(p.grad is None for p in model.parameters())  # the model is left as it was
+
+
+def _layers(weights: list[float], shape=(64, 64)) -> dict[str, LayerSensitivity]:
+    return {f"l{i}": LayerSensitivity(shape[0], shape[1], 1.0, 1.0, 1.0, w) for i, w in enumerate(weights)}
+
+
+def _rho(cfg: VPTQConfig, shape=(64, 64)) -> dict:
+    # the relative error of a source at R index bits per weight, 2^(-2R), a little worse for short vectors
+    return {shape: {(v, k): 2.0 ** (-2 * (k.bit_length() - 1) / v) * (1 + 0.5 / v) for v, k in ladder(cfg)}}
+
+
+def test_allocation_spends_the_budget_where_the_loss_feels_it_and_is_close_to_the_best_plan():
+    cfg = dataclasses.replace(BASE, bits_budget=4.0, allocation="sensitivity")
+    sens, rho = _layers([100.0, 1.0, 1.0]), _rho(cfg)
+    plan = allocate(sens, rho, cfg, 4.0, config_bits)
+    bits = {n: config_bits(layer_settings(cfg, *plan.layers[n]), 64, 64).total_bits for n in sens}
+    assert sum(bits.values()) <= 4.0 * 3 * 64 * 64
+    assert plan.total_bits == pytest.approx(sum(bits.values()) / (3 * 64 * 64))
+    assert bits["l0"] > bits["l1"]  # 100x the sensitivity: more bits
+    # against every plan there is (ladder^3), for several sensitivities and budgets: the greedy plan (with its
+    # single-layer moves after) is the best or close to it
+    options = [(step, config_bits(layer_settings(cfg, *step), 64, 64).total_bits) for step in ladder(cfg)]
+    for spread in ([100.0, 1.0, 1.0], [10.0, 3.0, 1.0], [5.0, 5.0, 1.0]):
+        for budget in (3.5, 4.0, 4.5, 5.0):
+            some = _layers(spread)
+            got = allocate(some, rho, cfg, budget, config_bits)
+            best = min(sum(some[f"l{i}"].weight * rho[(64, 64)][c[i][0]] for i in range(3))
+                       for c in itertools.product(options, repeat=3) if sum(b for _, b in c) <= budget * 3 * 64 * 64)
+            assert best <= got.predicted <= 1.15 * best
+    # equal sensitivities: equal settings
+    even = allocate(_layers([1.0, 1.0, 1.0]), rho, cfg, 4.0, config_bits)
+    assert len(set(even.layers.values())) == 1
+    with pytest.raises(ValueError, match="bits_budget 1 cannot be met by a per-layer plan on this model: the "
+                                         "least its ladder reaches is"):
+        allocate(sens, rho, cfg, 1.0, config_bits)
+
+
+def test_a_sensitivity_run_quantizes_every_layer_as_planned_within_the_budget(tmp_path, tiny_model, calib_ids):
+    from vptq_core.storage.checkpoint import load_quantized, save_quantized
+
+    model, tok = tiny_model
+    shapes = total_linear_shapes(model)
+    weights = sum(o * i for o, i in shapes)
+    cfg = dataclasses.replace(BASE, bits_budget=4.0, allocation="sensitivity")
+    qmodel, result = quantize_model(model, calib_ids, "vptq", cfg)
+    plan = {name: (v, k) for name, v, k in result.config["layer_plan"]}
+    assert set(plan) == set(result.states)
+    for name, state in result.states.items():
+        assert (state.spec.vector_len, state.spec.num_centroids) == plan[name]
+    assert result.bits.total_bits <= 4.0 * weights
+    assert result.bits.total_bits == sum(config_bits(layer_settings(cfg, *plan[n]), st.out_features,
+                                                     st.in_features).total_bits for n, st in result.states.items())
+    info = result.model_metrics["allocation"]
+    assert info["total_bits"] == pytest.approx(result.bits.total_bits_per_weight)
+    assert sum(info["settings"].values()) == len(result.states)
+    assert info["predicted_loss"] <= info["predicted_loss_cap"]
+    assert result.timings["allocation"] > 0
+    # the run's config carries its plan: a JSON round trip rebuilds the same config, which quantizes the same way
+    again = VPTQConfig.from_dict(json.loads(json.dumps(result.config)))
+    assert again.layer_plan == tuple(tuple(e) for e in result.config["layer_plan"])
+    assert methods.get("vptq").before_blocks[0].applies(again) is False  # planned: nothing to measure
+    # the checkpoint stores every layer's own settings and loads to the same logits
+    save_quantized(qmodel, tok, result.states, tmp_path / "ckpt", dtype=torch.float32)
+    loaded, _ = load_quantized(tmp_path / "ckpt", dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(calib_ids, use_cache=False).logits,
+                                   qmodel(calib_ids, use_cache=False).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_sensitivity_run_stops_cleanly_when_cancelled_during_the_measurement(tiny_model, calib_ids):
+    model, _ = tiny_model
+    cfg = dataclasses.replace(BASE, bits_budget=4.0, allocation="sensitivity")
+    _, result = quantize_model(model, calib_ids, "vptq", cfg, should_stop=lambda: True)
+    assert result.cancelled and not result.states
+
+
+def test_allocation_settings_are_checked():
+    with pytest.raises(ValueError, match="allocation must be one of"):
+        VPTQConfig(allocation="greedy")
+    with pytest.raises(ValueError, match="allocation 'sensitivity' spends a bits_budget: set bits_budget"):
+        VPTQConfig(allocation="sensitivity")
+    with pytest.raises(ValueError, match="allocation 'sensitivity' plans single codebooks"):
+        VPTQConfig(allocation="sensitivity", bits_budget=3.0, num_res_centroids=256, num_centroids=256)
+    with pytest.raises(ValueError, match="layer_plan entries must be"):
+        VPTQConfig(layer_plan=(("a.b", 4),))
+    with pytest.raises(ValueError, match="layer_plan num_centroids of 'a.b' must be a power of two"):
+        VPTQConfig(layer_plan=(("a.b", 4, 100),))
+    planned = VPTQConfig(layer_plan=[["a.b", 3, 64]])
+    assert planned.layer_plan == (("a.b", 3, 64),)
+    assert (planned.for_layer("a.b").vector_len, planned.for_layer("a.b").num_centroids) == (3, 64)
+    assert planned.for_layer("a.c") is planned
+
+
+def test_streaming_is_refused_for_a_sensitivity_plan(tmp_path):
+    from vptq_core.api import quantize_to_dir
+    from vptq_core.quant.config import CalibConfig
+
+    cfg = dataclasses.replace(BASE, bits_budget=4.0, allocation="sensitivity")
+    with pytest.raises(ValueError, match="cannot stream block by block with allocation: it measures the whole model"):
+        quantize_to_dir("tiny-random-llama", "vptq", cfg, CalibConfig(samples=2, seqlen=32), tmp_path / "out",
+                        stream=True)
