@@ -25,7 +25,7 @@ import gradio as gr
 from vptq_core.generation import warm_up_kernels
 from vptq_core.models import BUNDLED, TINY
 from vptq_core.quant import methods
-from vptq_core.quant.config import DISTILL_DATA
+from vptq_core.quant.config import ALLOCATIONS, DISTILL_DATA
 from vptq_core.studio import form, plots, views
 from vptq_core.studio.estimate import model_info
 from vptq_core.studio.form import ACTIVATIONS, CUSTOM, FILE_SOURCE, WEIGHT_ONLY, WIKI_SOURCE
@@ -145,9 +145,13 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                                 with gr.Row():
                                     fields["bits_budget"] = number("bits_budget", " (0 = off)", integer=False)
                                     fields["layer_bits_cap"] = number("layer_bits_cap", " (0 = off)", integer=False)
+                                    fields["allocation"] = gr.Dropdown(
+                                        list(ALLOCATIONS), value=initial["allocation"],
+                                        label=labels["allocation"] + " (sensitivity = measured per layer)")
                             groups[vptq_group] = ("vector_len", "num_centroids", "num_res_centroids",
                                                   "outlier_percent", "group_num", "kmeans_iters", "enable_norm",
-                                                  "enable_perm", "finetune_iters", "bits_budget", "layer_bits_cap")
+                                                  "enable_perm", "finetune_iters", "bits_budget", "layer_bits_cap",
+                                                  "allocation")
                             with gr.Group() as scalar_group, gr.Row():
                                 fields["bits"] = number("bits")
                                 fields["group_size"] = number("group_size", " (0 = per channel)")

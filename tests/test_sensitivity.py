@@ -1,6 +1,7 @@
 import dataclasses
 import itertools
 import json
+import math
 
 import pytest
 import torch
@@ -160,3 +161,23 @@ def test_streaming_is_refused_for_a_sensitivity_plan(tmp_path):
     with pytest.raises(ValueError, match="cannot stream block by block with allocation: it measures the whole model"):
         quantize_to_dir("tiny-random-llama", "vptq", cfg, CalibConfig(samples=2, seqlen=32), tmp_path / "out",
                         stream=True)
+
+
+def test_the_estimate_before_start_bounds_a_planned_run_by_its_budget():
+    from vptq_core.studio import views
+    from vptq_core.studio.estimate import allocation_estimate, estimate, model_info, time_estimate
+
+    info = model_info("tiny-random-llama")
+    capped = dataclasses.replace(BASE, bits_budget=4.0)
+    planned = dataclasses.replace(capped, allocation="sensitivity")
+    est = estimate(info, "vptq", planned)
+    assert est.planned and est.total_bits_per_weight == 4.0
+    assert est.quantized_bytes == math.ceil(4.0 * info.linear_weights / 8)
+    assert "≤ 4.000 total bits" in views.estimate_md(info, est)
+    assert not estimate(info, "vptq", capped).planned
+    # the measurement before the first block is priced, and only for a plan still to be made
+    assert allocation_estimate(info, planned, 64) > 0
+    assert allocation_estimate(info, capped, 64) == 0
+    assert allocation_estimate(info, dataclasses.replace(planned, layer_plan=(("x", 4, 16),)), 64) == 0
+    assert time_estimate(info, planned, 4, 64) == pytest.approx(
+        time_estimate(info, capped, 4, 64) + allocation_estimate(info, planned, 64))

@@ -61,6 +61,9 @@ METHOD_FLAGS: dict[str, dict[str, tuple[str, str, str]]] = {
                              "vectors, same index bits, where codebooks are expensive); 0 = off"),
         "--bits-budget": ("bits_budget", "float", "total bits per weight of the whole model: becomes the loosest "
                           "--layer-bits-cap that meets it for this model; 0 = off (set one of the two)"),
+        "--allocation": ("allocation", "choice:cap,sensitivity", "how --bits-budget is spent: cap = the same index "
+                         "bits in every layer; sensitivity = each layer's own vector length and codebook size, "
+                         "more bits where the model's loss feels the error (measured before the first block)"),
         "--no-second-order": ("second_order", "false", "ablation: plain nearest-centroid assignment"),
     },
     "sampled calibration and distillation (every method)": {

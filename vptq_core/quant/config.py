@@ -269,7 +269,12 @@ class VPTQConfig(DistillSettings):
             return self
         from .allocate import resolve_budget
 
-        return resolve_budget(self, shapes)
+        try:
+            return resolve_budget(self, shapes)
+        except ValueError:
+            if self.allocation != "sensitivity":
+                raise
+            return self  # the per-layer plan's ladder reaches lower; it says so itself when it cannot either
 
     def for_layer(self, name: str) -> VPTQConfig:
         """The settings layer ``name`` (full module name) is quantized with: its entry of ``layer_plan``, or

@@ -39,7 +39,8 @@ from .kmeans import nearest, weighted_kmeans
 from .methods import Cancelled
 
 SENSITIVITY_WINDOWS = 4  # calibration windows of the backward pass (a 512-token window: ~4 s on 2 CPU cores)
-MIN_INDEX_BITS, MAX_INDEX_BITS = 1.0, 4.0  # index bits per weight the ladder spans
+MIN_INDEX_BITS, MAX_INDEX_BITS = 1.0, 4.0  # index bits per weight the ladder spans at least
+LADDER_SPAN = 1.5  # ... and this far over the budget
 DISTORTION_ITERS = 3  # Lloyd iterations of the distortion table's fits
 
 
@@ -56,13 +57,16 @@ class LayerSensitivity:
 
 
 def ladder(config: VPTQConfig) -> list[tuple[int, int]]:
-    """(vector_len, num_centroids) the plan may give a layer: vector lengths 2..config.vector_len + 2, codebooks
-    of 16 up to ``config.num_centroids`` entries, MIN_INDEX_BITS..MAX_INDEX_BITS index bits per weight."""
+    """(vector_len, num_centroids) the plan may give a layer: vector lengths 2..config.vector_len + 2, every other
+    codebook size from ``config.num_centroids`` entries down to 16, and MIN_INDEX_BITS up to MAX_INDEX_BITS (or
+    ``LADDER_SPAN`` over the budget, when that is more) index bits per weight."""
     top = int(math.log2(config.num_centroids))
+    budget = config.bits_budget or config.bits_per_index_weight
+    lo, hi = MIN_INDEX_BITS, max(MAX_INDEX_BITS, budget + LADDER_SPAN)
     steps = []
     for v in range(2, config.vector_len + 3):
         for b in range(top, 3, -2):  # every other codebook size: 4096, 1024, 256, ...
-            if MIN_INDEX_BITS <= b / v <= MAX_INDEX_BITS:
+            if lo <= b / v <= hi:
                 steps.append((v, 2**b))
     return sorted(steps)
 

@@ -48,6 +48,9 @@ class Estimate:
     other_bytes: int  # everything else at 16 bits
     checkpoint_bytes: int  # quantized_bytes + other_bytes (tokenizer and JSON files not counted)
     dense_bytes: int  # the whole model at 16 bits
+    # VPTQ allocation "sensitivity": each layer's settings are measured at the start of the run, so the bits here
+    # are the budget's bound (the plan spends up to it, never more) and the index bits are not known yet
+    planned: bool = False
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -149,13 +152,17 @@ def hub_reachable(timeout: float = 3.0, ttl: float = 60.0) -> tuple[bool, str]:
 
 def estimate(info: ModelInfo, method: str, config) -> Estimate:
     """Bits per weight and checkpoint size of quantizing ``info``'s block linears with ``method``/``config``."""
-    bits = methods.get(method).model_bits(config, info.linear_shapes)
-    quantized = math.ceil(bits.total_bits / 8)
+    bits = methods.get(method).model_bits(config, info.linear_shapes)  # (checks the budget can be met)
+    total, index = bits.total_bits_per_weight, bits.index_bits_per_weight
+    planned = getattr(config, "allocation", "cap") == "sensitivity" and not config.layer_plan
+    if planned:
+        total = config.bits_budget
+    quantized = math.ceil(total * info.linear_weights / 8) if planned else math.ceil(bits.total_bits / 8)
     other = 2 * info.other_params
     return Estimate(
-        index_bits_per_weight=bits.index_bits_per_weight, total_bits_per_weight=bits.total_bits_per_weight,
+        index_bits_per_weight=index, total_bits_per_weight=total,
         quantized_bytes=quantized, other_bytes=other, checkpoint_bytes=quantized + other,
-        dense_bytes=2 * (info.linear_weights + info.other_params),
+        dense_bytes=2 * (info.linear_weights + info.other_params), planned=planned,
     )
 
 
@@ -286,6 +293,29 @@ def vptq_layer_phases(out_features: int, in_features: int, config, threads: int 
     return {**phases, "whole": sum(phases.values())}
 
 
+# VPTQ's allocation "sensitivity": one forward and backward pass (no weight gradients) per measured window, 26 s for
+# 4 windows of SmolLM2-135M on the AVX2 machine where a distillation step took ~6 s: about one step per window; and
+# k-means over the ladder for each distinct layer shape (7.4 s there for 4 shapes).
+_SENS_WINDOW_S = _KD_STEP_S
+
+
+def allocation_estimate(info: ModelInfo, config, seqlen: int) -> float:
+    """Rough seconds of measuring a VPTQ per-layer plan (``quant.sensitivity.plan_config``) before the first
+    block: 0 unless ``config.allocation`` is "sensitivity" and the config has no plan yet."""
+    if getattr(config, "allocation", "cap") != "sensitivity" or config.layer_plan:
+        return 0.0
+    from ..quant.sensitivity import DISTORTION_ITERS, SENSITIVITY_WINDOWS, ladder
+
+    params = info.linear_weights + info.other_params
+    seconds = SENSITIVITY_WINDOWS * _SENS_WINDOW_S * params * max(int(seqlen) - 1, 1)
+    fit = dataclasses.replace(config, kmeans_iters=DISTORTION_ITERS)
+    for out_features, in_features in set(info.linear_shapes):
+        for v, k in ladder(config):
+            n = math.ceil(out_features / v) * in_features
+            seconds += _kmeans_seconds(n, v, k, fit, 2) + n * _query_seconds(v, k, 2)
+    return _VPTQ_SCALE * seconds
+
+
 def sampling_estimate(params: int, windows: int, seqlen: int) -> float:
     """Rough seconds for the original model of ``params`` parameters to write ``windows`` windows of ``seqlen``
     tokens (``distill.sample_windows``, up to ``SAMPLE_BATCH`` at once)."""
@@ -348,7 +378,9 @@ def time_estimate(info: ModelInfo, config, samples: int, seqlen: int) -> float:
     seconds = _START_S + forwards * _FORWARD_S * weights * tokens + _IO_S * params
     if "num_centroids" in settings and "vector_len" in settings:
         shapes = collections.Counter(info.linear_shapes)  # each distinct shape priced once
+        # (a per-layer plan is priced as the cap allocation of the same budget: it is not known before the run)
         seconds += sum(count * vptq_layer_phases(*shape, config)["whole"] for shape, count in shapes.items())
+        seconds += allocation_estimate(info, config, seqlen)
     elif "rank" in settings and "iters" in settings:
         steps = settings["iters"] * settings.get("batch_size", 1) * max(int(seqlen), 1)
         seconds += _FORWARD_S * weights * (_LRQ_STEP * steps + _LRQ_FIXED * tokens)

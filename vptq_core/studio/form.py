@@ -38,6 +38,7 @@ FIELD_LABELS = {
     "outlier_percent": "outlier columns %", "group_num": "groups", "kmeans_iters": "k-means iterations",
     "enable_norm": "normalize columns", "enable_perm": "permute columns", "finetune_iters": "fine-tune iterations",
     "layer_bits_cap": "max total bits per layer", "bits_budget": "total bits budget",
+    "allocation": "bits allocation",
     "distill_iters": "distillation steps",
     "distill_data": "distillation data", "distill_samples": "sampled windows",
     "distill_eval_every": "held-out check every", "calib_sampled_share": "self-written calibration share",

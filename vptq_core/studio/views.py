@@ -132,11 +132,15 @@ def estimate_md(info: ModelInfo, est: Estimate, seconds: float | None = None, ba
     """Bits per weight, checkpoint size and (``seconds``, with what it rests on) the duration expected for the
     current settings."""
     warning = ""
-    if est.total_bits_per_weight > 1.5 * est.index_bits_per_weight:
+    if not est.planned and est.total_bits_per_weight > 1.5 * est.index_bits_per_weight:
         warning = ("  \n⚠️ Codebooks and scales outweigh the indices on this model's small layers: use fewer "
                    "centroids or longer vectors.")
-    return (f"**{est.index_bits_per_weight:.3f} index bits** per weight · **{est.total_bits_per_weight:.3f} "
-            f"total bits** (with codebooks, scales, permutations)  \n"
+    bits = (f"**≤ {est.total_bits_per_weight:.3f} total bits** per weight (with codebooks, scales, permutations): "
+            f"each layer's vector length and codebook are chosen by measured sensitivity at the start of the run  \n"
+            if est.planned else
+            f"**{est.index_bits_per_weight:.3f} index bits** per weight · **{est.total_bits_per_weight:.3f} "
+            f"total bits** (with codebooks, scales, permutations)  \n")
+    return (bits +
             f"Checkpoint ≈ **{mb(est.checkpoint_bytes)}** + tokenizer files: quantized linears "
             f"{mb(est.quantized_bytes)} + "
             f"embeddings, norms and the rest {mb(est.other_bytes)} at 16 bits · the 16-bit model is "
