@@ -77,7 +77,9 @@ SMOLLM2 = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 5
 
 
 def test_bits_budget_resolves_to_its_cap_once_and_refuses_a_different_cap():
-    preset = methods.get("vptq").make_config(methods.get("vptq").preset("2.5 bits"))
+    # the "2.5 bits" preset's budget as the cap allocator spends it (the preset itself plans per layer by sensitivity)
+    preset = dataclasses.replace(methods.get("vptq").make_config(methods.get("vptq").preset("2.5 bits")),
+                                 allocation="cap")
     assert preset.bits_budget == 2.5 and preset.layer_bits_cap == 0.0
     resolved = preset.for_model(SMOLLM2)
     cap, bits = cap_for_budget(dataclasses.replace(preset, bits_budget=0.0), SMOLLM2, 2.5)

@@ -367,6 +367,7 @@ def test_time_estimate_of_the_presets_matches_their_runs(monkeypatch):
     # at 2.5 bits then (its total-bits budget came later)
     measured = {"distill_checkpointing": True, "time_budget": 0.0}
     two = VPTQConfig(**{**PRESETS["2.5 bits"], "distill_iters": 32, "bits_budget": 0.0, "layer_bits_cap": 2.5,
+                        "allocation": "cap",
                         **measured})
     three = VPTQConfig(**{**PRESETS["3.5 bits"], "calib_sampled_share": 0.5, **measured})
     # per layer: the sum of the 210 layers' seconds (k-means, sweep, the rest) in the run

@@ -361,11 +361,12 @@ _PRESET_DISTILL = {"distill_data": "calibration", "distill_samples": 16, "distil
                    "time_budget": PRESET_TIME_BUDGET}
 PRESETS = {
     "2.5 bits": {"vector_len": 6, "num_centroids": 4096, "num_res_centroids": 0, "bits_budget": 2.5,
-                 "layer_bits_cap": 0.0, "distill_iters": 48, "calib_sampled_share": 0.75, **_PRESET_DISTILL},
+                 "layer_bits_cap": 0.0, "allocation": "sensitivity", "distill_iters": 48, "calib_sampled_share": 0.75,
+                 **_PRESET_DISTILL},
     "3.5 bits": {"vector_len": 4, "num_centroids": 4096, "num_res_centroids": 0, "layer_bits_cap": 3.5,
-                 "bits_budget": 0.0, "distill_iters": 48, "calib_sampled_share": 0.75, **_PRESET_DISTILL},
+                 "bits_budget": 0.0, "allocation": "cap", "distill_iters": 48, "calib_sampled_share": 0.75, **_PRESET_DISTILL},
     "4.5 bits": {"vector_len": 4, "num_centroids": 256, "num_res_centroids": 256, "layer_bits_cap": 4.5,
-                 "bits_budget": 0.0, **PRESET_OFF},
+                 "bits_budget": 0.0, "allocation": "cap", **PRESET_OFF},
 }
 
 METHOD = register(Method(
