@@ -11,7 +11,8 @@ from vptq_core.quant.blocks import block_linears, decoder_blocks
 from vptq_core.quant.config import VPTQConfig
 from vptq_core.quant.hessian import inverse_hessian_cholesky, prepare_hessian
 from vptq_core.quant.pipeline import quantize_model, total_linear_shapes
-from vptq_core.quant.sensitivity import LayerSensitivity, allocate, ladder, layer_settings, measure
+from vptq_core.quant.sensitivity import (LayerSensitivity, allocate, ladder, layer_settings, measure,
+                                         measured_windows)
 from vptq_core.quant.vptq import config_bits
 
 BASE = VPTQConfig(vector_len=4, num_centroids=256, kmeans_iters=2, outlier_percent=0.0)
@@ -20,15 +21,21 @@ BASE = VPTQConfig(vector_len=4, num_centroids=256, kmeans_iters=2, outlier_perce
 def test_ladder_spans_the_index_bits_with_codebooks_up_to_the_configs():
     steps = ladder(VPTQConfig(vector_len=6, num_centroids=4096))
     assert (6, 4096) in steps and (4, 4096) in steps and (8, 4096) in steps and (2, 64) in steps
-    assert all(2 <= v <= 8 and 16 <= k <= 4096 and 1.0 <= k.bit_length() - 1 <= 4 * v for v, k in steps)
+    assert all(2 <= v <= 8 and 16 <= k <= 4096 for v, k in steps)
     assert all(1.0 <= (k.bit_length() - 1) / v <= 4.0 for v, k in steps)
     assert len(steps) == len(set(steps))
+    # with a budget: from one index bit under it, up to 4 or 1.5 over it
+    budget = ladder(VPTQConfig(vector_len=6, num_centroids=4096, bits_budget=2.5, allocation="sensitivity"))
+    assert min((k.bit_length() - 1) / v for v, k in budget) == 1.5 and (8, 256) not in budget
+    high = ladder(VPTQConfig(vector_len=4, num_centroids=4096, bits_budget=3.5, allocation="sensitivity"))
+    assert min((k.bit_length() - 1) / v for v, k in high) >= 2.5
+    assert max((k.bit_length() - 1) / v for v, k in high) == 5.0  # v2 k1024
 
 
 def test_measure_gives_each_linears_output_gradient_and_its_inputs_feedback(tiny_model, calib_ids):
     model, _ = tiny_model
     windows = calib_ids[:2]
-    sens = measure(model, windows, 0.1, torch.device("cpu"))
+    sens = measure(model, windows, 0.1, torch.device("cpu"), labels="data")
     assert set(sens) == {f"model.layers.{b}.{n}" for b, blk in enumerate(decoder_blocks(model))
                          for n in block_linears(blk)}
     # the same quantities the plain way: outputs kept with retain_grad, inputs stacked, one window at a time
@@ -60,6 +67,14 @@ def test_measure_gives_each_linears_output_gradient_and_its_inputs_feedback(tiny
     assert s.weight == pytest.approx(0.5 * s.grad_sq * s.out_features * s.weight_ms * s.feedback)
     assert s.weight_ms == pytest.approx(float(linear.weight.detach().double().pow(2).mean()))
     assert all(p.grad is None for p in model.parameters())  # the model is left as it was
+    # labels drawn from the model's own distribution (the default): seeded, and a loss of its own
+    drawn = measure(model, windows, 0.1, torch.device("cpu"), labels="sampled", seed=3)
+    assert drawn[name].grad_sq == measure(model, windows, 0.1, torch.device("cpu"), labels="sampled",
+                                          seed=3)[name].grad_sq
+    assert drawn[name].grad_sq != pytest.approx(sens[name].grad_sq, rel=1e-3)
+    assert drawn[name].feedback == sens[name].feedback  # the inputs do not depend on the labels
+    with pytest.raises(ValueError, match="labels must be 'data' or 'sampled'"):
+        measure(model, windows, 0.1, torch.device("cpu"), labels="gold")
 
 
 def _layers(weights: list[float], shape=(64, 64)) -> dict[str, LayerSensitivity]:
@@ -73,7 +88,7 @@ def _rho(cfg: VPTQConfig, shape=(64, 64)) -> dict:
 
 def test_allocation_spends_the_budget_where_the_loss_feels_it_and_is_close_to_the_best_plan():
     cfg = dataclasses.replace(BASE, bits_budget=4.0, allocation="sensitivity")
-    sens, rho = _layers([100.0, 1.0, 1.0]), _rho(cfg)
+    sens, rho = _layers([100.0, 1.0, 1.0]), _rho(BASE)  # the ladder without a budget's floor: 1-4 index bits
     plan = allocate(sens, rho, cfg, 4.0, config_bits)
     bits = {n: config_bits(layer_settings(cfg, *plan.layers[n]), 64, 64).total_bits for n in sens}
     assert sum(bits.values()) <= 4.0 * 3 * 64 * 64
@@ -81,7 +96,7 @@ def test_allocation_spends_the_budget_where_the_loss_feels_it_and_is_close_to_th
     assert bits["l0"] > bits["l1"]  # 100x the sensitivity: more bits
     # against every plan there is (ladder^3), for several sensitivities and budgets: the greedy plan (with its
     # single-layer moves after) is the best or close to it
-    options = [(step, config_bits(layer_settings(cfg, *step), 64, 64).total_bits) for step in ladder(cfg)]
+    options = [(step, config_bits(layer_settings(cfg, *step), 64, 64).total_bits) for step in ladder(BASE)]
     for spread in ([100.0, 1.0, 1.0], [10.0, 3.0, 1.0], [5.0, 5.0, 1.0]):
         for budget in (3.5, 4.0, 4.5, 5.0):
             some = _layers(spread)
@@ -181,3 +196,9 @@ def test_the_estimate_before_start_bounds_a_planned_run_by_its_budget():
     assert allocation_estimate(info, dataclasses.replace(planned, layer_plan=(("x", 4, 16),)), 64) == 0
     assert time_estimate(info, planned, 4, 64) == pytest.approx(
         time_estimate(info, capped, 4, 64) + allocation_estimate(info, planned, 64))
+
+
+def test_the_measured_windows_spread_over_text_and_self_written_ones():
+    windows = torch.arange(32).unsqueeze(1).expand(32, 8)
+    assert measured_windows(windows)[:, 0].tolist() == [0, 10, 21, 31]
+    assert measured_windows(windows[:2])[:, 0].tolist() == [0, 1]

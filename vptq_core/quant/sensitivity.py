@@ -39,8 +39,12 @@ from .kmeans import nearest, weighted_kmeans
 from .methods import Cancelled
 
 SENSITIVITY_WINDOWS = 4  # calibration windows of the backward pass (a 512-token window: ~4 s on 2 CPU cores)
+SENSITIVITY_LABELS = "sampled"  # the next tokens whose loss is differentiated (``measure``)
 MIN_INDEX_BITS, MAX_INDEX_BITS = 1.0, 4.0  # index bits per weight the ladder spans at least
 LADDER_SPAN = 1.5  # ... and this far over the budget
+# No layer below the budget's index bits minus this: on Gemma-3-270M a plan down to 1 index bit (21 of 126 layers
+# at v8 k256) ended worse than the cap allocation after distillation, wiki 1.93x / pydocs 2.54x against 1.69x / 1.93x.
+LADDER_FLOOR = 1.0
 DISTORTION_ITERS = 3  # Lloyd iterations of the distortion table's fits
 
 
@@ -58,11 +62,12 @@ class LayerSensitivity:
 
 def ladder(config: VPTQConfig) -> list[tuple[int, int]]:
     """(vector_len, num_centroids) the plan may give a layer: vector lengths 2..config.vector_len + 2, every other
-    codebook size from ``config.num_centroids`` entries down to 16, and MIN_INDEX_BITS up to MAX_INDEX_BITS (or
-    ``LADDER_SPAN`` over the budget, when that is more) index bits per weight."""
+    codebook size from ``config.num_centroids`` entries down to 16, and index bits per weight from
+    ``LADDER_FLOOR`` under the budget (at least MIN_INDEX_BITS) up to MAX_INDEX_BITS or ``LADDER_SPAN`` over the
+    budget, whichever is more."""
     top = int(math.log2(config.num_centroids))
     budget = config.bits_budget or config.bits_per_index_weight
-    lo, hi = MIN_INDEX_BITS, max(MAX_INDEX_BITS, budget + LADDER_SPAN)
+    lo, hi = max(MIN_INDEX_BITS, budget - LADDER_FLOOR), max(MAX_INDEX_BITS, budget + LADDER_SPAN)
     steps = []
     for v in range(2, config.vector_len + 3):
         for b in range(top, 3, -2):  # every other codebook size: 4096, 1024, 256, ...
@@ -78,9 +83,17 @@ def layer_settings(config: VPTQConfig, vector_len: int, num_centroids: int) -> V
 
 
 def measure(model: nn.Module, windows: torch.Tensor, damp_percent: float, device: torch.device,
-            should_stop: Callable[[], bool] | None = None) -> dict[str, LayerSensitivity]:
+            should_stop: Callable[[], bool] | None = None, labels: str | None = None,
+            seed: int = 0) -> dict[str, LayerSensitivity]:
     """One forward + backward of ``model`` (the original, float32 on ``device``) over each window of ``windows``
-    [n, seq] with its own next-token loss: per block linear (full module name) its ``LayerSensitivity``."""
+    [n, seq], per block linear (full module name) its ``LayerSensitivity``. The loss: cross-entropy of each next
+    token (``labels`` "data", the gradient's Fisher is the empirical one) or of a token drawn from the model's own
+    next-token distribution at each position ("sampled", seeded: the Fisher of the model's own distribution, which
+    is what the KL to the original distillation minimises sees); default ``SENSITIVITY_LABELS``."""
+    labels = labels or SENSITIVITY_LABELS
+    if labels not in ("data", "sampled"):
+        raise ValueError(f"labels must be 'data' or 'sampled', got {labels!r}")
+    gen = torch.Generator().manual_seed(seed)
     should_stop = should_stop or (lambda: False)
     prefix = blocks_prefix(model)
     linears = {f"{prefix}.{b}.{n}": m for b, block in enumerate(decoder_blocks(model))
@@ -121,7 +134,14 @@ def measure(model: nn.Module, windows: torch.Tensor, damp_percent: float, device
             ids = windows[i : i + 1].to(device)
             with torch.enable_grad():
                 hidden = embed(ids).detach().requires_grad_(True)
-                loss = model(inputs_embeds=hidden, labels=ids).loss
+                logits = model(inputs_embeds=hidden).logits[0, :-1].float()
+                if labels == "data":
+                    targets = ids[0, 1:]
+                else:
+                    with torch.no_grad():
+                        probs = torch.softmax(logits, dim=-1).cpu()
+                        targets = torch.multinomial(probs, 1, generator=gen).squeeze(1).to(logits.device)
+                loss = torch.nn.functional.cross_entropy(logits, targets)
                 loss.backward()
             tokens += ids.shape[1]
     finally:
@@ -257,16 +277,24 @@ def allocate(sens: dict[str, LayerSensitivity], rho: dict, config: VPTQConfig, b
     return Plan(layers, used / total_weights, index, sum(hulls[n][at[n]][1] for n in hulls))
 
 
+def measured_windows(windows: torch.Tensor) -> torch.Tensor:
+    """The ``SENSITIVITY_WINDOWS`` windows the measurement runs on: spread evenly over ``windows`` (with
+    self-written calibration, text and self-written windows both)."""
+    n = windows.shape[0]
+    pick = torch.linspace(0, n - 1, min(SENSITIVITY_WINDOWS, n)).round().long().unique()
+    return windows[pick]
+
+
 def plan_config(model: nn.Module, windows: torch.Tensor, config: VPTQConfig, device: torch.device,
                 bits_of: Callable, should_stop: Callable[[], bool] | None = None) -> tuple[VPTQConfig, dict]:
-    """``config`` with its ``layer_plan`` for ``model`` (measured on the first ``SENSITIVITY_WINDOWS`` of
-    ``windows``), and metrics for the run's report: the plan's bits, how many layers got which settings, and
+    """``config`` with its ``layer_plan`` for ``model`` (measured on ``measured_windows(windows)``), and metrics
+    for the run's report: the plan's bits, how many layers got which settings, and
     the predicted loss increase of the plan and of the cap allocator's settings for the same budget."""
     from .allocate import resolve_budget
     from .vptq import layer_config  # imports this module
 
     t0 = time.perf_counter()
-    sens = measure(model, windows[:SENSITIVITY_WINDOWS], config.damp_percent, device, should_stop)
+    sens = measure(model, measured_windows(windows), config.damp_percent, device, should_stop, seed=config.seed)
     t1 = time.perf_counter()
     shapes = [(s.out_features, s.in_features) for s in sens.values()]
     capped = resolve_budget(dataclasses.replace(config, allocation="cap", layer_bits_cap=0.0), shapes)
