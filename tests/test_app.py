@@ -160,7 +160,8 @@ def gated(served, monkeypatch):
 def job_kwargs(**overrides) -> dict:
     kwargs = dict(model=TINY, custom_model="", method="vptq", vector_len=4, num_centroids=16, num_res_centroids=0,
                   outlier_percent=0, group_num=1, enable_norm=False, enable_perm=True, kmeans_iters=2,
-                  finetune_iters=0, bits_budget=0.0, layer_bits_cap=0.0, distill_iters=0, distill_data="calibration",
+                  finetune_iters=0, bits_budget=0.0, layer_bits_cap=0.0, allocation="cap", distill_iters=0,
+                  distill_data="calibration",
                   bits=2,
                   group_size=32, act_order=True,
                   rank=0, iters=5,
@@ -748,11 +749,15 @@ def test_settings_follow_the_model(served, tmp_path):
     assert small == form.SMALL_MODEL_VALUES
     info = model_info(TINY)
     two_bits = form.initial_values("2.5 bits")
-    # SmolLM2-sized: the 2.5-bit preset's budget cannot be met on 64-wide layers (the codebook alone costs more)
+    # SmolLM2-sized: the 2.5-bit budget cannot be met on 64-wide layers by capping the preset's codebook (the
+    # codebook alone costs more); the preset's own per-layer plan is bounded by its budget.
     with pytest.raises(ValueError, match="bits_budget 2.5 cannot be met on this model with vector_len 6, "
                                          "num_centroids 4096: the least it reaches is"):
-        estimate(info, "vptq", form.config_from("vptq", two_bits))
-    assert estimate(info, "vptq", form.config_from("vptq", {**two_bits, **small})).total_bits_per_weight < 2
+        estimate(info, "vptq", form.config_from("vptq", {**two_bits, "allocation": "cap"}))
+    planned = estimate(info, "vptq", form.config_from("vptq", two_bits))
+    assert planned.planned and planned.total_bits_per_weight == 2.5
+    assert estimate(info, "vptq", form.config_from("vptq", {**two_bits, **small, "allocation": "cap"})
+                    ).total_bits_per_weight < 2
     # A wider model (read from its config alone) gets the chosen preset back, or the 2-bit one after "custom".
     LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
                 num_key_value_heads=8, vocab_size=1000).save_pretrained(tmp_path / "wide")

@@ -135,7 +135,9 @@ def test_quantize_evaluate_download_reload_chat_in_the_browser(app, browser, pag
     url, workdir = app
     expect = playwright_api.expect
     ARTIFACTS.mkdir(exist_ok=True)
-    expect(page.locator("#estimate")).to_contain_text("index bits", timeout=60_000)
+    # The 2.5-bit preset plans each layer's bits at the start of the run: the estimate gives its bound.
+    expect(page.locator("#estimate")).to_contain_text("≤ 2.500 total bits", timeout=60_000)
+    expect(page.locator("#estimate")).to_contain_text("chosen by measured sensitivity")
     expect(page.locator("#estimate")).to_contain_text("14 linears in 2 blocks")
     expect(page.locator("#estimate")).to_contain_text("Takes ≈")  # the duration, before Start
     expect(page.locator("#vq-header")).to_contain_text("12 h after they finish")
@@ -156,8 +158,14 @@ def test_quantize_evaluate_download_reload_chat_in_the_browser(app, browser, pag
     assert _error_badges(page) == 0  # the refused settings marked no component with an error
 
     # A slower job (v2 k64, the preset's total-bits budget and per-layer bits cap off so the vectors stay that
-    # short), cancelled while it runs: the page reports it and stays usable.
+    # short), cancelled while it runs: the page reports it and stays usable. A budget of 0 leaves the
+    # sensitivity allocation nothing to spend: the estimate says so until the allocation is "cap".
     _set_number(page, "total bits budget (0 = off)", "0")
+    expect(page.locator("#estimate")).to_contain_text("bits allocation 'sensitivity' spends a total bits budget")
+    expect(page.locator("#start-btn")).to_be_disabled()
+    page.get_by_label("bits allocation (sensitivity = measured per layer)").click()
+    page.get_by_role("option", name="cap", exact=True).click()
+    expect(page.locator("#estimate")).to_contain_text("index bits")
     _set_number(page, "max total bits per layer (0 = off)", "0")
     _set_number(page, "centroids (power of 2)", "64")
     _set_number(page, "vector length", "2")
@@ -256,7 +264,7 @@ def test_quantize_evaluate_download_reload_chat_in_the_browser(app, browser, pag
     stranger = browser.new_context(viewport={"width": 1200, "height": 900})
     other = stranger.new_page()
     other.goto(url)
-    expect(other.locator("#estimate")).to_contain_text("index bits", timeout=60_000)
+    expect(other.locator("#estimate")).to_contain_text("total bits", timeout=60_000)
     assert job_id not in other.locator("#runs-table").inner_text()
     files = [p for p in (workdir / "jobs" / job_id).rglob("*") if p.is_file()]
     assert files

@@ -374,7 +374,8 @@ def test_distillation_trains_on_the_windows_its_data_setting_names(tiny_model, w
     heldout_before = _kl(qmodel, model, windows[-2:])
     steps = []
     cfg = dataclasses.replace(TINY, distill_iters=4, distill_lr=0.17, distill_norm_lr=3e-3, distill_holdout=0.25,
-                              distill_topk=259, train_dtype="float32", distill_data=data, distill_samples=6)
+                              distill_topk=259, train_dtype="float32", distill_data=data, distill_samples=6,
+                              sample_dtype="model")  # float32 sampling as above, on bf16 hardware too
     metrics = distill(qmodel, model, result.states, windows, cfg, on_step=lambda i, kl: steps.append(kl))
     assert metrics["heldout_windows"] == 2  # the last 2 calibration windows, never trained on, in every mode
     assert metrics["train_windows"] == {"calibration": 6, "sampled": 6, "mixed": 12}[data]
@@ -605,7 +606,8 @@ def test_sampled_calibration_replaces_the_last_block_stage_windows(tiny_model, w
     from vptq_core.quant.distill import CALIB_SAMPLE_ROWS, sampled_calibration, sampled_count
 
     model, _ = tiny_model
-    cfg = ScalarConfig(bits=3, group_size=16, calib_sampled_share=0.5, distill_iters=2, distill_holdout=0.25)
+    cfg = ScalarConfig(bits=3, group_size=16, calib_sampled_share=0.5, distill_iters=2, distill_holdout=0.25,
+                       sample_dtype="model")  # float32 as sample_windows below, on bf16 hardware too
     got = sampled_calibration(model, windows, cfg)  # 8 windows: 6 for the blocks (3 sampled), 2 held out
     assert torch.equal(got[:3], windows[:3]) and torch.equal(got[6:], windows[6:])
     assert torch.equal(got[3:6, 0], windows[3:6, 0]) and not torch.equal(got[3:6], windows[3:6])
@@ -675,7 +677,7 @@ def test_self_written_windows_need_no_teacher_pass(tiny_model, windows):
 
     model, _ = tiny_model
     cfg = ScalarConfig(bits=3, group_size=16, calib_sampled_share=0.5, distill_iters=3, distill_holdout=0.25,
-                       distill_topk=16, train_dtype="float32")
+                       distill_topk=16, train_dtype="float32", sample_dtype="model")
     ids, known = sampled_calibration(model, windows, cfg, topk=cfg.distill_topk)
     assert torch.equal(ids, sampled_calibration(model, windows, cfg)) and torch.equal(known["rows"],
                                                                                      torch.arange(3, 6))

@@ -11,8 +11,7 @@ from vptq_core.quant.blocks import block_linears, decoder_blocks
 from vptq_core.quant.config import VPTQConfig
 from vptq_core.quant.hessian import inverse_hessian_cholesky, prepare_hessian
 from vptq_core.quant.pipeline import quantize_model, total_linear_shapes
-from vptq_core.quant.sensitivity import (LayerSensitivity, allocate, ladder, layer_settings, measure,
-                                         measured_windows)
+from vptq_core.quant.sensitivity import LayerSensitivity, allocate, ladder, layer_settings, measure, measured_windows
 from vptq_core.quant.vptq import config_bits
 
 BASE = VPTQConfig(vector_len=4, num_centroids=256, kmeans_iters=2, outlier_percent=0.0)

@@ -40,6 +40,10 @@ def check_float(name: str, value, lo: float, hi: float, lo_open: bool = False) -
         raise ValueError(f"{name} must be in {bracket}{lo}, {hi}], got {value}")
 
 
+def _as_json(value):
+    return [_as_json(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+
 def check_bools(config, names: tuple[str, ...]) -> None:
     for name in names:
         if not isinstance(getattr(config, name), bool):
@@ -50,7 +54,8 @@ class ConfigBase:
     """``to_dict`` / ``from_dict`` for frozen config dataclasses (unknown keys are refused by name)."""
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The settings as JSON holds them (tuples as lists), so a dict read back from job.json compares equal."""
+        return {name: _as_json(value) for name, value in asdict(self).items()}
 
     @classmethod
     def from_dict(cls, data: dict):
@@ -216,7 +221,7 @@ class VPTQConfig(DistillSettings):
     # error, measured on the calibration windows before the first block (quant/sensitivity.py).
     allocation: str = "cap"
     # The per-layer settings a "sensitivity" run chose: ((full module name, vector_len, num_centroids), ...);
-    # filled by the run (stored in its config, so a resume quantizes the remaining layers the same way).
+    # filled by the run and kept in its recorded config (a config with a plan quantizes those layers so again).
     layer_plan: tuple = ()
     # Conjugate-gradient steps refitting every codebook of a layer after the sweep (indices fixed) on
     # tr(ΔW H ΔWᵀ); 0 = off. See quant/refit.py.

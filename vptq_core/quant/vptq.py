@@ -342,10 +342,11 @@ def _plan_hook(model, calib_ids, config, device, should_stop):
 # block). SmolLM2, CLI, this machine, 10 minutes, 16 windows: "2.5 bits" (2.4998 total) wiki / pydocs 2.152x / 2.240x
 # against 2.381x / 2.462x with the cap allocation below; "3.5 bits" (3.4998 total) 1.251x / 1.256x against 1.327x /
 # 1.330x with the per-layer cap of 3.5 (3.31 total) it had (README, "Bits where the loss feels them").
-# Before that, "2.5 bits" was a budget for the whole model (``bits_budget``: the loosest per-layer cap whose model total stays within it,
-# found for each model before its run; SmolLM2-135M: cap 3.014, 2.496 total bits, k/v and q/o at v5 k1024,
-# gate/up/down at v6 k4096). On the Zen 3 machine, CLI, same 10 minutes: wiki / pydocs 2.43x / 2.63x bf16 against
-# 2.69x / 2.90x with the per-layer cap of 2.5 it had before (2.37 total bits; README, "Spending the whole budget").
+# Before that, "2.5 bits" was a budget for the whole model (``bits_budget``: the loosest per-layer cap whose model
+# total stays within it, found for each model before its run; SmolLM2-135M: cap 3.014, 2.496 total bits, k/v and
+# q/o at v5 k1024, gate/up/down at v6 k4096). On the Zen 3 machine, CLI, same 10 minutes: wiki / pydocs 2.43x /
+# 2.63x bf16 against 2.69x / 2.90x with the per-layer cap of 2.5 it had before (2.37 total bits; README, "Spending
+# the whole budget").
 # "3.5 bits" and "4.5 bits" cap every layer (3.31 and 4.11 total on SmolLM2): "3.5 bits" at its budget's cap (3.44
 # total) was mixed, wiki 1.398x against 1.368x, pydocs 1.339x against 1.362x; where a layer's codebook is expensive it
 # gets a shorter vector at the same index bits. With the faster distillation step of the same round, "2.5 bits" ran 36
@@ -369,7 +370,8 @@ PRESETS = {
                  "layer_bits_cap": 0.0, "allocation": "sensitivity", "distill_iters": 48, "calib_sampled_share": 0.75,
                  **_PRESET_DISTILL},
     "3.5 bits": {"vector_len": 4, "num_centroids": 4096, "num_res_centroids": 0, "layer_bits_cap": 0.0,
-                 "bits_budget": 3.5, "allocation": "sensitivity", "distill_iters": 48, "calib_sampled_share": 0.75, **_PRESET_DISTILL},
+                 "bits_budget": 3.5, "allocation": "sensitivity", "distill_iters": 48, "calib_sampled_share": 0.75,
+                 **_PRESET_DISTILL},
     "4.5 bits": {"vector_len": 4, "num_centroids": 256, "num_res_centroids": 256, "layer_bits_cap": 4.5,
                  "bits_budget": 0.0, "allocation": "cap", **PRESET_OFF},
 }
