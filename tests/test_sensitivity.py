@@ -62,6 +62,25 @@ def test_measure_gives_each_linears_output_gradient_and_its_inputs_feedback(tiny
     perm = torch.argsort(torch.diag(Hd), descending=True, stable=True)
     U = inverse_hessian_cholesky(Hd[perm][:, perm])
     assert sens[name].feedback == pytest.approx(float((1 / torch.diag(U).double() ** 2).sum()) / tokens, rel=1e-4)
+    # every linear's feedback from its own inputs: linears share a Hessian only where they read the same tensor
+    # (q/k/v, gate/up), never because a freed activation's address came back for another input
+    stacked: dict[str, list[torch.Tensor]] = {}
+    hooks = [model.get_submodule(n).register_forward_hook(
+        lambda _m, args, _o, n=n: stacked.setdefault(n, []).append(args[0].detach().reshape(-1, args[0].shape[-1])))
+        for n in sens]
+    try:
+        with torch.no_grad():
+            for i in range(windows.shape[0]):
+                model(windows[i : i + 1])
+    finally:
+        for h in hooks:
+            h.remove()
+    for n, s in sens.items():
+        x = torch.cat(stacked[n])
+        _, Hd = prepare_hessian(model.get_submodule(n).weight.detach(), x.T @ x, 0.1)
+        perm = torch.argsort(torch.diag(Hd), descending=True, stable=True)
+        U = inverse_hessian_cholesky(Hd[perm][:, perm])
+        assert s.feedback == pytest.approx(float((1 / torch.diag(U).double() ** 2).sum()) / tokens, rel=1e-4), n
     s = sens[name]
     assert s.weight == pytest.approx(0.5 * s.grad_sq * s.out_features * s.weight_ms * s.feedback)
     assert s.weight_ms == pytest.approx(float(linear.weight.detach().double().pow(2).mean()))

@@ -46,6 +46,7 @@ LADDER_SPAN = 1.5  # ... and this far over the budget
 # at v8 k256) ended worse than the cap allocation after distillation, wiki 1.93x / pydocs 2.54x against 1.69x / 1.93x.
 LADDER_FLOOR = 1.0
 DISTORTION_ITERS = 3  # Lloyd iterations of the distortion table's fits
+SHARED_INPUT_LOOKBACK = 8  # linear inputs ``measure`` holds while finding the linears that read the same one
 
 
 @dataclasses.dataclass
@@ -100,17 +101,21 @@ def measure(model: nn.Module, windows: torch.Tensor, damp_percent: float, device
                for n, m in block_linears(block).items()}
     grad_sq = dict.fromkeys(linears, 0.0)
     hessians: dict[str, torch.Tensor] = {}  # first linear reading an input -> Σ x xᵀ
-    owner: dict[str, str] = {}  # linear -> the linear whose Hessian it shares
-    seen_inputs: dict[int, str] = {}  # data_ptr of this forward's inputs -> the first linear reading it
+    owner: dict[str, str] = {}  # linear -> the linear whose Hessian it shares (decided in the first window)
+    # The first window's most recent inputs, kept alive while they are compared: a freed activation's address
+    # can never pass for another input's (linears that share an input, q/k/v and gate/up, read it one after
+    # another; one found too late only gets a Hessian of its own, the same numbers computed twice).
+    recent: list[tuple[torch.Tensor, str]] = []
 
     def forward_hook(name: str):
         def hook(_module, args, out):
             x = args[0].detach()
-            key = x.data_ptr()
-            if key in seen_inputs:
-                owner[name] = seen_inputs[key]
-            else:
-                seen_inputs[key] = owner[name] = name
+            if name not in owner:
+                owner[name] = next((n for t, n in recent if t.data_ptr() == x.data_ptr() and t.shape == x.shape
+                                    and t.stride() == x.stride()), name)
+                recent.append((x, name))
+                del recent[:-SHARED_INPUT_LOOKBACK]
+            if owner[name] == name:
                 flat = x.reshape(-1, x.shape[-1]).float()
                 h = flat.T @ flat
                 hessians[name] = hessians[name] + h if name in hessians else h
@@ -130,7 +135,6 @@ def measure(model: nn.Module, windows: torch.Tensor, damp_percent: float, device
         for i in range(windows.shape[0]):
             if should_stop():
                 raise Cancelled
-            seen_inputs.clear()
             ids = windows[i : i + 1].to(device)
             with torch.enable_grad():
                 hidden = embed(ids).detach().requires_grad_(True)
@@ -144,7 +148,9 @@ def measure(model: nn.Module, windows: torch.Tensor, damp_percent: float, device
                 loss = torch.nn.functional.cross_entropy(logits, targets)
                 loss.backward()
             tokens += ids.shape[1]
+            recent.clear()
     finally:
+        recent.clear()
         for h in handles:
             h.remove()
         for p, flag in flags.items():
