@@ -339,9 +339,10 @@ def _plan_hook(model, calib_ids, config, device, should_stop):
 # Presets are named by TOTAL bits per weight (codebooks, outliers, permutation included) and hold on any model. "2.5
 # bits" and "3.5 bits" are budgets for the whole model, spent where the loss feels the error (``allocation``
 # "sensitivity", quant/sensitivity.py: each layer its own vector length and codebook size, measured before the first
-# block). SmolLM2, CLI, this machine, 10 minutes, 16 windows: "2.5 bits" (2.4998 total) wiki / pydocs 2.152x / 2.240x
-# against 2.381x / 2.462x with the cap allocation below; "3.5 bits" (3.4998 total) 1.251x / 1.256x against 1.327x /
-# 1.330x with the per-layer cap of 3.5 (3.31 total) it had (README, "Bits where the loss feels them").
+# block). SmolLM2, CLI, 16 windows, Zen 4 machine with AVX-512 BF16: "2.5 bits" (2.4999 total) wiki / pydocs 1.94x /
+# 1.92x against 2.42x / 2.26x with the cap allocation below, 6:27 wall; "3.5 bits" (3.4998 total) 1.236x / 1.225x
+# against 1.366x / 1.330x with the per-layer cap of 3.5 (3.31 total) it had; a 3.6 budget 1.213x / 1.192x (README,
+# "Bits where the loss feels them").
 # Before that, "2.5 bits" was a budget for the whole model (``bits_budget``: the loosest per-layer cap whose model
 # total stays within it, found for each model before its run; SmolLM2-135M: cap 3.014, 2.496 total bits, k/v and
 # q/o at v5 k1024, gate/up/down at v6 k4096). On the Zen 3 machine, CLI, same 10 minutes: wiki / pydocs 2.43x /
