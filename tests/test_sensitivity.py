@@ -31,6 +31,14 @@ def test_ladder_spans_the_index_bits_with_codebooks_up_to_the_configs():
     assert max((k.bit_length() - 1) / v for v, k in high) == 5.0  # v2 k1024
 
 
+def _feedback(linear, x: torch.Tensor, tokens: int) -> float:
+    """Σ_j 1/U_jj² per token from the inputs ``x`` [tokens, in], the plain way (damping 0.1, diagonal order)."""
+    _, Hd = prepare_hessian(linear.weight.detach(), x.T @ x, 0.1)
+    perm = torch.argsort(torch.diag(Hd), descending=True, stable=True)
+    U = inverse_hessian_cholesky(Hd[perm][:, perm])
+    return float((1 / torch.diag(U).double() ** 2).sum()) / tokens
+
+
 def test_measure_gives_each_linears_output_gradient_and_its_inputs_feedback(tiny_model, calib_ids):
     model, _ = tiny_model
     windows = calib_ids[:2]
@@ -57,11 +65,7 @@ def test_measure_gives_each_linears_output_gradient_and_its_inputs_feedback(tiny
     tokens = windows.numel()
     g = torch.cat(grads)
     assert sens[name].grad_sq == pytest.approx(float(g.pow(2).sum()) / (tokens * linear.out_features), rel=1e-5)
-    x = torch.cat(inputs)
-    _, Hd = prepare_hessian(linear.weight.detach(), x.T @ x, 0.1)
-    perm = torch.argsort(torch.diag(Hd), descending=True, stable=True)
-    U = inverse_hessian_cholesky(Hd[perm][:, perm])
-    assert sens[name].feedback == pytest.approx(float((1 / torch.diag(U).double() ** 2).sum()) / tokens, rel=1e-4)
+    assert sens[name].feedback == pytest.approx(_feedback(linear, torch.cat(inputs), tokens), rel=1e-4)
     # every linear's feedback from its own inputs: linears share a Hessian only where they read the same tensor
     # (q/k/v, gate/up), never because a freed activation's address came back for another input
     stacked: dict[str, list[torch.Tensor]] = {}
@@ -76,11 +80,8 @@ def test_measure_gives_each_linears_output_gradient_and_its_inputs_feedback(tiny
         for h in hooks:
             h.remove()
     for n, s in sens.items():
-        x = torch.cat(stacked[n])
-        _, Hd = prepare_hessian(model.get_submodule(n).weight.detach(), x.T @ x, 0.1)
-        perm = torch.argsort(torch.diag(Hd), descending=True, stable=True)
-        U = inverse_hessian_cholesky(Hd[perm][:, perm])
-        assert s.feedback == pytest.approx(float((1 / torch.diag(U).double() ** 2).sum()) / tokens, rel=1e-4), n
+        assert s.feedback == pytest.approx(_feedback(model.get_submodule(n), torch.cat(stacked[n]), tokens),
+                                           rel=1e-4), n
     s = sens[name]
     assert s.weight == pytest.approx(0.5 * s.grad_sq * s.out_features * s.weight_ms * s.feedback)
     assert s.weight_ms == pytest.approx(float(linear.weight.detach().double().pow(2).mean()))

@@ -27,6 +27,31 @@ def single_thread_torch():
         torch.set_num_threads(before)
 
 
+class SharedInputs:
+    """Which linears read the very same input tensor (q/k/v, gate/up), so that they share one Hessian. The inputs
+    compared are held (the last ``lookback`` of them, or all with 0) until ``release``: a freed activation's
+    address can never pass for another input's. A sharer found only after its input left the lookback gets a
+    Hessian of its own: the same numbers, computed twice."""
+
+    def __init__(self, lookback: int = 0):
+        self.lookback = lookback
+        self.owner: dict[str, str] = {}  # linear -> the first linear that read its input
+        self._held: list[tuple[torch.Tensor, str]] = []
+
+    def owner_of(self, name: str, x: torch.Tensor) -> str:
+        """The linear whose Hessian ``name`` (reading ``x``) shares; decided at its first input, kept after."""
+        if name not in self.owner:
+            self.owner[name] = next((n for t, n in self._held if t.data_ptr() == x.data_ptr()
+                                     and t.shape == x.shape and t.stride() == x.stride()), name)
+            self._held.append((x, name))
+            if self.lookback:
+                del self._held[: -self.lookback]
+        return self.owner[name]
+
+    def release(self) -> None:
+        self._held.clear()
+
+
 class HessianAccumulator:
     """Accumulates ``H = 2/n · Σ xᵀx`` over batches of inputs ``x`` [..., in_features] (float32 sums)."""
 

@@ -23,7 +23,7 @@ from .blocks import block_linears, blocks_prefix, check_linear_shapes, decoder_b
 from .device import return_freed_memory
 from .distill import sampled_calibration
 from .finetune import layerwise_count
-from .hessian import HessianAccumulator
+from .hessian import HessianAccumulator, SharedInputs
 from .methods import BlockContext, Cancelled, Method, ModelContext, QuantResult
 from .source import BlockWeights
 from .timing import Timings
@@ -647,22 +647,14 @@ def _publisher(ctx: BlockContext, on_layer: OnLayer) -> Callable[..., LayerRepor
 def _pass_a(block: nn.Module, linears: dict, inps: torch.Tensor, kwargs: dict):
     """Run the original block: Hessians per distinct linear input, and the outputs (targets)."""
     accumulators: dict[str, HessianAccumulator] = {}
-    owner: dict[str, str] = {}
-    # Linears fed the very same tensor share one Hessian. The first batch's inputs are kept alive while
-    # grouping, so a freed activation's address can never be mistaken for another input's.
-    first_inputs: list[tuple[torch.Tensor, str]] = []
+    groups = SharedInputs()  # linears fed the very same tensor share one Hessian (the block's inputs held)
 
     def make_hook(name: str):
         def hook(_m, args, _out):
             x = args[0]
-            if name not in owner:
-                same = next((n for t, n in first_inputs if t.data_ptr() == x.data_ptr() and t.shape == x.shape
-                             and t.stride() == x.stride()), None)
-                owner[name] = same or name
-                first_inputs.append((x, name))
-                if owner[name] == name:
+            if groups.owner_of(name, x) == name:
+                if name not in accumulators:
                     accumulators[name] = HessianAccumulator(x.shape[-1], device=x.device)
-            if owner[name] == name:
                 accumulators[name].add_batch(x[:, HESSIAN_SKIP_TOKENS:])
 
         return hook
@@ -673,9 +665,9 @@ def _pass_a(block: nn.Module, linears: dict, inps: torch.Tensor, kwargs: dict):
     finally:
         for h in handles:
             h.remove()
-        first_inputs.clear()
+        groups.release()
     shared = {n: acc.hessian for n, acc in accumulators.items()}  # one tensor per distinct input
-    hessians = {n: shared[owner[n]] for n in linears}
+    hessians = {n: shared[groups.owner[n]] for n in linears}
     return hessians, targets
 
 

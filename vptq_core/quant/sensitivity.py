@@ -34,7 +34,7 @@ from torch import nn
 
 from .blocks import block_linears, blocks_prefix, decoder_blocks
 from .config import VPTQConfig
-from .hessian import inverse_hessian_cholesky, prepare_hessian
+from .hessian import SharedInputs, inverse_hessian_cholesky, prepare_hessian
 from .kmeans import nearest, weighted_kmeans
 from .methods import Cancelled
 
@@ -101,21 +101,14 @@ def measure(model: nn.Module, windows: torch.Tensor, damp_percent: float, device
                for n, m in block_linears(block).items()}
     grad_sq = dict.fromkeys(linears, 0.0)
     hessians: dict[str, torch.Tensor] = {}  # first linear reading an input -> Σ x xᵀ
-    owner: dict[str, str] = {}  # linear -> the linear whose Hessian it shares (decided in the first window)
-    # The first window's most recent inputs, kept alive while they are compared: a freed activation's address
-    # can never pass for another input's (linears that share an input, q/k/v and gate/up, read it one after
-    # another; one found too late only gets a Hessian of its own, the same numbers computed twice).
-    recent: list[tuple[torch.Tensor, str]] = []
+    # linears that share an input (q/k/v, gate/up) read it one after another: decided in the first window,
+    # holding only the last few inputs of the whole model's forward
+    groups = SharedInputs(SHARED_INPUT_LOOKBACK)
 
     def forward_hook(name: str):
         def hook(_module, args, out):
             x = args[0].detach()
-            if name not in owner:
-                owner[name] = next((n for t, n in recent if t.data_ptr() == x.data_ptr() and t.shape == x.shape
-                                    and t.stride() == x.stride()), name)
-                recent.append((x, name))
-                del recent[:-SHARED_INPUT_LOOKBACK]
-            if owner[name] == name:
+            if groups.owner_of(name, x) == name:
                 flat = x.reshape(-1, x.shape[-1]).float()
                 h = flat.T @ flat
                 hessians[name] = hessians[name] + h if name in hessians else h
@@ -148,9 +141,9 @@ def measure(model: nn.Module, windows: torch.Tensor, damp_percent: float, device
                 loss = torch.nn.functional.cross_entropy(logits, targets)
                 loss.backward()
             tokens += ids.shape[1]
-            recent.clear()
+            groups.release()  # every linear's owner is known after the first window
     finally:
-        recent.clear()
+        groups.release()
         for h in handles:
             h.remove()
         for p, flag in flags.items():
@@ -159,7 +152,7 @@ def measure(model: nn.Module, windows: torch.Tensor, damp_percent: float, device
     feedback: dict[str, float] = {}
     out = {}
     for name, linear in linears.items():
-        key = owner[name]
+        key = groups.owner[name]
         W = linear.weight.detach().float()
         if key not in feedback:
             _, Hd = prepare_hessian(W, hessians[key], damp_percent)
