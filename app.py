@@ -142,6 +142,7 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                                     fields["enable_perm"] = gr.Checkbox(
                                         initial["enable_perm"], label=labels["enable_perm"] + " (Hessian order)")
                                     fields["finetune_iters"] = number("finetune_iters")
+                                    fields["refit_iters"] = number("refit_iters", " (after the sweep; 0 = off)")
                                 with gr.Row():
                                     fields["bits_budget"] = number("bits_budget", " (0 = off)", integer=False)
                                     fields["layer_bits_cap"] = number("layer_bits_cap", " (0 = off)", integer=False)
@@ -150,8 +151,8 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                                         label=labels["allocation"] + " (sensitivity = measured per layer)")
                             groups[vptq_group] = ("vector_len", "num_centroids", "num_res_centroids",
                                                   "outlier_percent", "group_num", "kmeans_iters", "enable_norm",
-                                                  "enable_perm", "finetune_iters", "bits_budget", "layer_bits_cap",
-                                                  "allocation")
+                                                  "enable_perm", "finetune_iters", "refit_iters", "bits_budget",
+                                                  "layer_bits_cap", "allocation")
                             with gr.Group() as scalar_group, gr.Row():
                                 fields["bits"] = number("bits")
                                 fields["group_size"] = number("group_size", " (0 = per channel)")
@@ -173,11 +174,13 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                                     label=labels["distill_data"] + " (sampled = text the original writes)")
                                 fields["distill_samples"] = number("distill_samples", " (sampled / mixed data)")
                                 fields["distill_eval_every"] = number("distill_eval_every", " (steps; 0 = quarter)")
+                                fields["distill_lr"] = number(
+                                    "distill_lr", " (VPTQ: × the codebooks' RMS)", integer=False)
                                 fields["time_budget"] = number(
                                     "time_budget", " (s for the whole run, distillation fits in; 0 = none)",
                                     integer=False)
                             groups[distill_group] = ("distill_iters", "distill_data", "distill_samples",
-                                                     "distill_eval_every", "time_budget")
+                                                     "distill_eval_every", "distill_lr", "time_budget")
                             for group, keys in groups.items():
                                 group.visible = form.uses(method.value, keys)
                             gr.Markdown("**Calibration**")

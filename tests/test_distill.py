@@ -466,13 +466,13 @@ def test_presets_distil_models_up_to_the_size_limit(tmp_path, capsys):
     from vptq_core.quant.vptq import PRESETS
 
     preset = PRESETS["2.5 bits"]
-    assert preset["distill_iters"] == 48
+    assert preset["distill_iters"] == 80
     assert sized_preset(preset, 135_000_000) == (preset, "")
     kept, note = sized_preset(preset, PRESET_DISTILL_MAX_PARAMS + 1)
     assert kept == {**preset, "distill_iters": 0, "calib_sampled_share": 0.0}
-    assert "48 distillation steps and its self-written calibration windows" in note and "are left out" in note
+    assert "80 distillation steps and its self-written calibration windows" in note and "are left out" in note
     kept, note = sized_preset({**preset, "calib_sampled_share": 0.0}, PRESET_DISTILL_MAX_PARAMS + 1)
-    assert kept["distill_iters"] == 0 and "the preset's 48 distillation steps are left out" in note
+    assert kept["distill_iters"] == 0 and "the preset's 80 distillation steps are left out" in note
     # the CLI sizes the preset from the model's config alone, and an explicit flag still wins
     LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=32, vocab_size=32000).save_pretrained(tmp_path / "big")
@@ -488,7 +488,7 @@ def test_presets_distil_models_up_to_the_size_limit(tmp_path, capsys):
     args = build_parser().parse_args(["quantize", "--method", "vptq", "--model", "smollm2-135m-instruct",
                                       "--preset", "2.5",
                                       "--out", str(tmp_path / "o")])
-    assert method_config_from_args(args).distill_iters == 48
+    assert method_config_from_args(args).distill_iters == 80
 
 
 SCALAR_CASES = [
@@ -583,10 +583,11 @@ def test_every_method_takes_the_distillation_settings(tmp_path):
     for m in methods.all_methods():
         assert "distill" in [h.phase for h in m.after_model]
         assert form.uses(m.name, ["distill_iters", "distill_data"])
-        # every preset names its distillation steps, and one that distils every distillation field of the form:
-        # picking it never keeps another preset's
+        # every preset names its distillation steps and step size, and one that distils every distillation field
+        # of the form: picking it never keeps another preset's (or another method's step size)
         for preset in m.presets.values():
-            assert {"distill_iters", "calib_sampled_share", "time_budget"} <= set(preset)
+            assert {"distill_iters", "calib_sampled_share", "time_budget", "distill_lr"} <= set(preset)
+            assert preset["distill_lr"] == m.make_config().distill_lr or preset["distill_iters"]
             if preset["distill_iters"]:
                 assert {"distill_data", "distill_samples", "distill_eval_every"} <= set(preset)
         args = build_parser().parse_args(["quantize", "--method", m.name, "--model", "tiny-random-llama",

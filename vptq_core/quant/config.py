@@ -86,6 +86,9 @@ DISTILL_LR = 2.5e-3  # VPTQ codebooks: a step of this times the model's median c
 # The settings of DistillSettings every preset names (these values: off), so that picking a preset never keeps
 # another preset's distillation, self-written calibration or time budget.
 PRESET_OFF = {"distill_iters": 0, "calib_sampled_share": 0.0, "time_budget": 0.0}
+# Every preset names its distillation step too: the app's form has one "distillation lr" field for all methods, so
+# picking a preset never keeps another method's or another preset's step.
+SCALAR_PRESET_OFF = {**PRESET_OFF, "distill_lr": SCALAR_DISTILL_LR}
 
 
 @dataclass(frozen=True)

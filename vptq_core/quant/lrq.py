@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .act_quant import ACTIVATION_HOOK, calibrate_static_scales, quantize_activations
-from .config import PRESET_OFF, LRQConfig
+from .config import SCALAR_PRESET_OFF, LRQConfig
 from .distill import DISTILL_HOOK
 from .hessian import proxy_loss, single_thread_torch
 from .methods import BlockContext, Cancelled, Method, QuantResult, register
@@ -464,9 +464,9 @@ def _quantize_block(ctx: BlockContext) -> None:
 # per-channel grids work (SmolLM2 W3A16: ppl 71.7 vs RTN per-channel 597).
 # Named by total bits per weight, an upper bound: per-channel grids add 32 bits per output row (3.06 and
 # 4.06 total on SmolLM2).
-PRESETS = {"2.5 bits": {"bits": 2, "group_size": 64, **PRESET_OFF},
-           "3.5 bits": {"bits": 3, "group_size": 0, **PRESET_OFF},
-           "4.5 bits": {"bits": 4, "group_size": 0, **PRESET_OFF}}
+PRESETS = {"2.5 bits": {"bits": 2, "group_size": 64, **SCALAR_PRESET_OFF},
+           "3.5 bits": {"bits": 3, "group_size": 0, **SCALAR_PRESET_OFF},
+           "4.5 bits": {"bits": 4, "group_size": 0, **SCALAR_PRESET_OFF}}
 
 METHOD = register(Method(
     name="lrq", label="LRQ", config_class=LRQConfig, bits=scalar_config_bits, describe=describe_scalar,

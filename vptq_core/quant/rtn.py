@@ -10,7 +10,7 @@ import torch
 
 from .act_quant import ACTIVATION_HOOK
 from .bits import BitsInfo, scalar_bits
-from .config import PRESET_OFF, ScalarConfig
+from .config import SCALAR_PRESET_OFF, ScalarConfig
 from .distill import DISTILL_HOOK, distill_label
 from .hessian import proxy_loss
 from .methods import Method, QuantResult, register
@@ -137,9 +137,9 @@ def describe_scalar(settings) -> str:
 # Named by total bits per weight: group 64 adds a 16-bit scale and zero point per 64 weights (0.5 bits). Every
 # preset names its distillation steps and self-written calibration share (here none), so picking it never keeps
 # another method's.
-SCALAR_PRESETS = {"2.5 bits": {"bits": 2, "group_size": 64, **PRESET_OFF},
-                  "3.5 bits": {"bits": 3, "group_size": 64, **PRESET_OFF},
-                  "4.5 bits": {"bits": 4, "group_size": 64, **PRESET_OFF}}
+SCALAR_PRESETS = {"2.5 bits": {"bits": 2, "group_size": 64, **SCALAR_PRESET_OFF},
+                  "3.5 bits": {"bits": 3, "group_size": 64, **SCALAR_PRESET_OFF},
+                  "4.5 bits": {"bits": 4, "group_size": 64, **SCALAR_PRESET_OFF}}
 
 METHOD = register(Method(
     name="rtn", label="RTN", config_class=ScalarConfig, bits=scalar_config_bits, describe=describe_scalar,

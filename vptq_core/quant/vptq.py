@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .bits import BitsInfo, vq_bits
-from .config import PRESET_OFF, VPTQConfig
+from .config import DISTILL_LR, PRESET_OFF, VPTQConfig
 from .distill import DISTILL_HOOK, distill_label
 from .finetune import finetune_block_centroids
 from .hessian import inverse_hessian_cholesky, prepare_hessian, proxy_loss
@@ -342,7 +342,9 @@ def _plan_hook(model, calib_ids, config, device, should_stop):
 # block). SmolLM2, CLI, 16 windows, Zen 4 machine with AVX-512 BF16: "2.5 bits" (2.4999 total) wiki / pydocs 1.94x /
 # 1.92x against 2.42x / 2.26x with the cap allocation below, 6:27 wall; "3.5 bits" (3.4998 total) 1.236x / 1.225x
 # against 1.366x / 1.330x with the per-layer cap of 3.5 (3.31 total) it had; a 3.6 budget 1.213x / 1.192x (README,
-# "Bits where the loss feels them").
+# "Bits where the loss feels them"). Since: "2.5 bits" takes 80 steps (1.891x / 1.889x in 8:21) and "3.5 bits" half the
+# distillation step (DISTILL_LR_3BIT: 1.233x / 1.213x in 6:37; a 3.6 budget 1.219x / 1.188x; README, "The step size at
+# 3.5 bits"); 80 steps at 3.5 bits gave nothing (1.247x / 1.235x), nor did the codebook refit after distillation.
 # Before that, "2.5 bits" was a budget for the whole model (``bits_budget``: the loosest per-layer cap whose model
 # total stays within it, found for each model before its run; SmolLM2-135M: cap 3.014, 2.496 total bits, k/v and
 # q/o at v5 k1024, gate/up/down at v6 k4096). On the Zen 3 machine, CLI, same 10 minutes: wiki / pydocs 2.43x /
@@ -364,17 +366,22 @@ def _plan_hook(model, calib_ids, config, device, should_stop):
 # slower machine distillation runs fewer steps instead of running late (an AVX2-only Zen 3 took 1076 s for the
 # "2.5 bits" recipe without it).
 PRESET_TIME_BUDGET = 570.0
+# At 3.5 bits the step that suits 2.5 bits overshoots: from one cached "3.5 bits" quantization (SmolLM2, 48 steps,
+# bench/distill_variants.py --row preset-3.5, 16 windows per text) lr 5e-3 never improved the held-out check (step 0
+# kept: 1.33x / 1.28x), 2.5e-3 gave 1.236x / 1.226x, 1.25e-3 1.234x / 1.212x (KL 0.268 / 0.225 against 0.279 /
+# 0.239) and 6.25e-4 1.247x / 1.218x.
+DISTILL_LR_3BIT = 1.25e-3
 _PRESET_DISTILL = {"distill_data": "calibration", "distill_samples": 16, "distill_eval_every": 8,
                    "time_budget": PRESET_TIME_BUDGET}
 PRESETS = {
     "2.5 bits": {"vector_len": 6, "num_centroids": 4096, "num_res_centroids": 0, "bits_budget": 2.5,
-                 "layer_bits_cap": 0.0, "allocation": "sensitivity", "distill_iters": 48, "calib_sampled_share": 0.75,
-                 **_PRESET_DISTILL},
+                 "layer_bits_cap": 0.0, "allocation": "sensitivity", "refit_iters": 0, "distill_iters": 80,
+                 "distill_lr": DISTILL_LR, "calib_sampled_share": 0.75, **_PRESET_DISTILL},
     "3.5 bits": {"vector_len": 4, "num_centroids": 4096, "num_res_centroids": 0, "layer_bits_cap": 0.0,
-                 "bits_budget": 3.5, "allocation": "sensitivity", "distill_iters": 48, "calib_sampled_share": 0.75,
-                 **_PRESET_DISTILL},
+                 "bits_budget": 3.5, "allocation": "sensitivity", "refit_iters": 0, "distill_iters": 48,
+                 "distill_lr": DISTILL_LR_3BIT, "calib_sampled_share": 0.75, **_PRESET_DISTILL},
     "4.5 bits": {"vector_len": 4, "num_centroids": 256, "num_res_centroids": 256, "layer_bits_cap": 4.5,
-                 "bits_budget": 0.0, "allocation": "cap", **PRESET_OFF},
+                 "bits_budget": 0.0, "allocation": "cap", "refit_iters": 0, "distill_lr": DISTILL_LR, **PRESET_OFF},
 }
 
 METHOD = register(Method(
