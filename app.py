@@ -141,6 +141,7 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                                                                         label=labels["enable_norm"])
                                     fields["enable_perm"] = gr.Checkbox(
                                         initial["enable_perm"], label=labels["enable_perm"] + " (Hessian order)")
+                                with gr.Row():
                                     fields["finetune_iters"] = number("finetune_iters")
                                     fields["refit_iters"] = number("refit_iters", " (after the sweep; 0 = off)")
                                 with gr.Row():

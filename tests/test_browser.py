@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from vptq_core.quant.config import DISTILL_LR
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
                  "--no-first-run", "--disable-component-update", "--disable-sync"]
@@ -155,6 +157,15 @@ def test_quantize_evaluate_download_reload_chat_in_the_browser(app, browser, pag
     expect(page.locator("#start-btn")).to_be_disabled()
     _set_number(page, "seed (0..2^64 - 1)", "0")
     expect(page.locator("#start-btn")).to_be_enabled()
+    # The distillation step is a field the preset fills in, refused out of range in the form's words.
+    lr_label = "distillation lr (VPTQ: × the codebooks' RMS)"
+    assert float(page.get_by_label(lr_label, exact=True).input_value()) == DISTILL_LR
+    _set_number(page, lr_label, "2")
+    expect(page.locator("#estimate")).to_contain_text("distillation lr must be in [0.0, 1.0], got 2")
+    expect(page.locator("#start-btn")).to_be_disabled()
+    _set_number(page, lr_label, str(DISTILL_LR))
+    expect(page.locator("#start-btn")).to_be_enabled()
+    expect(page.get_by_label("codebook refit steps (after the sweep; 0 = off)", exact=True)).to_have_value("0")
     assert _error_badges(page) == 0  # the refused settings marked no component with an error
 
     # A slower job (v2 k64, the preset's total-bits budget and per-layer bits cap off so the vectors stay that
