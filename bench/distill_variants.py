@@ -172,7 +172,9 @@ def main() -> None:
         metrics = {}
         if name != "none":
             with torch.enable_grad():
-                metrics = distill(qmodel, model, own, calib, cfg, known_teacher=known)
+                # the written windows' teacher was kept at the row's top-k: another top-k takes its own teacher pass
+                fits = known is not None and known["logp"].shape[-1] == cfg.distill_topk
+                metrics = distill(qmodel, model, own, calib, cfg, known_teacher=known if fits else None)
         rec = {"model": args.model, "row": args.row, "variant": name, "overrides": overrides, "config": cfg.to_dict(),
                "quant": meta, "distill": metrics, "scores": scores(qmodel), "load": os.getloadavg(),
                "threads": args.threads, "calib_samples": args.calib_samples, "windows": args.windows}
