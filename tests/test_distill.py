@@ -670,6 +670,40 @@ def test_self_written_windows_stay_text_when_too_slow_for_the_time_budget(tiny_m
     assert est.time_estimate(small, preset, 32, 512) != est.time_estimate(small, text, 32, 512)
 
 
+def test_writing_projection_allows_for_tokens_growing_dearer_along_the_window():
+    """Tokens cost more further along the window. The early decisions (PROJECT_AFTER polls and the doublings) use
+    the mean cost so far, a lower bound of the total; the one at a quarter of the first window fits the growth and
+    projects the total closely, also under timing noise; after it there is no decision (nothing thrown away)."""
+    from vptq_core.quant.distill import PROJECT_AFTER, WritingProjection
+
+    a, b, per_batch, setup, warm = 0.01, 4e-4, 511, 0.05, 0.5
+
+    def run(batches: int, noise: float = 0.0) -> tuple[dict[int, float], float]:
+        gen = torch.Generator().manual_seed(0)
+        projection, now, got = WritingProjection(per_batch, batches, start=0.0), setup, {}
+        for k in range(1, per_batch * batches + 1):
+            projected = projection.poll(now)
+            if projected is not None:
+                got[k] = projected
+            pos = (k - 1) % per_batch
+            jitter = 1 + noise * float(torch.randn((), generator=gen))
+            now += (a + b * pos) * jitter + (warm if k == 1 else 0.0)
+        return got, now
+
+    for batches in (1, 3):
+        got, total = run(batches)
+        final = per_batch // 4
+        assert sorted(got) == [PROJECT_AFTER, 2 * PROJECT_AFTER, 4 * PROJECT_AFTER, final]
+        assert got[final] == pytest.approx(total, rel=0.01)
+        # the early ones are lower bounds: the growth is still ahead (the first one is less than half the total)
+        assert all(got[k] < total for k in got if k != final) and got[PROJECT_AFTER] < 0.5 * total
+    noisy, total = run(1, noise=0.3)
+    assert noisy[per_batch // 4] == pytest.approx(total, rel=0.1)
+    # a writing too short to reach a decision is never stopped by one
+    tiny = WritingProjection(8, 1, start=0.0)
+    assert all(tiny.poll(float(k)) is None for k in range(8))
+
+
 def test_self_written_windows_need_no_teacher_pass(tiny_model, windows):
     """The top-k the sampling computed for the windows the original wrote is its teacher pass on them (fp32
     tolerance: the KV-cache decode vs one forward); distillation handed it runs the teacher on the other windows

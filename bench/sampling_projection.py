@@ -1,0 +1,72 @@
+"""How the writing of self-written calibration windows is projected under a time budget.
+
+Protocol: a bundled model, 32 wiki calibration windows x 512 tokens (seed 0), the "2.5 bits" preset's settings
+(the windows it writes: 21 of them, one batch), ``--threads`` threads. The original model writes the windows as
+``distill.sampled_calibration`` does, with ``--budget`` as the run's ``time_budget``; every poll's time is
+recorded and ``distill.WritingProjection``'s decisions are printed: the poll, the seconds so far, the projection,
+and whether it stopped the writing. With a budget too large to stop anything the whole writing runs, so the
+printed total is the true one and the cost per token along the window is shown by chunks of 64 tokens.
+
+    python bench/sampling_projection.py --model gemma3-270m                 # the preset's 570 s
+    python bench/sampling_projection.py --model gemma3-270m --budget 1e6    # the whole writing
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vptq_core.data import calibration_windows  # noqa: E402
+from vptq_core.models import load_model  # noqa: E402
+from vptq_core.quant import distill as D  # noqa: E402
+from vptq_core.quant.config import VPTQConfig  # noqa: E402
+from vptq_core.quant.vptq import PRESETS  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--budget", type=float, default=PRESETS["2.5 bits"]["time_budget"])
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model)
+    calib = calibration_windows(tok, "wiki", 32, 512, seed=0)
+    config = VPTQConfig(**{**PRESETS["2.5 bits"], "time_budget": args.budget})
+    times, decisions = [], []
+    poll = D.WritingProjection.poll
+
+    def recording(self, now):
+        times.append(now - self.start)
+        got = poll(self, now)
+        if got is not None:
+            decisions.append((len(times), now - self.start, got))
+        return got
+
+    D.WritingProjection.poll = recording
+    info: dict = {}
+    t0 = time.perf_counter()
+    D.sampled_calibration(model, calib, config, topk=config.distill_topk, info=info)
+    seconds = time.perf_counter() - t0
+    limit = D.SAMPLING_BUDGET_SHARE * args.budget
+    print(f"{args.model}: {D.written_rows(32, config).numel()} windows, time budget {args.budget:g} s "
+          f"(writing limit {limit:g} s), {args.threads} threads")
+    print("| poll | seconds so far | projected total s | decision |")
+    print("|---|---|---|---|")
+    for k, at, projected in decisions:
+        print(f"| {k} | {at:.1f} | {projected:.1f} | {'stop' if projected > limit else 'go on'} |")
+    print(f"writing took {seconds:.1f} s; {'stopped: ' + info['reason'] if info else 'all windows written'}")
+    cost = [b - a for a, b in zip(times, times[1:])]
+    if not info and cost:
+        chunks = [sum(cost[i:i + 64]) / len(cost[i:i + 64]) for i in range(0, len(cost), 64)]
+        print("seconds per token by chunks of 64 tokens: " + " ".join(f"{c:.3f}" for c in chunks))
+
+
+if __name__ == "__main__":
+    main()
