@@ -345,6 +345,8 @@ def _plan_hook(model, calib_ids, config, device, should_stop):
 # "Bits where the loss feels them"). Since: "2.5 bits" takes 80 steps (1.891x / 1.889x in 8:21) and "3.5 bits" half the
 # distillation step (DISTILL_LR_3BIT: 1.233x / 1.213x in 6:37; a 3.6 budget 1.219x / 1.188x; README, "The step size at
 # 3.5 bits"); 80 steps at 3.5 bits gave nothing (1.247x / 1.235x), nor did the codebook refit after distillation.
+# "3.5 bits" with seed 1: 1.235x / 1.202x. Outlier codebooks of 64 entries instead of 256 cost 9% there, 512 gain
+# nothing, unsorted columns cost 3% (README, "What else was tried at 3.5 bits").
 # Before that, "2.5 bits" was a budget for the whole model (``bits_budget``: the loosest per-layer cap whose model
 # total stays within it, found for each model before its run; SmolLM2-135M: cap 3.014, 2.496 total bits, k/v and
 # q/o at v5 k1024, gate/up/down at v6 k4096). On the Zen 3 machine, CLI, same 10 minutes: wiki / pydocs 2.43x /
