@@ -165,11 +165,11 @@ def written_rows(n: int, config) -> torch.Tensor:
     return torch.arange(stage - sampled_count(stage, config), stage)
 
 
-# Under a ``time_budget`` the windows the original writes itself may take at most this share of it, projected from
-# the first PROJECT_AFTER tokens drawn; over it they stay text. On the AVX2-only Zen 3 machine Gemma-3-270M's 24
-# windows (a 262 144-token vocabulary) took 165 s of the "2.5 bits" preset's 570 and left 8 distillation steps that
-# did not help: wiki / pydocs 6.26x / 4.17x bf16, against 1.70x / 1.93x with text windows and 19 steps; SmolLM2's
-# took 69 s there (README, "On a slower machine").
+# Under a ``time_budget`` the windows the original writes itself may take at most this share of it, as
+# ``WritingProjection`` projects it from the tokens drawn so far; over it they stay text. On the AVX2-only Zen 3
+# machine Gemma-3-270M's 24 windows (a 262 144-token vocabulary) took 165 s of the "2.5 bits" preset's 570 and left
+# 8 distillation steps that did not help: wiki / pydocs 6.26x / 4.17x bf16, against 1.70x / 1.93x with text windows
+# and 19 steps; SmolLM2's took 69 s there (README, "On a slower machine").
 SAMPLING_BUDGET_SHARE = 0.2
 PROJECT_AFTER = 16
 
@@ -182,12 +182,12 @@ class WritingProjection:
     project's Zen 4 machine, 2 threads, from the first 64 tokens of a window to the last 64 SmolLM2's cost per
     token rose 1.55x and Gemma-3-270M's 2.3x. Scaling the mean cost so far to every token therefore projects too
     little, and re-projecting at every token crossed the limit late: a Gemma writing was given up after 58 s of
-    work. The growth cannot be told from the first few dozen tokens (a fit of it projected 60-380% of the true
-    total up to the 64th), so the writing is decided on twice over: at PROJECT_AFTER polls and the doublings
-    after, the mean cost so far (excluding the set-up), a lower bound, stops it only when even that is over; at a
-    quarter of the first window (at least PROJECT_AFTER polls), once and for all, a cost per token growing
-    linearly with the position, fitted by least squares to the tokens so far (within 8% of the true totals of
-    both models at the 128th of 511).
+    work. The growth cannot be told from the first few dozen tokens (a least-squares fit of it projected 80-240%
+    of the true total at the 16th, 32nd and 64th token), so the writing is decided on twice over. At
+    PROJECT_AFTER polls and the doublings after: the mean cost so far (without the set-up and the first token), a
+    lower bound, stops it only when even that is over. At a quarter of the first window (at least PROJECT_AFTER
+    polls), once and for all: a cost per token growing linearly with the position, fitted by least squares to the
+    tokens so far (within 8% of the true totals of both models at the 127th of 511; ``bench/sampling_projection.py``).
     """
 
     def __init__(self, per_batch: int, batches: int, start: float) -> None:
@@ -206,7 +206,7 @@ class WritingProjection:
             return self.projected()
         if k >= PROJECT_AFTER and not k & (k - 1):
             t = self.times
-            return t[-1] + (self.draws - k + 1) * (t[-1] - t[0]) / (k - 1)
+            return t[-1] + (self.draws - k + 1) * (t[-1] - t[1]) / (k - 2)  # the first token's warm-up left out
         return None
 
     def projected(self) -> float:
