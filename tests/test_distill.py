@@ -673,12 +673,14 @@ def test_self_written_windows_stay_text_when_too_slow_for_the_time_budget(tiny_m
 def test_writing_projection_allows_for_tokens_growing_dearer_along_the_window():
     """Tokens cost more further along the window. The early decisions (PROJECT_AFTER polls and the doublings) use
     the mean cost so far, a lower bound of the total; the one at a quarter of the first window fits the growth and
-    projects the total closely, also under timing noise; after it there is no decision (nothing thrown away)."""
-    from vptq_core.quant.distill import PROJECT_AFTER, WritingProjection
+    projects the total closely, also under timing noise and a short busy spell, and never more than GROWTH_CAP x
+    the mean-cost projection when a long one throws the fit off; after it there is no decision."""
+    from vptq_core.quant.distill import GROWTH_CAP, PROJECT_AFTER, WritingProjection
 
-    a, b, per_batch, setup, warm = 0.01, 4e-4, 511, 0.05, 0.5
+    per_batch, setup, warm = 511, 0.25, 0.5
+    final = per_batch // 4
 
-    def run(batches: int, noise: float = 0.0) -> tuple[dict[int, float], float]:
+    def run(batches: int, a: float, b: float, noise: float = 0.0, busy: range = range(0)):
         gen = torch.Generator().manual_seed(0)
         projection, now, got = WritingProjection(per_batch, batches, start=0.0), setup, {}
         for k in range(1, per_batch * batches + 1):
@@ -687,18 +689,23 @@ def test_writing_projection_allows_for_tokens_growing_dearer_along_the_window():
                 got[k] = projected
             pos = (k - 1) % per_batch
             jitter = 1 + noise * float(torch.randn((), generator=gen))
-            now += (a + b * pos) * jitter + (warm if k == 1 else 0.0)
-        return got, now
+            now += (a + b * pos) * jitter * (4.0 if k in busy else 1.0) + (warm if k == 1 else 0.0)
+        return got, now, projection
 
+    # Gemma-3-270M-like: 0.15 s a token at the start, 2.4x that at the end of the window
     for batches in (1, 3):
-        got, total = run(batches)
-        final = per_batch // 4
+        got, total, _ = run(batches, 0.15, 4e-4)
         assert sorted(got) == [PROJECT_AFTER, 2 * PROJECT_AFTER, 4 * PROJECT_AFTER, final]
         assert got[final] == pytest.approx(total, rel=0.01)
-        # the early ones are lower bounds: the growth is still ahead (the first one is less than half the total)
-        assert all(got[k] < total for k in got if k != final) and got[PROJECT_AFTER] < 0.5 * total
-    noisy, total = run(1, noise=0.3)
-    assert noisy[per_batch // 4] == pytest.approx(total, rel=0.1)
+        # the early ones are lower bounds: the growth is still ahead
+        assert all(got[k] < total for k in got if k != final)
+    noisy, total, _ = run(1, 0.15, 4e-4, noise=0.3)
+    assert noisy[final] == pytest.approx(total, rel=0.1)
+    # a busy spell of 11 tokens moves the medians' fit little; one over the whole last quarter is capped
+    short, total, _ = run(1, 0.05, 0.0, busy=range(110, 121))
+    assert short[final] == pytest.approx(total, rel=0.05)
+    long, total, projection = run(1, 0.05, 0.0, busy=range(90, 128))
+    assert long[final] == pytest.approx(GROWTH_CAP * projection.flat()) and long[final] < 4 * total
     # a writing too short to reach a decision is never stopped by one
     tiny = WritingProjection(8, 1, start=0.0)
     assert all(tiny.poll(float(k)) is None for k in range(8))
