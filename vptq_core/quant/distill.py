@@ -174,9 +174,9 @@ SAMPLING_BUDGET_SHARE = 0.2
 PROJECT_AFTER = 16
 FIT_CHUNKS = 4  # runs of tokens whose median costs the growth is fitted to (``WritingProjection.projected``)
 # The fitted projection never exceeds this multiple of the mean-cost one. At the quarter of the window the true
-# totals were 1.22x (SmolLM2) and 1.48x (Gemma-3-270M) the mean-cost projection; a fit thrown off by a busy
-# moment projected SmolLM2's 3.6-bit writing at 120 s (its mean-cost projection: about 44 s) and dropped it; that
-# run, calibrated on text alone, scored 1.316x on pydocs (README, "Projecting the writing").
+# totals were 1.23x (SmolLM2) and 1.48x (Gemma-3-270M) the mean-cost projection (replayed poll times); a fit thrown
+# off by a busy moment projected SmolLM2's 3.6-bit writing at 120 s (its mean-cost projection: about 44 s) and
+# dropped it; that run, calibrated on text alone, scored 1.316x on pydocs (README, "Projecting the writing").
 GROWTH_CAP = 2.0
 
 

@@ -375,15 +375,16 @@ PRESET_TIME_BUDGET = 570.0
 DISTILL_LR_3BIT = 1.25e-3
 _PRESET_DISTILL = {"distill_data": "calibration", "distill_samples": 16, "distill_eval_every": 8,
                    "time_budget": PRESET_TIME_BUDGET}
+_PRESET_NO_REFIT = {"refit_iters": 0}  # every VPTQ preset leaves the codebook refit off (README, "The step size ...")
 PRESETS = {
     "2.5 bits": {"vector_len": 6, "num_centroids": 4096, "num_res_centroids": 0, "bits_budget": 2.5,
-                 "layer_bits_cap": 0.0, "allocation": "sensitivity", "refit_iters": 0, "distill_iters": 80,
-                 "distill_lr": DISTILL_LR, "calib_sampled_share": 0.75, **_PRESET_DISTILL},
+                 "layer_bits_cap": 0.0, "allocation": "sensitivity", "distill_iters": 80, "distill_lr": DISTILL_LR,
+                 "calib_sampled_share": 0.75, **_PRESET_DISTILL, **_PRESET_NO_REFIT},
     "3.5 bits": {"vector_len": 4, "num_centroids": 4096, "num_res_centroids": 0, "layer_bits_cap": 0.0,
-                 "bits_budget": 3.5, "allocation": "sensitivity", "refit_iters": 0, "distill_iters": 48,
-                 "distill_lr": DISTILL_LR_3BIT, "calib_sampled_share": 0.75, **_PRESET_DISTILL},
+                 "bits_budget": 3.5, "allocation": "sensitivity", "distill_iters": 48, "distill_lr": DISTILL_LR_3BIT,
+                 "calib_sampled_share": 0.75, **_PRESET_DISTILL, **_PRESET_NO_REFIT},
     "4.5 bits": {"vector_len": 4, "num_centroids": 256, "num_res_centroids": 256, "layer_bits_cap": 4.5,
-                 "bits_budget": 0.0, "allocation": "cap", "refit_iters": 0, "distill_lr": DISTILL_LR, **PRESET_OFF},
+                 "bits_budget": 0.0, "allocation": "cap", "distill_lr": DISTILL_LR, **PRESET_OFF, **_PRESET_NO_REFIT},
 }
 
 METHOD = register(Method(
