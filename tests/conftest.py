@@ -11,6 +11,9 @@ def pytest_sessionstart(session):
     # Start building (or loading) the native CPU kernels while the first tests run, once per machine: later
     # processes load the cached build, and a process that finds a build in progress waits for it (bounded by
     # VPTQ_NATIVE_WAIT, then the numba kernels run). Nothing happens with VPTQ_NATIVE=0.
+    # The checkout's top-level name on purpose: `vptq_core.kernels` would first run vptq_core/__init__, which
+    # imports transformers for its integration; the tests run from a checkout, where `import vptq_core` later
+    # makes `vptq_core.kernels` these same modules (vptq_core/_repo_kernels.py).
     from kernels import native
 
     native.warm_up(background=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels import VQSpec, unpack_codes, unpack_indices
-from kernels.reference import as_index
-from kernels.synthetic import random_scalar_layer, random_vq_layer
+from vptq_core.kernels import VQSpec, unpack_codes, unpack_indices
+from vptq_core.kernels.reference import as_index
+from vptq_core.kernels.synthetic import random_scalar_layer, random_vq_layer
 from vptq_core.quant.states import ScalarLayerState, VQLayerState
 
 
