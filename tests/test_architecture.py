@@ -297,7 +297,7 @@ def _test_file_imports(test_file: Path, modules: dict[str, Path]) -> list[Import
     return [imp for imp in imports_of("tests." + test_file.stem, test_file, modules) if not imp.relative]
 
 
-def test_layout_mismatches(root: Path = ROOT) -> list[str]:
+def layout_mismatches(root: Path = ROOT) -> list[str]:
     """Test files that are not in the subfolder of the package they test (nor cross-cutting in tests/)."""
     modules = module_files(root)
     mismatches = []
@@ -317,16 +317,13 @@ def test_layout_mismatches(root: Path = ROOT) -> list[str]:
     return mismatches
 
 
-test_layout_mismatches.__test__ = False  # a helper named like a test: pytest must not collect it
-
-
 def _tests_are_flat(root: Path = ROOT) -> bool:
     return not any(path.parent != root / "tests" for path in (root / "tests").rglob("test_*.py"))
 
 
 @pytest.mark.skipif(_tests_are_flat(), reason="tests not yet moved")
 def test_tests_mirror_the_packages():
-    _fail_with(test_layout_mismatches(), "test files outside the folder of the package they test")
+    _fail_with(layout_mismatches(), "test files outside the folder of the package they test")
 
 
 def test_layout_check_names_the_folder(tmp_path):
@@ -342,7 +339,7 @@ def test_layout_check_names_the_folder(tmp_path):
     (tmp_path / "tests" / "test_packing.py").write_text("")
     (tmp_path / "tests" / "test_mixed.py").write_text("import kernels\nimport vptq_core.quant.vptq\n")
     (tmp_path / "tests" / "test_ops.py").write_text("from vptq_core.kernels import packing\n")
-    assert test_layout_mismatches(tmp_path) == [
+    assert layout_mismatches(tmp_path) == [
         "tests/test_mixed.py: tests several packages; move it to a package folder or add it to CROSS_CUTTING_TESTS",
         "tests/test_ops.py: belongs in tests/kernels/",
         "tests/test_packing.py: belongs in tests/kernels/",
