@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "default: whenever the model is a safetensors directory, --no-stream loads it whole")
     q.add_argument("--quantize-head", action="store_true", help="also quantize the LM head, same method and "
                    "settings, its Hessian from its own calibration inputs (a tied head is untied, or shared with "
-                   "--quantize-embedding); the head is the most sensitive matrix: at 2-3 bits this alone cost "
-                   "SmolLM2 1.3-2.7x perplexity, while loading keeps a stored head at 8 bits nearly for free "
+                   "--quantize-embedding); the head is the most sensitive matrix: at 2-3 bits it alone costs more "
+                   "perplexity than all the blocks, while loading keeps a stored head at 8 bits nearly for free "
                    "(eval/chat --head-bits)")
     q.add_argument("--quantize-embedding", action="store_true", help="also quantize the input embedding (tied "
                    "weights: one quantized matrix serves the head and the embedding); loads with load_quantized")

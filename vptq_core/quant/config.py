@@ -349,7 +349,7 @@ class ScalarConfig(DistillSettings):
     act_order: bool = setting(True, label="act order", hint="GPTQ", flag="--no-act-order", switch=False,
                               group=ORDER_GROUP, help="GPTQ: natural column order")
     damp_percent: float = setting(0.01, lo=0.0, hi=1.0, lo_open=True, help="Hessian damping, a share of mean(diag H)")
-    block_size: int = setting(128, lo=1, hi=4096, help="columns per block of GPTQ's sweep")
+    block_size: int = setting(128, lo=1, hi=4096, help="columns per block of the error-feedback sweep")
     clip_search: bool = setting(False, **_CLIP_SEARCH)
     act_bits: int = setting(16, **_ACT_BITS)
     act_granularity: str = setting("token", **_ACT_GRANULARITY)

@@ -10,6 +10,7 @@ setting"). This module imports nothing else from the project.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields, replace
@@ -194,9 +195,15 @@ def declaration(f: Field) -> Setting | None:
                    flag=meta.flag or "--" + f.name.replace("_", "-"))
 
 
+@functools.cache
+def _declarations(config_class: type) -> tuple[tuple[str, Setting], ...]:
+    """Read once per class: every config built checks them (``check_settings``)."""
+    return tuple((f.name, meta) for f in fields(config_class) if (meta := declaration(f)) is not None)
+
+
 def declared(config_class: type) -> dict[str, Setting]:
     """Every declared setting of a config dataclass, name -> Setting, in field order."""
-    return {f.name: meta for f in fields(config_class) if (meta := declaration(f)) is not None}
+    return dict(_declarations(config_class))
 
 
 def undeclared(config_class: type) -> list[str]:
@@ -206,7 +213,7 @@ def undeclared(config_class: type) -> list[str]:
 
 def check_settings(config) -> None:
     """Check every declared setting of a config object (a dataclass instance) against its declaration."""
-    for name, meta in declared(type(config)).items():
+    for name, meta in _declarations(type(config)):
         meta.check(name, getattr(config, name))
 
 

@@ -133,8 +133,9 @@ class _FieldLabels(Mapping):
 
 
 FIELD_LABELS: Mapping[str, str] = _FieldLabels()
+
 # Settings sized for a model whose linears are this narrow or narrower (the presets are sized for SmolLM2:
-# on 64-wide layers their 4096-entry codebooks cost ~80 bits per weight).
+# on 64-wide layers their 4096-entry codebooks cost far more bits than the weights).
 SMALL_MODEL_WIDTH = 256
 SMALL_MODEL_VALUES = {"vector_len": 4, "num_centroids": 16, "kmeans_iters": 2, "outlier_percent": 0.0}
 SMALL_MODEL_CALIB = (4, 64)  # calibration samples × tokens per sample
