@@ -71,9 +71,8 @@ class ConfigBase:
         return self
 
 
-# Distillation steps are relative to the size of what they train (see docs/methods.md, "End-to-end
-# distillation"): scalar methods train log-scales, VPTQ codebooks step by this times the model's median
-# codebook RMS.
+# The measured best distillation steps (docs/methods.md, "End-to-end distillation"), relative to what they
+# train: scalar methods' log-scales; VPTQ codebooks step by DISTILL_LR times the model's median codebook RMS.
 SCALAR_DISTILL_LR = 2e-3
 DISTILL_LR = 2.5e-3
 
