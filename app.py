@@ -25,12 +25,12 @@ import gradio as gr
 from vptq_core.generation import warm_up_kernels
 from vptq_core.models import BUNDLED, TINY
 from vptq_core.quant import methods
-from vptq_core.quant.config import ALLOCATIONS, DISTILL_DATA
 from vptq_core.studio import form, plots, views
 from vptq_core.studio.estimate import model_info
-from vptq_core.studio.form import ACTIVATIONS, CUSTOM, FILE_SOURCE, WEIGHT_ONLY, WIKI_SOURCE
+from vptq_core.studio.form import CUSTOM, FILE_SOURCE, WIKI_SOURCE
 from vptq_core.studio.handlers import AppSettings, Studio
 from vptq_core.studio.queue import default_device
+from vptq_core.studio.settings_panel import calibration_settings, settings_panel
 
 __all__ = ["AppSettings", "Studio", "build_app", "launch_options", "main", "parse_args", "settings_from"]
 
@@ -96,9 +96,6 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
     samples0, seqlen0 = form.SMALL_MODEL_CALIB if small else form.MODEL_CALIB
     labels = form.FIELD_LABELS
 
-    def number(key: str, hint: str = "", integer: bool = True) -> gr.Number:
-        return gr.Number(initial[key], precision=0 if integer else None, label=labels[key] + hint)
-
     with gr.Blocks(title=TITLE, analytics_enabled=False, delete_cache=(1800, 3600)) as demo:
         demo.studio = app
         demo.settings_form = fields = {}  # one component per form field, keyed by the setting (see studio.form)
@@ -127,63 +124,9 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                                           value=CUSTOM if small else form.DEFAULT_PRESET, label="Preset",
                                           elem_id="preset")
                         with gr.Accordion("Advanced settings", open=False):
-                            with gr.Group() as vptq_group:
-                                with gr.Row():
-                                    fields["vector_len"] = number("vector_len")
-                                    fields["num_centroids"] = number("num_centroids", " (power of 2)")
-                                    fields["num_res_centroids"] = number("num_res_centroids", " (0 = none)")
-                                with gr.Row():
-                                    fields["outlier_percent"] = number("outlier_percent", integer=False)
-                                    fields["group_num"] = number("group_num")
-                                    fields["kmeans_iters"] = number("kmeans_iters")
-                                with gr.Row():
-                                    fields["enable_norm"] = gr.Checkbox(initial["enable_norm"],
-                                                                        label=labels["enable_norm"])
-                                    fields["enable_perm"] = gr.Checkbox(
-                                        initial["enable_perm"], label=labels["enable_perm"] + " (Hessian order)")
-                                with gr.Row():
-                                    fields["finetune_iters"] = number("finetune_iters")
-                                    fields["refit_iters"] = number("refit_iters", " (after the sweep; 0 = off)")
-                                with gr.Row():
-                                    fields["bits_budget"] = number("bits_budget", " (0 = off)", integer=False)
-                                    fields["layer_bits_cap"] = number("layer_bits_cap", " (0 = off)", integer=False)
-                                    fields["allocation"] = gr.Dropdown(
-                                        list(ALLOCATIONS), value=initial["allocation"],
-                                        label=labels["allocation"] + " (sensitivity = measured per layer)")
-                            groups[vptq_group] = ("vector_len", "num_centroids", "num_res_centroids",
-                                                  "outlier_percent", "group_num", "kmeans_iters", "enable_norm",
-                                                  "enable_perm", "finetune_iters", "refit_iters", "bits_budget",
-                                                  "layer_bits_cap", "allocation")
-                            with gr.Group() as scalar_group, gr.Row():
-                                fields["bits"] = number("bits")
-                                fields["group_size"] = number("group_size", " (0 = per channel)")
-                                fields["activations"] = gr.Dropdown(
-                                    list(ACTIVATIONS), value=initial.get("activations", WEIGHT_ONLY),
-                                    label="activations (W·A8 = 8-bit inputs to the linears)")
-                            groups[scalar_group] = ("bits", "group_size", "activations")
-                            with gr.Group() as act_order_group:
-                                fields["act_order"] = gr.Checkbox(initial["act_order"], label="act order (GPTQ)")
-                            groups[act_order_group] = ("act_order",)
-                            with gr.Group() as lrq_group, gr.Row():
-                                fields["rank"] = number("rank", " (0 = auto)")
-                                fields["iters"] = number("iters")
-                            groups[lrq_group] = ("rank", "iters")
-                            with gr.Group() as distill_group, gr.Row():
-                                fields["distill_iters"] = number("distill_iters")
-                                fields["distill_data"] = gr.Dropdown(
-                                    list(DISTILL_DATA), value=initial["distill_data"],
-                                    label=labels["distill_data"] + " (sampled = text the original writes)")
-                                fields["distill_samples"] = number("distill_samples", " (sampled / mixed data)")
-                                fields["distill_eval_every"] = number("distill_eval_every", " (steps; 0 = quarter)")
-                                fields["distill_lr"] = number(
-                                    "distill_lr", " (VPTQ: × the codebooks' RMS)", integer=False)
-                                fields["time_budget"] = number(
-                                    "time_budget", " (s for the whole run, distillation fits in; 0 = none)",
-                                    integer=False)
-                            groups[distill_group] = ("distill_iters", "distill_data", "distill_samples",
-                                                     "distill_eval_every", "distill_lr", "time_budget")
-                            for group, keys in groups.items():
-                                group.visible = form.uses(method.value, keys)
+                            panel_fields, panel_groups = settings_panel(initial, method.value)
+                            fields.update(panel_fields)
+                            groups.update(panel_groups)
                             gr.Markdown("**Calibration**")
                             calib_source = gr.Radio([WIKI_SOURCE, FILE_SOURCE], value=WIKI_SOURCE,
                                                     label="calibration text")
@@ -192,10 +135,7 @@ def build_app(settings: AppSettings, studio: Studio | None = None) -> gr.Blocks:
                             with gr.Row():
                                 calib_samples = gr.Number(samples0, precision=0, label=labels["samples"])
                                 calib_seqlen = gr.Number(seqlen0, precision=0, label=labels["seqlen"])
-                            with gr.Row():
-                                fields["calib_sampled_share"] = number(
-                                    "calib_sampled_share", " (0..1, written by the model)", integer=False)
-                                fields["seed"] = number("seed", " (0..2^64 - 1)")
+                            fields.update(calibration_settings(initial))
                         estimate_box = gr.Markdown(elem_id="estimate")
                         with gr.Row():
                             start_btn = gr.Button("Start", variant="primary", elem_id="start-btn")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from vptq_core.cli import main
+from vptq_core.cli import build_parser, main, method_config_from_args, setting_flags
 
 
 def test_quantize_save_eval_round_trip(tmp_path, text_file, capsys):
@@ -55,3 +55,88 @@ def test_bad_flags_exit_2_with_one_line(args, message, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2
     assert len(err.splitlines()) == 1 and message in err
+
+
+# Every method-setting flag the command line has had: flag -> (setting it sets, how it takes its value).
+# Generated from the settings' declarations now; this table pins their names, destinations and meanings.
+FLAGS = {
+    "--vector-len": ("vector_len", "int"), "--centroids": ("num_centroids", "int"),
+    "--res-centroids": ("num_res_centroids", "int"), "--outlier-percent": ("outlier_percent", "float"),
+    "--outlier-vector-len": ("outlier_vector_len", "int"), "--outlier-centroids": ("outlier_centroids", "int"),
+    "--groups": ("group_num", "int"), "--norm": ("enable_norm", "bool"), "--perm": ("enable_perm", "bool"),
+    "--kmeans-iters": ("kmeans_iters", "int"), "--finetune-iters": ("finetune_iters", "int"),
+    "--layer-bits-cap": ("layer_bits_cap", "float"), "--bits-budget": ("bits_budget", "float"),
+    "--allocation": ("allocation", "choice:cap,sensitivity"), "--no-second-order": ("second_order", "false"),
+    "--distill-iters": ("distill_iters", "int"), "--distill-data": ("distill_data", "choice:calibration,sampled,mixed"),
+    "--calib-sampled-share": ("calib_sampled_share", "float"), "--time-budget": ("time_budget", "float"),
+    "--distill-lr": ("distill_lr", "float"), "--bits": ("bits", "int"), "--group-size": ("group_size", "int"),
+    "--no-act-order": ("act_order", "false"), "--rank": ("rank", "int"), "--lr": ("lr", "float"),
+    "--iters": ("iters", "int"), "--full-scale": ("full_scale", "true"), "--act-bits": ("act_bits", "int"),
+    "--act-granularity": ("act_granularity", "choice:token,token_asym,tensor"),
+    "--act-clip": ("act_clip", "choice:absmax,mse"),
+    # flags of the settings the app's form shows too
+    "--refit-iters": ("refit_iters", "int"), "--distill-samples": ("distill_samples", "int"),
+    "--distill-eval-every": ("distill_eval_every", "int"),
+}
+
+
+def quantize_args(*flags: str, method: str = "vptq"):
+    return build_parser().parse_args(["quantize", "--model", "tiny-random-llama", "--method", method, "--out", "x",
+                                      *flags])
+
+
+def test_setting_flags_keep_their_names_destinations_and_meanings():
+    untouched = quantize_args()
+    generated = {meta.flag: name for group in setting_flags().values() for name, meta in group.items()}
+    assert generated == {flag: dest for flag, (dest, _kind) in FLAGS.items()}
+    for flag, (dest, kind) in FLAGS.items():
+        assert getattr(untouched, dest) is None, flag  # unset: the method's (or the preset's) value
+        if kind == "int":
+            assert getattr(quantize_args(flag, "3"), dest) == 3
+        elif kind == "float":
+            assert getattr(quantize_args(flag, "0.5"), dest) == 0.5
+        elif kind == "bool":
+            no_flag = "--no-" + flag.removeprefix("--")
+            assert getattr(quantize_args(flag), dest) is True and getattr(quantize_args(no_flag), dest) is False
+        elif kind in ("true", "false"):
+            assert getattr(quantize_args(flag), dest) is (kind == "true")
+        else:
+            for choice in kind.removeprefix("choice:").split(","):
+                assert getattr(quantize_args(flag, choice), dest) == choice
+            with pytest.raises(SystemExit):
+                quantize_args(flag, "bogus")
+
+
+def test_flags_and_set_reach_the_config(capsys):
+    config = method_config_from_args(quantize_args("--no-second-order", "--no-perm", "--refit-iters", "4",
+                                                   "--set", "damp_percent=0.05", "--set", "target_chain=fp"))
+    assert (config.second_order, config.enable_perm, config.refit_iters) == (False, False, 4)
+    assert (config.damp_percent, config.target_chain) == (0.05, "fp")
+    config = method_config_from_args(quantize_args("--no-act-order", "--act-bits", "8", method="gptq"))
+    assert (config.act_order, config.act_bits, config.clip_search) == (False, 8, False)
+    assert method_config_from_args(quantize_args("--full-scale", "--preset", "3.5", method="lrq")).full_scale
+    with pytest.raises(ValueError, match=r"--rank does not apply to --method gptq \(its settings: act_bits, "):
+        method_config_from_args(quantize_args("--rank", "4", method="gptq"))
+    with pytest.raises(ValueError, match="act_bits must be 4, 8 or 16"):
+        method_config_from_args(quantize_args("--act-bits", "6", method="rtn"))
+    with pytest.raises(ValueError, match="--set takes NAME=VALUE, got 'damp_percent'"):
+        method_config_from_args(quantize_args("--set", "damp_percent"))
+
+
+def test_help_shows_each_group_with_help_and_defaults(capsys):
+    with pytest.raises(SystemExit) as shown:
+        main(["quantize", "--help"])
+    assert shown.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    for group in ("VPTQ:", "scalar grid (GPTQ / RTN / LRQ):", "column order (GPTQ):", "LRQ:",
+                  "distillation (every method):", "calibration:"):
+        assert group in text
+    assert "--vector-len VECTOR_LEN weights per vector (default 6)" in text
+    assert "--res-centroids NUM_RES_CENTROIDS residual codebook size; 0 = none (default 0)" in text
+    assert "--norm, --no-norm per-input-column normalisation (default False)" in text
+    assert "--no-second-order ablation: plain nearest-centroid assignment (default True)" in text
+    assert "--group-size GROUP_SIZE weights per scale; 0 = per channel (default gptq, rtn: 128; lrq: 0)" in text
+    assert "(default vptq: 0.0025; gptq, rtn, lrq: 0.002)" in text
+    assert "--allocation {cap,sensitivity} how --bits-budget is spent" in text
+    assert "--calib-sampled-share CALIB_SAMPLED_SHARE share (0..1)" in text and "--calib-text CALIB_TEXT" in text
+    assert "--damp-percent" not in text and "--layer-plan" not in text  # --set only; internal

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from .data import TEXTS
 from .quant import methods
-from .quant.config import CalibConfig
+from .quant.config import CALIB_GROUP, GROUPS, CalibConfig
+from .quant.settings import Setting, grouped
 
 DESCRIPTION = "Extreme low-bit quantization of LLMs (VPTQ, LRQ, GPTQ, RTN)."
 
@@ -42,62 +43,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-# flag -> (config setting, kind, help); settings not listed here are reachable with --set NAME=VALUE.
-METHOD_FLAGS: dict[str, dict[str, tuple[str, str, str]]] = {
-    "VPTQ": {
-        "--vector-len": ("vector_len", "int", "weights per vector"),
-        "--centroids": ("num_centroids", "int", "codebook size, a power of two"),
-        "--res-centroids": ("num_res_centroids", "int", "residual codebook size, 0 = none"),
-        "--outlier-percent": ("outlier_percent", "float",
-                              "percent of input columns (largest Hessian diagonal) with their own codebook"),
-        "--outlier-vector-len": ("outlier_vector_len", "int", "vector length of the outlier codebook"),
-        "--outlier-centroids": ("outlier_centroids", "int", "outlier codebook size"),
-        "--groups": ("group_num", "int", "codebooks per layer for the non-outlier columns"),
-        "--norm": ("enable_norm", "bool", "per-input-column normalisation"),
-        "--perm": ("enable_perm", "bool", "process columns by decreasing Hessian diagonal"),
-        "--kmeans-iters": ("kmeans_iters", "int", "k-means iterations"),
-        "--finetune-iters": ("finetune_iters", "int", "layer-wise fine-tuning steps per block (codebooks + norms)"),
-        "--layer-bits-cap": ("layer_bits_cap", "float", "total bits per weight no layer may exceed (shorter "
-                             "vectors, same index bits, where codebooks are expensive); 0 = off"),
-        "--bits-budget": ("bits_budget", "float", "total bits per weight of the whole model: becomes the loosest "
-                          "--layer-bits-cap that meets it for this model; 0 = off (set one of the two)"),
-        "--allocation": ("allocation", "choice:cap,sensitivity", "how --bits-budget is spent: cap = the same index "
-                         "bits in every layer; sensitivity = each layer's own vector length and codebook size, "
-                         "more bits where the model's loss feels the error (measured before the first block)"),
-        "--no-second-order": ("second_order", "false", "ablation: plain nearest-centroid assignment"),
-    },
-    "sampled calibration and distillation (every method)": {
-        "--distill-iters": ("distill_iters", "int", "end-to-end distillation steps on the whole model (KL to the "
-                            "original's next-token distributions; trains VPTQ codebooks or scalar scales, and norms)"),
-        "--distill-data": ("distill_data", "choice:calibration,sampled,mixed",
-                           "what distillation trains on: the calibration windows, windows sampled from the original "
-                           "model (every domain it knows), or both"),
-        "--calib-sampled-share": ("calib_sampled_share", "float", "share (0..1) of the calibration windows the blocks "
-                                  "see that the original model writes itself (sampled at temperature 1) instead of "
-                                  "the calibration text"),
-        "--time-budget": ("time_budget", "float", "seconds the whole run may take (0 = no limit): distillation, the "
-                          "last stage, runs as many of its steps as fit what the block stage leaves"),
-        "--distill-lr": ("distill_lr", "float", "distillation learning rate, relative: VPTQ codebooks step by "
-                         "this times the model's median codebook RMS; scalar methods: the lr of the log-scales"),
-    },
-    "GPTQ / RTN / LRQ": {
-        "--bits": ("bits", "int", "bits per weight"),
-        "--group-size": ("group_size", "int", "weights per scale; 0 = one scale per output channel"),
-        "--no-act-order": ("act_order", "false", "GPTQ: natural column order"),
-        "--rank": ("rank", "int", "LRQ rank, 0 = auto from the layer size"),
-        "--lr": ("lr", "float", "LRQ learning rate"),
-        "--iters": ("iters", "int", "LRQ training iterations per block"),
-        "--full-scale": ("full_scale", "true", "LRQ: learn a full per-weight scale (FlexRound-style)"),
-        "--act-bits": ("act_bits", "int", "activation bits: 16 = weight-only, 8 = W?A8"),
-        "--act-granularity": ("act_granularity", "choice:token,token_asym,tensor",
-                              "activation quantizer: token = dynamic per token, token_asym = dynamic per token with "
-                              "a zero point, tensor = static per tensor"),
-        "--act-clip": ("act_clip", "choice:absmax,mse",
-                       "static activation scales: absmax, or the clip with the least output error"),
-    },
-}
-
-
 def _defaults_text(setting: str) -> str:
     """"default X" from every built-in method whose config has ``setting`` (the flags' help)."""
     found = {}
@@ -112,16 +57,27 @@ def _defaults_text(setting: str) -> str:
     return " (default " + "; ".join(f"{', '.join(names)}: {value}" for value, names in found.items()) + ")"
 
 
-def _add_setting_flag(group, flag: str, setting: str, kind: str, text: str) -> None:
-    text += _defaults_text(setting)
-    if kind == "bool":
-        group.add_argument(flag, dest=setting, action=argparse.BooleanOptionalAction, default=None, help=text)
-    elif kind in ("true", "false"):
-        group.add_argument(flag, dest=setting, action="store_const", const=kind == "true", default=None, help=text)
-    elif kind.startswith("choice:"):
-        group.add_argument(flag, dest=setting, choices=kind.removeprefix("choice:").split(","), help=text)
-    else:
-        group.add_argument(flag, dest=setting, type=int if kind == "int" else float, help=text)
+def setting_flags() -> dict[str, dict[str, Setting]]:
+    """The settings the command line has flags for, by group (``Setting.group``): every registered method's
+    config's settings declared with a group (quant/settings.py), in the order --help shows them."""
+    return grouped((m.config_class for m in methods.all_methods()), "cli", GROUPS)
+
+
+def _add_setting_flag(group, name: str, setting: Setting) -> None:
+    text = (setting.cli_help + _defaults_text(name)).replace("%", "%%")  # argparse formats help with %
+    if setting.kind == "bool" and setting.switch is None:
+        group.add_argument(setting.flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
+    elif setting.kind == "bool":
+        group.add_argument(setting.flag, dest=name, action="store_const", const=setting.switch, default=None,
+                           help=text)
+    elif setting.kind == "choice" and all(isinstance(c, str) for c in setting.choices):
+        group.add_argument(setting.flag, dest=name, choices=list(setting.choices), help=text)
+    else:  # numbers, and choices of numbers (the config names the allowed ones)
+        kind = type(setting.choices[0]) if setting.kind == "choice" else _FLAG_TYPES[setting.kind]
+        group.add_argument(setting.flag, dest=name, type=kind, help=text)
+
+
+_FLAG_TYPES = {"int": int, "pow2": int, "float": float, "text": str}
 
 
 HEAD_BITS_CHOICES = ["auto", "0", "4", "8"]
@@ -141,13 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", required=True, help="output directory for the checkpoint")
     q.add_argument("--preset", help="a preset of the method, by name or bits: 2.5, 3.5 or 4.5 for the built-in ones "
                    "(TOTAL bits per weight, codebooks and scales included, on any model); explicit flags override it")
-    for group_name, flags in METHOD_FLAGS.items():
-        group = q.add_argument_group(group_name)
-        for flag, (setting, kind, text) in flags.items():
-            _add_setting_flag(group, flag, setting, kind, text)
+    arg_groups = {}
+    for group_name, settings in setting_flags().items():
+        arg_groups[group_name] = q.add_argument_group(group_name)
+        for name, setting in settings.items():
+            _add_setting_flag(arg_groups[group_name], name, setting)
     q.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", dest="extra_settings",
                    help="any other setting of the method's config, VALUE as JSON (e.g. --set damp_percent=0.05)")
-    c = q.add_argument_group("calibration")
+    c = arg_groups.get(CALIB_GROUP) or q.add_argument_group(CALIB_GROUP)
     c.add_argument("--calib-text", default="wiki", help="'wiki' (bundled Wikipedia), 'pydocs' (Python's docs) or a "
                    "UTF-8 text file")
     c.add_argument("--calib-samples", type=_positive, default=32, help="random calibration windows")
@@ -163,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "default: whenever the model is a safetensors directory, --no-stream loads it whole")
     q.add_argument("--quantize-head", action="store_true", help="also quantize the LM head, same method and "
                    "settings, its Hessian from its own calibration inputs (a tied head is untied, or shared with "
-                   "--quantize-embedding); the head is the most sensitive matrix: at 2-3 bits this alone cost "
-                   "SmolLM2 1.3-2.7x perplexity, while loading keeps a stored head at 8 bits nearly for free "
+                   "--quantize-embedding); the head is the most sensitive matrix: at 2-3 bits it alone costs more "
+                   "perplexity than all the blocks, while loading keeps a stored head at 8 bits nearly for free "
                    "(eval/chat --head-bits)")
     q.add_argument("--quantize-embedding", action="store_true", help="also quantize the input embedding (tied "
                    "weights: one quantized matrix serves the head and the embedding); loads with load_quantized")
@@ -222,15 +179,15 @@ def method_config_from_args(args):
         settings = method.preset(next((c for c in candidates if c in method.presets), args.preset))
         if settings.get("distill_iters"):
             settings = _sized_preset(settings, args.model)
-    for flags in METHOD_FLAGS.values():
-        for flag, (setting, _kind, _text) in flags.items():
-            value = getattr(args, setting, None)
+    for group in setting_flags().values():
+        for name, setting in group.items():
+            value = getattr(args, name, None)
             if value is None:
                 continue
-            if setting not in names:
-                raise ValueError(f"{flag} does not apply to --method {method.name} (its settings: "
+            if name not in names:
+                raise ValueError(f"{setting.flag} does not apply to --method {method.name} (its settings: "
                                  f"{', '.join(sorted(names))})")
-            settings[setting] = value
+            settings[name] = value
     for item in args.extra_settings:
         name, sep, text = item.partition("=")
         if not sep:

@@ -1,6 +1,9 @@
 """Validated, frozen settings for the built-in quantization methods and for calibration.
 
-The ``check_*`` helpers are for new methods' configs too (see README.md, "Adding a method").
+Each setting is declared once, on its field, with ``setting()`` (quant/settings.py): its range or choices,
+the form's label and the CLI's flag. ``ConfigBase.__post_init__`` checks every declared setting; a config's own
+``__post_init__`` adds only the rules that tie settings together. The CLI's flags and the app's form are
+generated from the same declarations (docs/contributing.md, "Adding a setting").
 
 Every bad value raises ``ValueError`` naming the field, the value and what is allowed; the CLI turns that
 into exit code 2 and the app into a visible error.
@@ -11,47 +14,38 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 
+from .settings import check_float, check_int, check_pow2, check_settings, internal, redeclare, setting
+
+__all__ = [
+    "ACT_GRANULARITIES", "ALLOCATIONS", "DISTILL_DATA", "GROUPS", "CalibConfig", "ConfigBase", "DistillSettings",
+    "LRQConfig", "ScalarConfig", "VPTQConfig", "check_float", "check_int", "check_pow2",
+]
+
 DISTILL_DATA = ("calibration", "sampled", "mixed")  # DistillSettings.distill_data
+ALLOCATIONS = ("cap", "sensitivity")  # VPTQConfig.allocation
+ACT_GRANULARITIES = ("token", "token_asym", "tensor")  # act_granularity of the scalar methods
 
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and (n & (n - 1)) == 0
-
-
-def check_int(name: str, value, lo: int, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
-        allowed = f">= {lo}" if hi is None else f"in {lo}..{hi}"
-        raise ValueError(f"{name} must be {allowed}, got {value}")
-
-
-def check_pow2(name: str, value, lo: int, hi: int) -> None:
-    check_int(name, value, lo, hi)
-    if not _is_pow2(value):
-        raise ValueError(f"{name} must be a power of two in {lo}..{hi}, got {value}")
-
-
-def check_float(name: str, value, lo: float, hi: float, lo_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if value < lo or value > hi or (lo_open and value == lo):
-        bracket = "(" if lo_open else "["
-        raise ValueError(f"{name} must be in {bracket}{lo}, {hi}], got {value}")
+# The groups the settings are shown in, in the order the app's form and --help show them (a new method's own
+# group comes after these). The form shows the calibration group with the calibration text and windows.
+VPTQ_GROUP = "VPTQ"
+SCALAR_GROUP = "scalar grid (GPTQ / RTN / LRQ)"
+ORDER_GROUP = "column order (GPTQ)"
+LRQ_GROUP = "LRQ"
+DISTILL_GROUP = "distillation (every method)"
+CALIB_GROUP = "calibration"
+GROUPS = (VPTQ_GROUP, SCALAR_GROUP, ORDER_GROUP, LRQ_GROUP, DISTILL_GROUP, CALIB_GROUP)
 
 
 def _as_json(value):
     return [_as_json(v) for v in value] if isinstance(value, (tuple, list)) else value
 
 
-def check_bools(config, names: tuple[str, ...]) -> None:
-    for name in names:
-        if not isinstance(getattr(config, name), bool):
-            raise ValueError(f"{name} must be true or false, got {getattr(config, name)!r}")
-
-
 class ConfigBase:
-    """``to_dict`` / ``from_dict`` for frozen config dataclasses (unknown keys are refused by name)."""
+    """``to_dict`` / ``from_dict`` for frozen config dataclasses (unknown keys are refused by name), and the
+    checks of every declared setting (a subclass's ``__post_init__`` calls ``super().__post_init__()`` first)."""
+
+    def __post_init__(self) -> None:
+        check_settings(self)
 
     def to_dict(self) -> dict:
         """The settings as JSON holds them (tuples as lists), so a dict read back from job.json compares equal."""
@@ -77,10 +71,10 @@ class ConfigBase:
         return self
 
 
-# Scalar methods distil log-scales: on SmolLM2 W4A8 (LRQ, 32 steps on the calibration windows) lr 2e-3 took
-# pydocs from 1.42x to 1.39x bf16, 5e-4 left it at 1.42x (README, "Distilling scalar checkpoints").
+# The measured best distillation steps (docs/methods.md, "End-to-end distillation"), relative to what they
+# train: scalar methods' log-scales; VPTQ codebooks step by DISTILL_LR times the model's median codebook RMS.
 SCALAR_DISTILL_LR = 2e-3
-DISTILL_LR = 2.5e-3  # VPTQ codebooks: a step of this times the model's median codebook RMS
+DISTILL_LR = 2.5e-3
 
 
 # The settings of DistillSettings every preset names (these values: off), so that picking a preset never keeps
@@ -90,6 +84,9 @@ PRESET_OFF = {"distill_iters": 0, "calib_sampled_share": 0.0, "time_budget": 0.0
 # picking a preset never keeps another method's or another preset's step.
 SCALAR_PRESET_OFF = {**PRESET_OFF, "distill_lr": SCALAR_DISTILL_LR}
 
+_TARGET_CHAIN = {"quantized": "original block on the quantized chain's inputs",
+                 "fp": "the original model's own block outputs"}
+
 
 @dataclass(frozen=True)
 class DistillSettings(ConfigBase):
@@ -97,71 +94,68 @@ class DistillSettings(ConfigBase):
     the tensors of the packed format that are cheap to move (VPTQ: codebooks; scalar methods: the per-group
     scales, as log-scales) and every 1-D tensor (norms, biases) are trained against the original model's
     next-token distributions, KL(P_orig || P_quant) on the teacher's top ``distill_topk`` tokens + one bucket
-    for the rest; 0 steps = off. A subclass calls ``check_distill()`` from its ``__post_init__``."""
+    for the rest; 0 steps = off. See docs/methods.md, "End-to-end distillation"."""
 
-    # Autocast dtype of the training steps of fine-tuning and distillation (held-out checks run in float32):
-    # "auto" = bf16 where the device multiplies bf16 in hardware (CUDA, AVX-512 BF16 or AMX CPUs), float32
-    # elsewhere (device.compute_dtype); "bfloat16"; "float32".
-    train_dtype: str = "auto"
-    distill_iters: int = 0
-    # distill_lr is relative: VPTQ codebooks step by distill_lr x the median RMS of the model's codebook tensors
-    # (scalar methods: the lr of the log-scales, relative too). 2.5e-3 is the absolute 5e-4 measured best on
-    # SmolLM2 at 2.5 bits (64 steps at 5e-4 beat 128 at 2e-4 on both held-out texts; README, "What distillation
-    # trains on") over SmolLM2's median codebook RMS of 0.195; an absolute 5e-4 was 5-12x too large a step for
-    # Gemma-3-270M's smaller weights.
-    # distill_norm_lr: absolute, for the 1-D tensors (norms, biases).
-    distill_lr: float = DISTILL_LR
-    distill_norm_lr: float = 5e-4
-    distill_batch: int = 1
-    distill_topk: int = 64
-    distill_holdout: float = 0.125
-    distill_eval_every: int = 0  # steps between held-out checks; 0 = every quarter of the steps
-    # Activation checkpointing of the decoder blocks during distillation: true, false, or "auto" = off when the
-    # saved activations of one step fit a quarter of the free memory of the device (distill.use_checkpointing;
-    # SmolLM2-135M at 512 tokens: ~1.4 GB more, steps ~25% faster), on otherwise.
-    distill_checkpointing: bool | str = "auto"
-    # What distillation trains on: "calibration" (the calibration windows), "sampled" (distill_samples windows
-    # sampled from the original model itself, ancestral sampling at temperature 1: every domain it knows, not
-    # only the calibration text's) or "mixed" (both). The held-out windows are always calibration windows.
-    distill_data: str = "calibration"
-    distill_samples: int = 32
+    # Autocast dtype of the training steps of fine-tuning and distillation (held-out checks run in float32).
+    train_dtype: str = setting("auto", choices=("auto", "bfloat16", "float32"),
+                               help="training dtype: auto = bf16 where the device multiplies bf16 in hardware "
+                               "(CUDA, AVX-512 BF16 or AMX CPUs), float32 elsewhere (device.compute_dtype)")
+    distill_iters: int = setting(0, lo=0, hi=1000000, label="distillation steps", group=DISTILL_GROUP,
+                                 help="end-to-end distillation steps on the whole model (KL to the original's "
+                                 "next-token distributions; trains VPTQ codebooks or scalar scales, and norms)")
+    # "sampled": windows the original model writes itself (ancestral sampling at temperature 1), so every domain
+    # it knows, not only the calibration text's. The held-out windows are always calibration windows.
+    distill_data: str = setting("calibration", choices=DISTILL_DATA, one_of=True, label="distillation data",
+                                hint="sampled = text the original writes", group=DISTILL_GROUP,
+                                help="what distillation trains on: the calibration windows, windows sampled from "
+                                "the original model (every domain it knows), or both")
+    distill_samples: int = setting(32, lo=1, hi=1000000, label="sampled windows", hint="sampled / mixed data",
+                                   group=DISTILL_GROUP,
+                                   help="windows sampled from the original model for sampled or mixed data")
+    distill_eval_every: int = setting(0, lo=0, hi=1000000, label="held-out check every", hint="steps",
+                                      zero="quarter", group=DISTILL_GROUP,
+                                      help="distillation steps between held-out checks")
+    # Relative to the median RMS of the model's codebooks, so that models with smaller weights take a
+    # proportionally smaller step.
+    distill_lr: float = setting(DISTILL_LR, lo=0.0, hi=1.0, label="distillation lr",
+                                hint="VPTQ: × the codebooks' RMS", group=DISTILL_GROUP,
+                                help="distillation learning rate, relative: VPTQ codebooks step by this times the "
+                                "model's median codebook RMS; scalar methods: the lr of the log-scales")
+    distill_norm_lr: float = setting(5e-4, lo=0.0, hi=1.0, help="distillation lr of the 1-D tensors (norms, "
+                                     "biases), absolute")
+    distill_batch: int = setting(1, lo=1, hi=4096, help="windows per distillation step")
+    distill_topk: int = setting(64, lo=1, hi=1 << 20, help="the teacher's top tokens per position the KL keeps "
+                                "(the rest: one bucket)")
+    distill_holdout: float = setting(0.125, lo=0.0, hi=0.5, help="share of the calibration windows held out")
+    # Activation checkpointing of the decoder blocks during distillation: "auto" = off when the saved
+    # activations of one step fit a quarter of the free memory of the device (distill.use_checkpointing).
+    distill_checkpointing: bool | str = setting("auto", choices=(True, False, "auto"),
+                                                help="activation checkpointing during distillation")
     # Calibration of the block-by-block stage itself: this share of the windows it sees (the last ones,
     # round(share x windows), at least one when > 0) is written by the original model (ancestral sampling at
     # temperature 1, each window started from the first token of the text window it replaces) instead of taken
     # from the calibration text, so the Hessians and block targets cover what the model writes, not only the
     # calibration text's domain. Needs the whole model in memory (no block streaming). 0 = the text only.
-    calib_sampled_share: float = 0.0
-    # The dtype windows are written in (calibration and distillation samples; distill.sampling_dtype): "auto"
-    # = bf16 copies of a float32 model's weights where the hardware multiplies bf16 natively (CUDA, AVX-512 BF16
-    # or AMX CPUs), else the model as it is; "bfloat16"; "model" = as loaded.
-    sample_dtype: str = "auto"
-    # Seconds the whole run may take (0 = no limit): distillation, the last stage, runs as many of its
-    # distill_iters steps as fit what is left (measured from its own first steps, held-out checks included; its
+    calib_sampled_share: float = setting(0.0, lo=0.0, hi=1.0, label="self-written calibration share",
+                                         hint="0..1, written by the model", group=CALIB_GROUP,
+                                         help="share (0..1) of the calibration windows the blocks see that the "
+                                         "original model writes itself (sampled at temperature 1) instead of the "
+                                         "calibration text")
+    # The dtype windows are written in (calibration and distillation samples; distill.sampling_dtype).
+    sample_dtype: str = setting("auto", choices=("auto", "bfloat16", "model"),
+                                help="dtype the windows are written in: auto = bf16 copies of a float32 model's "
+                                "weights where the hardware multiplies bf16 natively, else the model as it is; "
+                                "model = as loaded")
+    # Distillation runs as many of its steps as fit what is left (measured from its own first steps, its
     # learning-rate schedule planned over that many); the block-by-block stage is never cut short. The presets
-    # use it so that they finish on time on slower machines too.
-    time_budget: float = 0.0
-    seed: int = 0
-
-    def check_distill(self) -> None:
-        if self.train_dtype not in ("auto", "bfloat16", "float32"):
-            raise ValueError(f"train_dtype must be 'auto', 'bfloat16' or 'float32', got {self.train_dtype!r}")
-        check_int("distill_iters", self.distill_iters, 0, 1000000)
-        check_float("distill_lr", self.distill_lr, 0.0, 1.0)
-        check_float("distill_norm_lr", self.distill_norm_lr, 0.0, 1.0)
-        check_int("distill_batch", self.distill_batch, 1, 4096)
-        check_int("distill_topk", self.distill_topk, 1, 1 << 20)
-        check_float("distill_holdout", self.distill_holdout, 0.0, 0.5)
-        check_int("distill_eval_every", self.distill_eval_every, 0, 1000000)
-        check_int("distill_samples", self.distill_samples, 1, 1000000)
-        check_float("calib_sampled_share", self.calib_sampled_share, 0.0, 1.0)
-        check_float("time_budget", self.time_budget, 0.0, 1e7)
-        if self.sample_dtype not in ("auto", "bfloat16", "model"):
-            raise ValueError(f"sample_dtype must be 'auto', 'bfloat16' or 'model', got {self.sample_dtype!r}")
-        if self.distill_data not in DISTILL_DATA:
-            raise ValueError(f"distill_data must be one of {', '.join(DISTILL_DATA)}, got {self.distill_data!r}")
-        check_int("seed", self.seed, 0)
-        if not (isinstance(self.distill_checkpointing, bool) or self.distill_checkpointing == "auto"):
-            raise ValueError(f"distill_checkpointing must be true, false or 'auto', got {self.distill_checkpointing!r}")
+    # use it so that they finish on time on slower machines too (docs/methods.md, "Time budget").
+    time_budget: float = setting(0.0, lo=0.0, hi=1e7, label="time budget", zero="none", group=DISTILL_GROUP,
+                                 hint="s for the whole run, distillation fits in",
+                                 help="seconds the whole run may take: distillation, the last stage, runs as many "
+                                 "of its steps as fit what the block stage leaves")
+    # The CLI's --seed seeds the calibration windows too: it is a flag of its own, not this setting's.
+    seed: int = setting(0, lo=0, label="seed", hint="0..2^64 - 1", group=CALIB_GROUP, cli=False,
+                        help="random seed of the method")
 
 
 @dataclass(frozen=True)
@@ -169,74 +163,92 @@ class VPTQConfig(DistillSettings):
     """VPTQ settings. ``num_res_centroids=0`` disables the residual codebook, ``outlier_percent=0`` outliers.
 
     Index bits per weight = log2(num_centroids)/vector_len (+ log2(num_res_centroids)/vector_len).
+    See docs/methods.md, "VPTQ".
     """
 
-    vector_len: int = 6
-    num_centroids: int = 4096
-    num_res_centroids: int = 0
-    # Outlier columns (largest H_jj) get their own small codebook. On SmolLM2 a few MLP inputs carry
-    # 100-1400x the mean H_jj (attention-sink activations): with one shared codebook block 11's down_proj
-    # kept a relative proxy loss of 0.63; with 0.5% outlier columns 0.0001.
-    outlier_percent: float = 0.5
-    outlier_vector_len: int = 4
-    outlier_centroids: int = 256
-    group_num: int = 1
-    enable_norm: bool = False
-    enable_perm: bool = True
-    # Lloyd iterations on at most kmeans_sample vectors (and at most 64 per centroid). Measured on SmolLM2
-    # block 0/5 q_proj and up_proj at v6 k4096: 5 iterations cost +0.5..1.3% relative proxy loss against 10
-    # at two thirds of the time; halving the sample instead costs +3..15%.
-    kmeans_iters: int = 5
-    kmeans_sample: int = 65536
-    # 10% of mean(diag H): on SmolLM2 the Hessians are ill-conditioned (attention-sink tokens); with 1% the
-    # sweep trades large weight errors in weak directions for tiny proxy gains (block 0 q_proj: relative
-    # weight error 0.94 at 1%, 0.58 at 10%, proxy loss 0.0088 vs 0.0077).
-    damp_percent: float = 0.1
-    block_size: int = 128
-    # Block-wise centroid fine-tuning (Adam, batches of 2 windows). SmolLM2 block 3 at v6 k4096, 32 steps:
-    # lr 1e-3 cut the block's output error on held-out windows by 10% (1e-4: by 4%); 96 steps by 11%.
-    finetune_iters: int = 0
-    finetune_lr: float = 1e-3
-    # Layer-wise fine-tuning (quant/finetune.py) also trains the block's norm weights and biases at this lr
-    # (0 = codebooks only), over shuffled minibatches of finetune_batch windows with a cosine schedule; the
-    # last finetune_holdout of the calibration windows are never trained on and pick the best check (every
-    # finetune_eval_every steps and at the end; 0 = only at the end), the untuned block included.
-    finetune_norm_lr: float = 1e-3
-    finetune_batch: int = 2
-    finetune_holdout: float = 0.125
-    finetune_eval_every: int = 0
+    vector_len: int = setting(6, lo=1, hi=16, label="vector length", help="weights per vector", group=VPTQ_GROUP)
+    num_centroids: int = setting(4096, kind="pow2", lo=2, hi=65536, label="centroids", hint="power of 2",
+                                 flag="--centroids", help="codebook size, a power of two", group=VPTQ_GROUP)
+    num_res_centroids: int = setting(0, kind="pow2", lo=2, hi=65536, zero="none", label="residual centroids",
+                                     flag="--res-centroids", help="residual codebook size", group=VPTQ_GROUP)
+    # Outlier columns (largest H_jj) get their own small codebook: a few MLP inputs carry Hessian diagonals
+    # hundreds of times the mean (attention-sink activations), which one shared codebook serves badly.
+    outlier_percent: float = setting(0.5, lo=0.0, hi=50.0, label="outlier columns %", row=1, group=VPTQ_GROUP,
+                                     help="percent of input columns (largest Hessian diagonal) with their own "
+                                     "codebook")
+    outlier_vector_len: int = setting(4, lo=1, hi=16, help="vector length of the outlier codebook",
+                                      group=VPTQ_GROUP, form=False)
+    outlier_centroids: int = setting(256, kind="pow2", lo=2, hi=65536, help="outlier codebook size",
+                                     group=VPTQ_GROUP, form=False)
+    group_num: int = setting(1, lo=1, hi=64, label="groups", flag="--groups", row=1, group=VPTQ_GROUP,
+                             help="codebooks per layer for the non-outlier columns")
+    enable_norm: bool = setting(False, label="normalize columns", flag="--norm", row=2, group=VPTQ_GROUP,
+                                help="per-input-column normalisation")
+    enable_perm: bool = setting(True, label="permute columns", hint="Hessian order", flag="--perm", row=2,
+                                group=VPTQ_GROUP, help="process columns by decreasing Hessian diagonal")
+    # Lloyd iterations on at most kmeans_sample vectors (and at most 64 per centroid): 5 iterations lose little
+    # proxy loss against 10 at two thirds of the time, while a smaller sample loses more.
+    kmeans_iters: int = setting(5, lo=0, hi=1000, label="k-means iterations", row=1, group=VPTQ_GROUP,
+                                help="k-means iterations")
+    kmeans_sample: int = setting(65536, lo=1024, help="at most this many vectors per k-means fit")
+    # 10% of mean(diag H): the Hessians are ill-conditioned (attention-sink tokens); with much less damping the
+    # sweep trades large weight errors in weak directions for tiny proxy gains.
+    damp_percent: float = setting(0.1, lo=0.0, hi=1.0, lo_open=True, help="Hessian damping, a share of mean(diag H)")
+    block_size: int = setting(128, lo=1, hi=4096, help="columns per block of the error-feedback sweep")
+    # Block-wise centroid fine-tuning (Adam, docs/methods.md, "Layer-wise fine-tuning"), which also trains the
+    # block's norm weights and biases at finetune_norm_lr, over shuffled minibatches of finetune_batch windows
+    # with a cosine schedule; the last finetune_holdout of the calibration windows are never trained on and
+    # pick the best check (every finetune_eval_every steps and at the end), the untuned block included.
+    finetune_iters: int = setting(0, lo=0, hi=100000, label="fine-tune iterations", row=3, group=VPTQ_GROUP,
+                                  help="layer-wise fine-tuning steps per block (codebooks + norms)")
+    finetune_lr: float = setting(1e-3, lo=0.0, hi=1.0, lo_open=True, help="fine-tuning lr of the codebooks")
+    finetune_norm_lr: float = setting(1e-3, lo=0.0, hi=1.0, zero="codebooks only",
+                                      help="fine-tuning lr of the norms and biases")
+    finetune_batch: int = setting(2, lo=1, hi=4096, help="windows per fine-tuning step")
+    finetune_holdout: float = setting(0.125, lo=0.0, hi=0.5, help="share of the windows held out")
+    finetune_eval_every: int = setting(0, lo=0, hi=100000, zero="only at the end",
+                                       help="fine-tuning steps between held-out checks")
     # What fine-tuning fits each block's outputs to: "quantized" = the original block applied to the inputs
     # coming from the already quantized blocks; "fp" = the original model's own block outputs (its inputs come
     # from the original blocks), so each block also corrects what the blocks before it got wrong.
-    target_chain: str = "quantized"
-    # Total bits per weight (codebooks, outliers and permutation included) no layer may exceed; 0 = off. A
-    # layer over it steps down the vector length at the same index bits per weight (v6 k4096 -> v5 k1024 ->
-    # v4 k256 ...: smaller codebooks) until it fits, so the model's total never exceeds it either
-    # (vptq.layer_config; allocate.cap_for_budget finds the loosest cap for a model-level budget).
-    layer_bits_cap: float = 0.0
+    target_chain: str = setting("quantized", choices=_TARGET_CHAIN, help="the block outputs training fits")
     # Total bits per weight of the whole model (every block linear, codebooks, outliers and permutation
-    # included); 0 = off. Before a run it becomes the loosest layer_bits_cap whose model total stays within it
+    # included). Before a run it becomes the loosest layer_bits_cap whose model total stays within it
     # (``for_model`` -> allocate.cap_for_budget over the model's layer shapes): the layers whose codebooks are
     # expensive next to their weights step down, the budget goes to the others. Set this or layer_bits_cap.
-    bits_budget: float = 0.0
+    bits_budget: float = setting(0.0, lo=0.0, hi=64.0, zero="off", label="total bits budget", row=4,
+                                 group=VPTQ_GROUP,
+                                 help="total bits per weight of the whole model: becomes the loosest "
+                                 "--layer-bits-cap that meets it for this model (set one of the two)")
+    # Total bits per weight (codebooks, outliers and permutation included) no layer may exceed. A layer over it
+    # steps down the vector length at the same index bits per weight (v6 k4096 -> v5 k1024 -> v4 k256 ...:
+    # smaller codebooks) until it fits, so the model's total never exceeds it either (vptq.layer_config).
+    layer_bits_cap: float = setting(0.0, lo=0.0, hi=64.0, zero="off", label="max total bits per layer", row=4,
+                                    group=VPTQ_GROUP,
+                                    help="total bits per weight no layer may exceed (shorter vectors, same index "
+                                    "bits, where codebooks are expensive)")
     # How a bits_budget is spent: "cap" = the same index bits everywhere, codebooks shrunk where they are
     # expensive (allocate.py; known before the run); "sensitivity" = more bits where the model's loss feels the
-    # error, measured on the calibration windows before the first block (quant/sensitivity.py).
-    allocation: str = "cap"
+    # error, measured on the calibration windows before the first block (quant/sensitivity.py; docs/methods.md,
+    # "Bit plan by sensitivity").
+    allocation: str = setting("cap", choices=ALLOCATIONS, one_of=True, label="bits allocation", row=4,
+                              hint="sensitivity = measured per layer", group=VPTQ_GROUP,
+                              help="how --bits-budget is spent: cap = the same index bits in every layer; "
+                              "sensitivity = each layer's own vector length and codebook size, more bits where "
+                              "the model's loss feels the error (measured before the first block)")
     # The per-layer settings a "sensitivity" run chose: ((full module name, vector_len, num_centroids), ...);
     # filled by the run and kept in its recorded config (a config with a plan quantizes those layers so again).
-    layer_plan: tuple = ()
+    layer_plan: tuple = internal(())
     # Conjugate-gradient steps refitting every codebook of a layer after the sweep (indices fixed) on
-    # tr(ΔW H ΔWᵀ); 0 = off. See quant/refit.py.
-    refit_iters: int = 0
-    second_order: bool = True
-    seed: int = 0
+    # tr(ΔW H ΔWᵀ). See quant/refit.py.
+    refit_iters: int = setting(0, lo=0, hi=1000, zero="off", label="codebook refit steps", hint="after the sweep",
+                               row=3, group=VPTQ_GROUP,
+                               help="conjugate-gradient steps refitting every codebook of a layer after the sweep")
+    second_order: bool = setting(True, flag="--no-second-order", switch=False, group=VPTQ_GROUP, form=False,
+                                 help="ablation: plain nearest-centroid assignment")
 
     def __post_init__(self) -> None:
-        check_int("vector_len", self.vector_len, 1, 16)
-        check_pow2("num_centroids", self.num_centroids, 2, 65536)
-        if self.num_res_centroids != 0:
-            check_pow2("num_res_centroids", self.num_res_centroids, 2, 65536)
+        super().__post_init__()
         if self.num_res_centroids > self.num_centroids:
             raise ValueError(
                 f"num_res_centroids ({self.num_res_centroids}) must be <= num_centroids ({self.num_centroids}): "
@@ -244,27 +256,7 @@ class VPTQConfig(DistillSettings):
             )
         if int(math.log2(self.num_centroids)) + self.res_bits > 32:
             raise ValueError("log2(num_centroids) + log2(num_res_centroids) must be <= 32")
-        check_float("outlier_percent", self.outlier_percent, 0.0, 50.0)
-        check_int("outlier_vector_len", self.outlier_vector_len, 1, 16)
-        check_pow2("outlier_centroids", self.outlier_centroids, 2, 65536)
-        check_int("group_num", self.group_num, 1, 64)
-        check_int("kmeans_iters", self.kmeans_iters, 0, 1000)
-        check_int("kmeans_sample", self.kmeans_sample, 1024)
-        check_float("damp_percent", self.damp_percent, 0.0, 1.0, lo_open=True)
-        check_int("block_size", self.block_size, 1, 4096)
-        check_int("finetune_iters", self.finetune_iters, 0, 100000)
-        check_int("refit_iters", self.refit_iters, 0, 1000)
-        check_float("finetune_lr", self.finetune_lr, 0.0, 1.0, lo_open=True)
-        check_float("finetune_norm_lr", self.finetune_norm_lr, 0.0, 1.0)
-        check_int("finetune_batch", self.finetune_batch, 1, 4096)
-        check_float("finetune_holdout", self.finetune_holdout, 0.0, 0.5)
-        check_int("finetune_eval_every", self.finetune_eval_every, 0, 100000)
-        check_target_chain(self.target_chain)
-        check_float("layer_bits_cap", self.layer_bits_cap, 0.0, 64.0)
-        check_float("bits_budget", self.bits_budget, 0.0, 64.0)
         check_allocation(self)
-        check_bools(self, ("enable_norm", "enable_perm", "second_order"))
-        self.check_distill()
 
     @property
     def index_bits(self) -> int:
@@ -305,9 +297,6 @@ class VPTQConfig(DistillSettings):
         return (self.index_bits + self.res_bits) / self.vector_len
 
 
-ALLOCATIONS = ("cap", "sensitivity")
-
-
 def check_allocation(config) -> None:
     """``allocation`` and ``layer_plan`` of a VPTQConfig (a plan as JSON gives lists: turned into tuples)."""
     if config.allocation not in ALLOCATIONS:
@@ -329,23 +318,21 @@ def check_allocation(config) -> None:
     object.__setattr__(config, "layer_plan", tuple(entries))
 
 
-def check_target_chain(value) -> None:
-    if value not in ("quantized", "fp"):
-        raise ValueError(f"target_chain must be 'quantized' (original block on the quantized chain's inputs) or "
-                         f"'fp' (the original model's own block outputs), got {value!r}")
-
-
-ACT_GRANULARITIES = ("token", "token_asym", "tensor")
-
-
-def check_act(act_bits, act_granularity, act_clip: str = "absmax") -> None:
-    if isinstance(act_bits, bool) or act_bits not in (4, 8, 16):
-        raise ValueError(f"act_bits must be 4, 8 or 16 (16 = no activation quantization), got {act_bits!r}")
-    if act_granularity not in ACT_GRANULARITIES:
-        raise ValueError(f"act_granularity must be 'token' (dynamic, symmetric), 'token_asym' (dynamic, scale and "
-                         f"zero point per token) or 'tensor' (static), got {act_granularity!r}")
-    if act_clip not in ("absmax", "mse"):
-        raise ValueError(f"act_clip must be 'absmax' or 'mse' (static scales: clip by output error), got {act_clip!r}")
+# Settings the scalar configs share (their ranges and defaults differ).
+_BITS = dict(label="bits", help="bits per weight", group=SCALAR_GROUP)
+_GROUP_SIZE = dict(label="group size", zero="per channel", help="weights per scale", group=SCALAR_GROUP)
+_CLIP_SEARCH = dict(help="search each group's clipping range for the least output error")
+_ACT_BITS = dict(choices={4: "", 8: "", 16: "16 = no activation quantization"}, group=SCALAR_GROUP,
+                 help="activation bits: 16 = weight-only, 8 = W?A8")
+_ACT_GRANULARITY = dict(choices=dict(zip(ACT_GRANULARITIES, ("dynamic, symmetric",
+                                                             "dynamic, scale and zero point per token", "static"))),
+                        group=SCALAR_GROUP,
+                        help="activation quantizer: token = dynamic per token, token_asym = dynamic per token with "
+                        "a zero point, tensor = static per tensor")
+# Static per-tensor scales: "absmax" (nothing clipped) or "mse" (the clip that minimises each linear's output
+# error on the calibration inputs; act_quant.calibrate_static_scales).
+_ACT_CLIP = dict(choices={"absmax": "", "mse": "static scales: clip by output error"}, group=SCALAR_GROUP,
+                 form=False, help="static activation scales: absmax, or the clip with the least output error")
 
 
 @dataclass(frozen=True)
@@ -355,89 +342,64 @@ class ScalarConfig(DistillSettings):
     ``act_bits`` 16 = weight-only; 8 (or 4) fake-quantizes the inputs of the quantized linears, per token
     (dynamic) or per tensor (static absmax scale from the calibration data), as for LRQ."""
 
-    bits: int = 4
-    group_size: int = 128
-    sym: bool = False
-    act_order: bool = True
-    damp_percent: float = 0.01
-    block_size: int = 128
-    clip_search: bool = False
-    act_bits: int = 16
-    act_granularity: str = "token"
-    # static per-tensor scales: "absmax" (nothing clipped) or "mse" (the clip that minimises each linear's
-    # output error on the calibration inputs; act_quant.calibrate_static_scales)
-    act_clip: str = "absmax"
-    distill_lr: float = SCALAR_DISTILL_LR
-
-    def __post_init__(self) -> None:
-        check_int("bits", self.bits, 1, 8)
-        check_int("group_size", self.group_size, 0)
-        check_float("damp_percent", self.damp_percent, 0.0, 1.0, lo_open=True)
-        check_int("block_size", self.block_size, 1, 4096)
-        check_act(self.act_bits, self.act_granularity, self.act_clip)
-        check_bools(self, ("sym", "act_order", "clip_search"))
-        self.check_distill()
+    bits: int = setting(4, lo=1, hi=8, **_BITS)
+    group_size: int = setting(128, lo=0, **_GROUP_SIZE)
+    sym: bool = setting(False, help="a symmetric grid (no zero point)")
+    act_order: bool = setting(True, label="act order", hint="GPTQ", flag="--no-act-order", switch=False,
+                              group=ORDER_GROUP, help="GPTQ: natural column order")
+    damp_percent: float = setting(0.01, lo=0.0, hi=1.0, lo_open=True, help="Hessian damping, a share of mean(diag H)")
+    block_size: int = setting(128, lo=1, hi=4096, help="columns per block of the error-feedback sweep")
+    clip_search: bool = setting(False, **_CLIP_SEARCH)
+    act_bits: int = setting(16, **_ACT_BITS)
+    act_granularity: str = setting("token", **_ACT_GRANULARITY)
+    act_clip: str = setting("absmax", **_ACT_CLIP)
+    distill_lr: float = redeclare(DistillSettings, "distill_lr", SCALAR_DISTILL_LR)
 
 
 @dataclass(frozen=True)
 class LRQConfig(DistillSettings):
-    """LRQ settings (METHODS.md section 2).
+    """LRQ settings (docs/methods.md, "LRQ").
 
     ``rank=0`` picks the rank from the layer size (``auto_rank``); ``full_scale=True`` learns one scale per
     weight instead of the low-rank matrix (FlexRound-style, for comparison). ``act_bits`` 16 = weight-only;
     8 with ``act_granularity`` "token" (dynamic per token) or "tensor" (static, from calibration).
 
     Defaults are sized for small models on a CPU: 32 steps of one 512-token window (one epoch of 32
-    calibration windows) at lr 1e-2 remove ~60-70% of the RTN block-output error on SmolLM2-135M at 4 bits;
-    lr 2e-2 is already worse and 5e-2 diverges. The paper's runs (~5000 steps, batch 2, lr 4e-4..9e-4) suit
-    large models with a GPU.
+    calibration windows) at lr 1e-2; a larger lr soon diverges. The paper's runs (~5000 steps, batch 2,
+    lr 4e-4..9e-4) suit large models with a GPU.
     """
 
-    bits: int = 4
-    group_size: int = 0
-    rank: int = 0
-    iters: int = 32
-    lr: float = 1e-2
-    batch_size: int = 1
-    clip_search: bool = True
-    full_scale: bool = False
-    act_bits: int = 16
-    act_granularity: str = "token"
-    # static per-tensor scales: "absmax" (nothing clipped) or "mse" (the clip that minimises each linear's
-    # output error on the calibration inputs; act_quant.calibrate_static_scales)
-    act_clip: str = "absmax"
-    # the block outputs the training fits: "quantized" chain or "fp" chain (see VPTQConfig.target_chain). "fp"
-    # measured better on SmolLM2 W4A8: wiki 1.54x -> 1.30x bf16, pydocs 1.52x -> 1.42x (README, "LRQ W4A8")
-    target_chain: str = "fp"
-    seed: int = 0
-    distill_lr: float = SCALAR_DISTILL_LR
-
-    def __post_init__(self) -> None:
-        check_int("bits", self.bits, 2, 8)
-        check_int("group_size", self.group_size, 0)
-        check_int("rank", self.rank, 0, 8192)
-        check_target_chain(self.target_chain)
-        check_int("iters", self.iters, 0, 100000)
-        check_float("lr", self.lr, 0.0, 1.0, lo_open=True)
-        check_int("batch_size", self.batch_size, 1, 1024)
-        check_act(self.act_bits, self.act_granularity, self.act_clip)
-        check_bools(self, ("clip_search", "full_scale"))
-        self.check_distill()
+    bits: int = setting(4, lo=2, hi=8, **_BITS)
+    group_size: int = setting(0, lo=0, **_GROUP_SIZE)
+    rank: int = setting(0, lo=0, hi=8192, zero="auto", label="LRQ rank", group=LRQ_GROUP,
+                        help="rank of LRQ's low-rank weight scaling (auto picks it from the layer size)")
+    iters: int = setting(32, lo=0, hi=100000, label="LRQ iterations per block", group=LRQ_GROUP,
+                         help="LRQ training iterations per block")
+    lr: float = setting(1e-2, lo=0.0, hi=1.0, lo_open=True, group=LRQ_GROUP, form=False, help="LRQ learning rate")
+    batch_size: int = setting(1, lo=1, hi=1024, help="windows per LRQ step")
+    clip_search: bool = setting(True, **_CLIP_SEARCH)
+    full_scale: bool = setting(False, switch=True, group=LRQ_GROUP, form=False,
+                               help="LRQ: learn a full per-weight scale (FlexRound-style)")
+    act_bits: int = setting(16, **_ACT_BITS)
+    act_granularity: str = setting("token", **_ACT_GRANULARITY)
+    act_clip: str = setting("absmax", **_ACT_CLIP)
+    # "fp" (the original model's own block outputs) fits LRQ better at W4A8 (docs/methods.md, "LRQ").
+    target_chain: str = setting("fp", choices=_TARGET_CHAIN, help="the block outputs training fits")
+    distill_lr: float = redeclare(DistillSettings, "distill_lr", SCALAR_DISTILL_LR)
 
 
 @dataclass(frozen=True)
 class CalibConfig(ConfigBase):
     """Calibration data: ``text`` is "wiki" (bundled Wikipedia, even articles), "pydocs" (Python's
-    documentation, even topics) or a path to a UTF-8 file."""
+    documentation, even topics) or a path to a UTF-8 file. The CLI and the form have flags and fields of
+    their own for these (the CLI's --calib-text, --calib-samples, --seqlen, --seed)."""
 
-    text: str = "wiki"
-    samples: int = 64
-    seqlen: int = 512
-    seed: int = 0
+    text: str = setting("wiki", label="calibration text", help="'wiki', 'pydocs' or a UTF-8 file")
+    samples: int = setting(64, lo=1, hi=100000, label="calibration samples", help="calibration windows")
+    seqlen: int = setting(512, lo=8, hi=131072, label="tokens per sample", help="tokens per calibration window")
+    seed: int = setting(0, lo=0, label="seed", help="seed of the windows' choice")
 
     def __post_init__(self) -> None:
         if not isinstance(self.text, str) or not self.text:
             raise ValueError(f"calibration text must be 'wiki', 'pydocs' or a file path, got {self.text!r}")
-        check_int("samples", self.samples, 1, 100000)
-        check_int("seqlen", self.seqlen, 8, 131072)
-        check_int("seed", self.seed, 0)
+        super().__post_init__()

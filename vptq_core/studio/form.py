@@ -1,21 +1,26 @@
-"""The quantize tab's settings form, without Gradio: what each form field sets, the method config built from
-the form's values, what a preset fills in, and which fields a method shows.
+"""The quantize tab's settings form, without Gradio: which fields it has and how they are laid out, what each
+field sets, the method config built from the form's values, what a preset fills in, and which fields a method
+shows.
 
-Form fields are keyed by the config setting they set (``vector_len``, ``bits``, ``rank``, ...), so a method's
+The fields come from the settings' declarations (quant/settings.py): every setting of a registered method's
+config declared with a group is a field, in its group's row, with its label and hint (``form_groups``). Form
+fields are keyed by the config setting they set (``vector_len``, ``bits``, ``rank``, ...), so a method's
 config takes exactly the fields named in ``Method.setting_names``. One field stands for two settings: the
 activations dropdown (``activations``) sets ``act_bits`` and ``act_granularity``. Nothing here branches on a
-method's name: a new method's settings show as soon as the form has fields for them, and settings without
-a field keep their config defaults.
+method's name: a new method's declared settings show as soon as it is registered, and settings without a field
+keep their config defaults.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
-from dataclasses import MISSING, fields
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from ..quant import methods
+from ..quant.config import CALIB_GROUP, GROUPS, CalibConfig
+from ..quant.settings import Setting, declared, grouped
 
 CUSTOM = "custom"  # the preset shown once a field is edited by hand
 WIKI_SOURCE = "bundled Wikipedia text"
@@ -31,44 +36,125 @@ ACT_FIELD = "activations"
 ACT_SETTINGS = ("act_bits", "act_granularity")
 SEED_FIELD = "seed"
 OTHER_MODEL = "other"  # the model dropdown's choice that takes the hub id / directory textbox
-# What the form calls each field (error messages use these words, not the setting names). Fields a newly
-# registered method brings without a label here keep their setting name.
-FIELD_LABELS = {
-    "vector_len": "vector length", "num_centroids": "centroids", "num_res_centroids": "residual centroids",
-    "outlier_percent": "outlier columns %", "group_num": "groups", "kmeans_iters": "k-means iterations",
-    "enable_norm": "normalize columns", "enable_perm": "permute columns", "finetune_iters": "fine-tune iterations",
-    "layer_bits_cap": "max total bits per layer", "bits_budget": "total bits budget",
-    "allocation": "bits allocation",
-    "distill_iters": "distillation steps",
-    "distill_data": "distillation data", "distill_samples": "sampled windows",
-    "distill_eval_every": "held-out check every", "distill_lr": "distillation lr",
-    "calib_sampled_share": "self-written calibration share", "refit_iters": "codebook refit steps",
-    "time_budget": "time budget",
-    "bits": "bits", "group_size": "group size", "activations": "activations", "act_order": "act order",
-    "rank": "LRQ rank", "iters": "LRQ iterations per block", "seed": "seed", "samples": "calibration samples",
-    "seqlen": "tokens per sample",
-}
+CALIBRATION_GROUP = CALIB_GROUP  # the group the form shows with the calibration text and windows
+CALIB_FIELDS = ("samples", "seqlen")  # CalibConfig settings the form has fields of its own for (not method settings)
+
+
+@dataclass(frozen=True)
+class FormField:
+    """One field of the form: ``key`` (the setting it sets), ``label`` (the form's words; errors use them),
+    ``kind`` ("int", "float", "bool", "choice" or "text"), ``hint`` (said after the label in parentheses),
+    ``choices`` (of a "choice") and ``help`` (a longer explanation)."""
+
+    key: str
+    label: str
+    kind: str
+    hint: str = ""
+    choices: tuple = ()
+    help: str = ""
+
+    @property
+    def title(self) -> str:
+        """The component's label: the label and the hint."""
+        return f"{self.label} ({self.hint})" if self.hint else self.label
+
+    @property
+    def precision(self) -> int | None:
+        """Decimals a number field keeps: 0 for whole numbers, None (any) otherwise."""
+        return 0 if self.kind == "int" else None
+
+    @classmethod
+    def of(cls, key: str, setting: Setting) -> FormField:
+        kind = {"pow2": "int"}.get(setting.kind, setting.kind)
+        return cls(key, setting.label, kind, setting.form_hint, setting.choices, setting.help)
+
+
+@dataclass(frozen=True)
+class FormGroup:
+    """A group of fields shown together, row by row, for the ``methods`` whose configs have any of its
+    settings (the others hide it)."""
+
+    name: str
+    rows: tuple[tuple[FormField, ...], ...]
+    methods: tuple[str, ...]
+
+    @property
+    def fields(self) -> tuple[FormField, ...]:
+        return tuple(f for row in self.rows for f in row)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(f.key for f in self.fields)
+
+
+ACTIVATIONS_FIELD = FormField(ACT_FIELD, "activations", "choice", "W·A8 = 8-bit inputs to the linears",
+                              tuple(ACTIVATIONS), "quantize the inputs of the quantized linears too")
+
+
+def _field(key: str, setting: Setting) -> FormField:
+    return ACTIVATIONS_FIELD if key in ACT_SETTINGS else FormField.of(key, setting)
+
+
+def form_groups() -> list[FormGroup]:
+    """Every group of fields the registered methods' settings declare, in the order the form shows them (the
+    built-in groups in ``config.GROUPS`` order, then the others); the activations field stands where its
+    settings are declared."""
+    groups = []
+    for name, settings in grouped((m.config_class for m in methods.all_methods()), "form", GROUPS).items():
+        rows: dict[int, dict[str, FormField]] = {}
+        for key, setting in settings.items():
+            made = _field(key, setting)
+            rows.setdefault(setting.row, {}).setdefault(made.key, made)
+        keys = [k for row in rows.values() for k in row]
+        users = tuple(m.name for m in methods.all_methods() if uses(m.name, keys))
+        groups.append(FormGroup(name, tuple(tuple(rows[r].values()) for r in sorted(rows)), users))
+    return groups
+
+
+def field_labels() -> dict[str, str]:
+    """What the form calls each field (error messages use these words, not the setting names): every field
+    of ``form_groups`` and the calibration windows' fields."""
+    labels = {f.key: f.label for group in form_groups() for f in group.fields}
+    calib = declared(CalibConfig)
+    return {**labels, **{key: calib[key].label for key in CALIB_FIELDS}}
+
+
+class _FieldLabels(Mapping):
+    """``field_labels()`` as a mapping, read when used (so that methods registered later count)."""
+
+    def __getitem__(self, key: str) -> str:
+        return field_labels()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(field_labels())
+
+    def __len__(self) -> int:
+        return len(field_labels())
+
+
+FIELD_LABELS: Mapping[str, str] = _FieldLabels()
+
 # Settings sized for a model whose linears are this narrow or narrower (the presets are sized for SmolLM2:
-# on 64-wide layers their 4096-entry codebooks cost ~80 bits per weight).
+# on 64-wide layers their 4096-entry codebooks cost far more bits than the weights).
 SMALL_MODEL_WIDTH = 256
 SMALL_MODEL_VALUES = {"vector_len": 4, "num_centroids": 16, "kmeans_iters": 2, "outlier_percent": 0.0}
 SMALL_MODEL_CALIB = (4, 64)  # calibration samples × tokens per sample
 MODEL_CALIB = (32, 512)
-_SETTING_NAME = re.compile(r"\b(" + "|".join(sorted(map(re.escape, FIELD_LABELS), key=len, reverse=True)) + r")\b")
 
 
 def readable(message: str) -> str:
     """A config error with the form's words for its settings ("vector length must be in 1..16, got 0" for
     "vector_len must be ..."): setting names with an underscore anywhere, others only where they start it."""
-    message = str(message)
+    labels = field_labels()
+    names = re.compile(r"\b(" + "|".join(sorted(map(re.escape, labels), key=len, reverse=True)) + r")\b")
 
     def swap(match: re.Match) -> str:
         name = match.group(1)
         if "_" in name or match.start() == 0:
-            return FIELD_LABELS[name]
+            return labels[name]
         return name
 
-    return _SETTING_NAME.sub(swap, message)
+    return names.sub(swap, str(message))
 
 
 SEED_MAX = 2**64 - 1  # torch.manual_seed takes at most 64 bits
