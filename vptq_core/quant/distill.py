@@ -234,7 +234,7 @@ def distill(
             step the run plans how many of ``distill_iters`` steps still fit (``train.plan_steps``, from the steps and
             checks so far) and its schedule runs over that many (never more); when none fits it stops like a
             cancel (keeping the best check). No time left at the start: nothing is trained.
-        on_plan: hears the new step count each time the deadline shrinks the plan.
+        on_plan: hears the new step count each time the deadline changes the plan.
 
     Returns metrics: ``steps`` done, ``planned_steps`` (< ``distill_iters`` when the deadline cut them),
     ``cancelled``, ``heldout_windows``, ``kl_before`` / ``kl_after`` (held-out

@@ -188,11 +188,11 @@ def train_holdout(
     result = TrainResult(checks=[])
 
     def run_check() -> None:
+        nonlocal best
         t0 = time.perf_counter()
         value = check()
         plan.check_s = time.perf_counter() - t0
         result.checks.append((result.steps, value))
-        nonlocal best
         if len(result.checks) > 1 and better(value, result.best):
             result.best_index = len(result.checks) - 1
             best = Snapshot(params)
