@@ -1,14 +1,14 @@
 import copy
 import dataclasses
-import math
 import time
 
 import pytest
 import torch
 
 from vptq_core.quant.config import LRQConfig, ScalarConfig, VPTQConfig
-from vptq_core.quant.distill import bucket_kl, distill, sample_windows, teacher_topk
+from vptq_core.quant.distill import distill
 from vptq_core.quant.pipeline import quantize_model
+from vptq_core.quant.sampling import sample_windows
 from vptq_core.storage.checkpoint import load_quantized, save_quantized
 
 TINY = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=3, outlier_percent=0.0)
@@ -27,57 +27,12 @@ def _kl(qmodel, reference, ids) -> float:
     return float((p.exp() * (p - q)).sum(-1).mean())
 
 
-def test_bucket_kl_is_the_full_kl_when_k_covers_the_vocabulary():
-    gen = torch.Generator().manual_seed(0)
-    t, s = torch.randn(5, 40, generator=gen), torch.randn(5, 40, generator=gen)
-    p, q = torch.log_softmax(t, -1), torch.log_softmax(s, -1)
-    full = float((p.exp() * (p - q)).sum())
-    top, index = p.topk(40, -1)
-    rest = torch.full((5,), float("-inf"))
-    assert float(bucket_kl(s, top, index, rest)) == pytest.approx(full, rel=1e-5)
-    # with k < V the bucket KL is a lower bound (data processing) and positive
-    top, index = p.topk(8, -1)
-    rest = p.scatter(-1, index, float("-inf")).logsumexp(-1)
-    assert 0 < float(bucket_kl(s, top, index, rest)) <= full + 1e-6
-
-
-def _bucket_kl_by_autograd(logits, t_logp, t_index, t_rest):  # the plain formulation, differentiated by autograd
-    lse = logits.logsumexp(-1)
-    q_top = logits.gather(-1, t_index) - lse[:, None]
-    q_rest = logits.scatter(-1, t_index, float("-inf")).logsumexp(-1) - lse
-    p_rest = t_rest.exp()
-    kl_top = (t_logp.exp() * (t_logp - q_top)).sum(-1)
-    return (kl_top + torch.where(p_rest > 0, p_rest * (t_rest - q_rest), torch.zeros_like(p_rest))).sum()
-
-
-@pytest.mark.parametrize("k,spread", [(8, 1.0), (64, 1.0), (8, 12.0), (300, 1.0)])
-def test_bucket_kl_value_and_gradient_match_the_autograd_formulation(k, spread):
-    """The hand-written gradient of bucket_kl against autograd through logsumexp; spread 12: peaked teachers and
-    students (the rest bucket holds ~1e-30 of the mass), k 300 of 300: no rest at all."""
-    gen = torch.Generator().manual_seed(k)
-    vocab = 300
-    t = torch.randn(7, vocab, generator=gen, dtype=torch.float64) * spread
-    p = torch.log_softmax(t, -1)
-    top, index = p.topk(k, -1)
-    rest = p.scatter(-1, index, float("-inf")).logsumexp(-1) if k < vocab else torch.full((7,), float("-inf"),
-                                                                                             dtype=torch.float64)
-    s = (torch.randn(7, vocab, generator=gen, dtype=torch.float64) * spread + t).requires_grad_()
-    want = _bucket_kl_by_autograd(s, top, index, rest)
-    (want_grad,) = torch.autograd.grad(want, s)
-    s32 = s.detach().float().requires_grad_()
-    got = bucket_kl(s32 * 1.0, top.float(), index, rest.float())
-    got.backward(torch.tensor(2.0))
-    torch.testing.assert_close(got.double(), want.detach(), rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(s32.grad.double(), 2 * want_grad, rtol=1e-4, atol=1e-6)
-    assert torch.isfinite(s32.grad).all()
-
-
 def test_codebook_steps_are_relative_to_the_models_codebook_rms():
     """distill_lr is a relative step: the codebooks' Adam lr is distill_lr x the median RMS of the model's
     codebook tensors (10x larger weights, 10x larger steps); scalar log-scales keep distill_lr as it is."""
     from tests.factories import random_scalar_state, random_vq_state
     from vptq_core.quant.distill import lr_groups
-    from vptq_core.quant.finetune import trainable_linear
+    from vptq_core.quant.trainable import trainable_linear
 
     vqs = [random_vq_state(32, 16, vector_len=4, num_centroids=16, seed=s) for s in range(3)]
     sc = random_scalar_state(32, 16, bits=3, group_size=16, seed=1)
@@ -117,7 +72,7 @@ def test_distillation_lowers_the_kl_on_its_training_windows(tiny_model, windows)
 def test_checkpointing_changes_memory_not_results(tiny_model, windows, monkeypatch):
     """Activation checkpointing on or off trains the same model; "auto" turns it off only when one step's saved
     activations fit a quarter of the free memory."""
-    from vptq_core.quant import distill as distill_mod
+    from vptq_core.quant import student
 
     model, _ = tiny_model
     trained = []
@@ -131,32 +86,22 @@ def test_checkpointing_changes_memory_not_results(tiny_model, windows, monkeypat
     for name, centroids in trained[0].items():
         torch.testing.assert_close(trained[1][name], centroids, rtol=1e-5, atol=1e-6)
     # auto: 20 bytes per token and linear output against a quarter of the free memory
-    need = distill_mod.ACT_BYTES * 5184 * 30 * 512  # SmolLM2-135M, one 512-token window: 1.59 GB
+    need = student.ACT_BYTES * 5184 * 30 * 512  # SmolLM2-135M, one 512-token window: 1.59 GB
     for free, expected in ((4 * need + 1, False), (4 * need - 1, True), (None, True)):
-        monkeypatch.setattr(distill_mod, "free_memory", lambda _device, _f=free: _f)
-        assert distill_mod.use_checkpointing("auto", 5184 * 30, 512, torch.device("cpu")) is expected
-    assert distill_mod.use_checkpointing(False, 10**9, 10**9, torch.device("cpu")) is False
+        monkeypatch.setattr(student, "free_memory", lambda _device, _f=free: _f)
+        assert student.use_checkpointing("auto", 5184 * 30, 512, torch.device("cpu")) is expected
+    assert student.use_checkpointing(False, 10**9, 10**9, torch.device("cpu")) is False
     assert VPTQConfig().distill_checkpointing == "auto"
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="distill_checkpointing must be true, false or 'auto'"):
             VPTQConfig(distill_checkpointing=bad)
 
 
-def test_plan_steps_fits_the_steps_and_checks_into_the_time_left():
-    from vptq_core.quant.distill import plan_steps
-
-    # typical step = median of the steps after the first (10 s), checks of 4 s every 2 steps, one kept for the end
-    assert plan_steps(100.0, [30.0, 10.0, 11.0, 9.0], 4.0, 2) == 8  # (100 - 4) // (10 + 2)
-    assert plan_steps(100.0, [30.0], 4.0, 2) == 3  # only the first step known: (100 - 4) // 32
-    assert plan_steps(3.0, [1.0, 1.0], 4.0, 2) == 0
-    assert plan_steps(-5.0, [1.0], 0.0, 1) == 0
-
-
 def test_a_time_budget_shrinks_distillation_to_the_steps_that_fit(tiny_model, windows, monkeypatch):
     """With a deadline the run plans how many steps fit and runs its schedule over that many: the same model as
     a run configured for that many steps; with no time left nothing is trained; the pipeline sets the deadline
     from time_budget."""
-    from vptq_core.quant import distill as distill_mod
+    from vptq_core.quant import train as train_mod  # the loop plans the steps and sets the learning rates
 
     model, _ = tiny_model
     qmodel, result = quantize_model(model, windows, "vptq", TINY)
@@ -167,7 +112,7 @@ def test_a_time_budget_shrinks_distillation_to_the_steps_that_fit(tiny_model, wi
         q, st = copy.deepcopy(qmodel), copy.deepcopy(result.states)
         plans = []
         # 3 steps fit in all (the clock is not what is tested here: plan_steps is, above)
-        monkeypatch.setattr(distill_mod, "plan_steps", lambda _left, times, _c, _e: max(0, 3 - len(times)))
+        monkeypatch.setattr(train_mod, "plan_steps", lambda _left, times, _c, _e: max(0, 3 - len(times)))
         metrics = distill(q, model, st, windows, dataclasses.replace(cfg, distill_iters=iters), deadline=deadline,
                           on_plan=plans.append)
         runs.append((st, metrics, plans))
@@ -178,17 +123,17 @@ def test_a_time_budget_shrinks_distillation_to_the_steps_that_fit(tiny_model, wi
     # a short first plan (the first step pays one-time costs) grows again when later steps show more fit: the run
     # takes exactly the steps of its last plan, and none past it (where the schedule's learning rate is 0)
     fits = {1: 2, 2: 5}
-    monkeypatch.setattr(distill_mod, "plan_steps", lambda _left, times, _c, _e: fits.get(len(times), 7 - len(times)))
+    monkeypatch.setattr(train_mod, "plan_steps", lambda _left, times, _c, _e: fits.get(len(times), 7 - len(times)))
     plans, lrs = [], []
-    real_cosine = distill_mod.cosine_factor
-    monkeypatch.setattr(distill_mod, "cosine_factor", lambda *a: lrs.append(real_cosine(*a)) or lrs[-1])
+    real_cosine = train_mod.cosine_factor
+    monkeypatch.setattr(train_mod, "cosine_factor", lambda *a: lrs.append(real_cosine(*a)) or lrs[-1])
     metrics = distill(copy.deepcopy(qmodel), model, copy.deepcopy(result.states), windows, cfg,
                       deadline=time.perf_counter() + 3600, on_plan=plans.append)
     assert plans == [3, 7] and metrics["steps"] == metrics["planned_steps"] == 7 and metrics["out_of_time"]
     assert lrs and min(lrs) > 0  # every step trained (the old plan-only-shrinks loop ran 4 steps at 0)
-    monkeypatch.setattr(distill_mod, "cosine_factor", real_cosine)
+    monkeypatch.setattr(train_mod, "cosine_factor", real_cosine)
     # the time runs out mid-way (the steps were slower than planned): the run stops there, like a cancel
-    monkeypatch.setattr(distill_mod, "plan_steps", lambda _left, times, _c, _e: 5 if len(times) < 2 else 0)
+    monkeypatch.setattr(train_mod, "plan_steps", lambda _left, times, _c, _e: 5 if len(times) < 2 else 0)
     metrics = distill(copy.deepcopy(qmodel), model, copy.deepcopy(result.states), windows, cfg,
                       deadline=time.perf_counter() + 3600)
     assert metrics["steps"] == metrics["planned_steps"] == 2 and metrics["out_of_time"] and not metrics["cancelled"]
@@ -250,14 +195,6 @@ def test_distillation_needs_the_original_model(tiny_model, windows):
         quantize_model(model, windows, "vptq", cfg, keep_states=False)
 
 
-def test_teacher_topk_shapes_and_mass(tiny_model, windows):
-    model, _ = tiny_model
-    t = teacher_topk(model, windows[:2], 16, torch.device("cpu"))
-    assert t["logp"].shape == t["index"].shape == (2, 63, 16) and t["rest"].shape == (2, 63)
-    total = torch.logaddexp(t["logp"].logsumexp(-1), t["rest"])
-    torch.testing.assert_close(total, torch.zeros_like(total), atol=1e-5, rtol=0)
-
-
 def test_quantize_to_dir_distils_and_writes_the_distilled_model(tmp_path, tiny_model):
     from vptq_core.api import quantize_to_dir
     from vptq_core.quant.config import CalibConfig
@@ -276,69 +213,6 @@ def test_quantize_to_dir_distils_and_writes_the_distilled_model(tmp_path, tiny_m
     # the distilled norm weights are what the checkpoint holds
     assert [n for n, p in loaded.named_parameters() if "norm" in n and not torch.equal(p, model.get_parameter(n))]
     assert not (tmp_path / "ckpt" / ".partial").exists()
-
-
-def test_sampled_windows_follow_the_model_and_are_reproducible(tiny_model):
-    model, _ = tiny_model
-    starts = torch.tensor([[5], [7], [9]])
-    a = sample_windows(model, starts, 24, seed=3, batch=2)
-    assert a.shape == (3, 24) and a.dtype == torch.long
-    assert torch.equal(a[:, :1], starts)
-    assert torch.equal(a, sample_windows(model, starts, 24, seed=3, batch=3))  # batching does not change rows
-    # rows name the row numbers: a subset of a draw is exactly those rows of the draw
-    assert torch.equal(a[[0, 2]], sample_windows(model, starts[[0, 2]], 24, seed=3, rows=torch.tensor([0, 2])))
-    with pytest.raises(ValueError, match="rows must name one row number per start"):
-        sample_windows(model, starts, 24, rows=torch.tensor([0, 1]))
-    assert not torch.equal(a, sample_windows(model, starts, 24, seed=4))
-    # ancestral sampling: every sampled token has the probability the model gives it after its prefix > 0,
-    # and at a tiny temperature sampling is greedy decoding
-    greedy = sample_windows(model, starts, 24, seed=0, temperature=1e-4)
-    with torch.no_grad():
-        logits = model(greedy, use_cache=False).logits[:, :-1]
-    torch.testing.assert_close(greedy[:, 1:], logits.argmax(-1), rtol=0, atol=0)
-    # the teacher recorded while sampling is the teacher's own pass over the finished windows
-    windows, teacher = sample_windows(model, starts, 24, seed=3, topk=7)
-    assert torch.equal(windows, a)
-    again = teacher_topk(model, windows, 7, torch.device("cpu"))
-    assert teacher["logp"].shape == (3, 23, 7)
-    torch.testing.assert_close(teacher["logp"], again["logp"], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(teacher["rest"], again["rest"], rtol=1e-4, atol=1e-5)
-    assert torch.equal(teacher["index"], again["index"])
-    with pytest.raises(ValueError, match="starts must be token ids"):
-        sample_windows(model, torch.tensor([1, 2]), 24)
-    with pytest.raises(ValueError, match="temperature must be > 0"):
-        sample_windows(model, starts, 24, temperature=0)
-
-
-def test_sampling_in_bf16_is_the_model_with_bf16_parameters(tiny_model, monkeypatch):
-    """sample_dtype: "bfloat16" runs a float32 model through bf16 copies of its parameters (the module itself is
-    left as it is): the same windows and teacher as a copy whose parameters were cast to bf16 (buffers kept);
-    "auto" does so only where the hardware multiplies bf16 (device.native_bf16), "model" never."""
-    import copy
-
-    from vptq_core.quant import distill as distill_mod
-
-    model, _ = tiny_model
-    starts = torch.tensor([[5], [7], [9]])
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    cast = copy.deepcopy(model)
-    for p in cast.parameters():
-        p.data = p.data.to(torch.bfloat16)
-    got, got_teacher = sample_windows(model, starts, 24, seed=3, topk=5, dtype="bfloat16")
-    want, want_teacher = sample_windows(cast, starts, 24, seed=3, topk=5, dtype="model")
-    assert torch.equal(got, want)
-    for key in ("logp", "index", "rest"):
-        assert torch.equal(got_teacher[key], want_teacher[key]), key
-    assert all(torch.equal(p, before[n]) and p.dtype == torch.float32 for n, p in model.named_parameters())
-    assert distill_mod.sampling_dtype(model, "model") is None
-    assert distill_mod.sampling_dtype(cast, "bfloat16") is None  # already bf16: nothing to copy
-    for native, expected in ((True, torch.bfloat16), (False, None)):
-        monkeypatch.setattr(distill_mod, "native_bf16", lambda _device, _v=native: _v)
-        assert distill_mod.sampling_dtype(model, "auto") is expected
-    with pytest.raises(ValueError, match="sample_dtype must be one of"):
-        distill_mod.sampling_dtype(model, "float16")
-    with pytest.raises(ValueError, match="sample_dtype must be 'auto', 'bfloat16' or 'model'"):
-        VPTQConfig(sample_dtype="fp16")
 
 
 def test_auto_training_dtype_follows_the_hardware(monkeypatch):
@@ -423,7 +297,8 @@ def test_the_time_estimate_counts_distillation_as_measured():
     # model writes itself"): "3.5 bits" with 48 steps 223.1 s of distillation, "2.5 bits" with 32 steps 156.9 s
     # (199.9 s in a run right after a fresh install). Those runs passed the teacher over all 36 windows (37-41
     # s); now the self-written ones among them bring their top-k from the sampling (1.1 s a window less each).
-    from vptq_core.quant.distill import drawn_windows, sampled_count
+    from vptq_core.quant.calib_windows import sampled_count
+    from vptq_core.quant.distill import drawn_windows
 
     def written_drawn(config) -> int:  # the blocks see windows 0..31; the last sampled_count(32) are written
         rows = drawn_windows(36, config).calib_rows
@@ -498,25 +373,6 @@ SCALAR_CASES = [
 ]
 
 
-def test_scale_linear_is_the_scalar_layer_with_its_activation_quantizer():
-    from tests.factories import random_scalar_state
-    from vptq_core.quant.act_quant import quantize_activations
-    from vptq_core.quant.finetune import ScaleLinear, trainable_linear
-
-    st = random_scalar_state(40, 24, bits=3, group_size=16, act_bits=8, act_granularity="token", seed=1)
-    layer = trainable_linear(st)
-    assert isinstance(layer, ScaleLinear) and list(dict(layer.named_parameters())) == ["params.log_scale"]
-    x = torch.randn(5, 40, generator=torch.Generator().manual_seed(0))
-    want = torch.nn.functional.linear(quantize_activations(x, 8, "token"), st.dequantize().float())
-    torch.testing.assert_close(layer(x), want)
-    torch.testing.assert_close(layer.trained()["scales"], st.scales)
-    with torch.no_grad():
-        layer.params["log_scale"].fill_(math.log(2.0))  # a log-scale moves every scale by the same factor
-    torch.testing.assert_close(layer.trained_state().dequantize(), 2 * st.dequantize())
-    with pytest.raises(TypeError, match="no trainable form for dict"):
-        trainable_linear({})
-
-
 @pytest.mark.parametrize(("method", "config"), SCALAR_CASES, ids=[c[0] for c in SCALAR_CASES])
 def test_scalar_distillation_trains_the_scales_and_the_checkpoint_holds_them(tmp_path, tiny_model, windows,
                                                                              method, config):
@@ -552,7 +408,7 @@ def test_the_distillation_check_windows_are_held_out_of_the_block_stage(tiny_mod
     """With distillation on, its held-out windows (the last 2 of 8 here) never reach the block-by-block stage:
     GPTQ's codes (fixed by distillation) are exactly those of a run on the first 6 windows alone, and differ
     from a run on all 8 (the Hessians differ)."""
-    from vptq_core.quant.finetune import layerwise_count, with_heldout
+    from vptq_core.quant.calib_windows import layerwise_count, with_heldout
 
     model, _ = tiny_model
     config = ScalarConfig(bits=3, group_size=16)
@@ -600,122 +456,12 @@ def test_every_method_takes_the_distillation_settings(tmp_path):
         LRQConfig(distill_data="wiki")
 
 
-def test_sampled_calibration_replaces_the_last_block_stage_windows(tiny_model, windows):
-    """calib_sampled_share: the last share of the windows the block stage sees are the original model's own
-    samples (started from the replaced windows' first tokens, reproducible, not distillation's draws); the text
-    windows before them and distillation's held-out windows after them stay as they were."""
-    from vptq_core.quant.distill import CALIB_SAMPLE_ROWS, sampled_calibration, sampled_count
-
-    model, _ = tiny_model
-    cfg = ScalarConfig(bits=3, group_size=16, calib_sampled_share=0.5, distill_iters=2, distill_holdout=0.25,
-                       sample_dtype="model")  # float32 as sample_windows below, on bf16 hardware too
-    got = sampled_calibration(model, windows, cfg)  # 8 windows: 6 for the blocks (3 sampled), 2 held out
-    assert torch.equal(got[:3], windows[:3]) and torch.equal(got[6:], windows[6:])
-    assert torch.equal(got[3:6, 0], windows[3:6, 0]) and not torch.equal(got[3:6], windows[3:6])
-    expect = sample_windows(model, windows[3:6, :1], 64, seed=0, rows=torch.arange(3, 6) + CALIB_SAMPLE_ROWS)
-    assert torch.equal(got[3:6], expect)
-    assert torch.equal(sampled_calibration(model, windows, cfg), got)
-    assert not torch.equal(sample_windows(model, windows[3:6, :1], 64, seed=0), got[3:6])  # distillation's rows
-    off = dataclasses.replace(cfg, calib_sampled_share=0.0)
-    assert sampled_calibration(model, windows, off) is windows
-    # the share rounds half up, and a share > 0 samples at least one window
-    share = dataclasses.replace(off, calib_sampled_share=0.5)
-    assert [sampled_count(n, share) for n in (0, 1, 2, 5, 6, 32)] == [0, 1, 1, 3, 3, 16]
-    assert sampled_count(32, dataclasses.replace(off, calib_sampled_share=0.01)) == 1
-    assert sampled_count(32, dataclasses.replace(off, calib_sampled_share=1.0)) == 32
-    assert sampled_count(32, off) == 0
-    with pytest.raises(ValueError, match=r"calib_sampled_share must be in \[0\.0, 1\.0\], got 1\.5"):
-        dataclasses.replace(cfg, calib_sampled_share=1.5)
-    assert sampled_calibration(model, windows, cfg, should_stop=lambda: True) is None
-
-
-def test_self_written_windows_stay_text_when_too_slow_for_the_time_budget(tiny_model, windows):
-    """Under a time_budget the writing may take SAMPLING_BUDGET_SHARE of it, projected from its first tokens:
-    over it every window stays text (and says why); within it the windows are written as without a budget. The
-    pipeline records the decision, and the time estimate leaves the writing out by the same rule."""
-    from vptq_core.quant import distill as distill_mod
-    from vptq_core.quant.distill import sampled_calibration
-    from vptq_core.studio import estimate as est
-
-    model, _ = tiny_model
-    cfg = ScalarConfig(bits=3, group_size=16, calib_sampled_share=0.5, distill_iters=2, distill_holdout=0.25)
-    info: dict = {}
-    got, teacher = sampled_calibration(model, windows, dataclasses.replace(cfg, time_budget=1e-3), topk=4,
-                                       info=info)
-    assert got is windows and teacher is None
-    assert info["self_written"] == 0 and info["limit_seconds"] == 0.0  # 20% of 1 ms, rounded to 0.1 s
-    assert info["projected_seconds"] >= info["limit_seconds"]
-    assert "calibration stays text" in info["reason"]
-    roomy: dict = {}
-    assert torch.equal(sampled_calibration(model, windows, dataclasses.replace(cfg, time_budget=1e6), info=roomy),
-                       sampled_calibration(model, windows, cfg)) and not roomy
-    _, result = quantize_model(copy.deepcopy(model), windows, "rtn",
-                               dataclasses.replace(cfg, distill_iters=0, time_budget=1e-3))
-    assert result.model_metrics["calibration"]["self_written"] == 0
-    # the estimate: where the writing would exceed its share of the budget the run is priced without it
-    def shaped(hidden: int, blocks: int) -> est.ModelInfo:
-        shapes = ((hidden, hidden), (hidden // 4, hidden), (hidden // 4, hidden), (hidden, hidden),
-                  (4 * hidden, hidden), (4 * hidden, hidden), (hidden, 4 * hidden)) * blocks
-        return est.ModelInfo(name="synthetic", num_blocks=blocks, modules=("q", "k", "v", "o", "g", "u", "d"),
-                             linear_shapes=shapes, other_params=50_000 * hidden)
-
-    preset = VPTQConfig(vector_len=6, num_centroids=4096, calib_sampled_share=0.75, distill_iters=48,
-                        distill_data="calibration", time_budget=570.0)
-    text = dataclasses.replace(preset, calib_sampled_share=0.0)
-    big, small = shaped(2048, 24), shaped(64, 2)
-    params = big.linear_weights + big.other_params
-    assert est.sampling_estimate(params, distill_mod.sampled_count(32, preset), 512) > \
-        distill_mod.SAMPLING_BUDGET_SHARE * preset.time_budget
-    assert est.time_estimate(big, preset, 32, 512) == est.time_estimate(big, text, 32, 512)
-    assert est.time_estimate(small, preset, 32, 512) != est.time_estimate(small, text, 32, 512)
-
-
-def test_writing_projection_allows_for_tokens_growing_dearer_along_the_window():
-    """Tokens cost more further along the window. The early decisions (PROJECT_AFTER polls and the doublings) use
-    the mean cost so far, a lower bound of the total; the one at a quarter of the first window fits the growth and
-    projects the total closely, also under timing noise and a short busy spell, and never more than GROWTH_CAP x
-    the mean-cost projection when a long one throws the fit off; after it there is no decision."""
-    from vptq_core.quant.distill import GROWTH_CAP, PROJECT_AFTER, WritingProjection
-
-    per_batch, setup, warm = 511, 0.25, 0.5
-    final = per_batch // 4
-
-    def run(batches: int, a: float, b: float, noise: float = 0.0, busy: range = range(0)):
-        gen = torch.Generator().manual_seed(0)
-        projection, now, got = WritingProjection(per_batch, batches, start=0.0), setup, {}
-        for k in range(1, per_batch * batches + 1):
-            projected = projection.poll(now)
-            if projected is not None:
-                got[k] = projected
-            pos = (k - 1) % per_batch
-            jitter = 1 + noise * float(torch.randn((), generator=gen))
-            now += (a + b * pos) * jitter * (4.0 if k in busy else 1.0) + (warm if k == 1 else 0.0)
-        return got, now, projection
-
-    # Gemma-3-270M-like: 0.15 s a token at the start, 2.4x that at the end of the window
-    for batches in (1, 3):
-        got, total, _ = run(batches, 0.15, 4e-4)
-        assert sorted(got) == [PROJECT_AFTER, 2 * PROJECT_AFTER, 4 * PROJECT_AFTER, final]
-        assert got[final] == pytest.approx(total, rel=0.01)
-        # the early ones are lower bounds: the growth is still ahead
-        assert all(got[k] < total for k in got if k != final)
-    noisy, total, _ = run(1, 0.15, 4e-4, noise=0.3)
-    assert noisy[final] == pytest.approx(total, rel=0.1)
-    # a busy spell of 11 tokens moves the medians' fit little; one over the whole last quarter is capped
-    short, total, _ = run(1, 0.05, 0.0, busy=range(110, 121))
-    assert short[final] == pytest.approx(total, rel=0.05)
-    long, total, projection = run(1, 0.05, 0.0, busy=range(90, 128))
-    assert long[final] == pytest.approx(GROWTH_CAP * projection.flat()) and long[final] < 4 * total
-    # a writing too short to reach a decision is never stopped by one
-    tiny = WritingProjection(8, 1, start=0.0)
-    assert all(tiny.poll(float(k)) is None for k in range(8))
-
-
 def test_self_written_windows_need_no_teacher_pass(tiny_model, windows):
     """The top-k the sampling computed for the windows the original wrote is its teacher pass on them (fp32
     tolerance: the KV-cache decode vs one forward); distillation handed it runs the teacher on the other windows
     only and trains exactly as with its own pass; quantize_model keeps the top-k of the windows it has written."""
-    from vptq_core.quant.distill import sampled_calibration, teacher_topk
+    from vptq_core.quant.sampling import sampled_calibration
+    from vptq_core.quant.teacher import teacher_topk
 
     model, _ = tiny_model
     cfg = ScalarConfig(bits=3, group_size=16, calib_sampled_share=0.5, distill_iters=3, distill_holdout=0.25,
@@ -748,52 +494,3 @@ def test_self_written_windows_need_no_teacher_pass(tiny_model, windows):
     metrics = piped.model_metrics["distill"]
     assert metrics["known_teacher_windows"] > 0
     assert metrics["teacher_windows"] + metrics["known_teacher_windows"] == own["teacher_windows"]
-
-
-def test_the_block_stage_calibrates_on_the_sampled_windows(tiny_model, windows):
-    """GPTQ with calib_sampled_share = GPTQ on the windows sampled_calibration returns (codes equal), not on the
-    text's; the sampling's time is its own phase, a cancel during it marks the run, streamed weights are refused."""
-    from vptq_core.quant.distill import sampled_calibration
-
-    model, _ = tiny_model
-    text = ScalarConfig(bits=3, group_size=16)
-    cfg = dataclasses.replace(text, calib_sampled_share=0.5)
-    _, sampled = quantize_model(model, windows, "gptq", cfg)
-    _, same = quantize_model(model, sampled_calibration(model, windows, cfg), "gptq", text)
-    _, plain = quantize_model(model, windows, "gptq", text)
-    for name, st in sampled.states.items():
-        assert torch.equal(st.codes, same.states[name].codes), name
-    assert any(not torch.equal(st.codes, plain.states[name].codes) for name, st in sampled.states.items())
-    assert sampled.timings["sample_calibration"] > 0 and "sample_calibration" not in plain.timings
-    _, stopped = quantize_model(model, windows, "gptq", cfg, should_stop=lambda: True)
-    assert stopped.cancelled and not stopped.states
-    with pytest.raises(ValueError, match="calib_sampled_share.*not possible with streamed weights"):
-        quantize_model(model, windows, "gptq", cfg, weights=object())
-
-
-def test_quantize_to_dir_loads_the_whole_model_for_sampled_calibration(tmp_path):
-    from vptq_core.api import quantize_to_dir
-    from vptq_core.quant.config import CalibConfig
-
-    cfg = ScalarConfig(bits=4, group_size=16, calib_sampled_share=0.5)
-    with pytest.raises(ValueError, match="cannot stream block by block with calib_sampled_share"):
-        quantize_to_dir("tiny-random-llama", "rtn", cfg, CalibConfig(samples=4, seqlen=32), tmp_path / "a",
-                        device="cpu", stream=True)
-    _, summary = quantize_to_dir("tiny-random-llama", "gptq", cfg, CalibConfig(samples=4, seqlen=32), tmp_path / "b",
-                                 device="cpu")
-    assert summary["streaming"].startswith("off: calib_sampled_share") and summary["timings"]["sample_calibration"] > 0
-
-
-def test_draw_follows_the_distribution_and_never_picks_a_zero(monkeypatch):
-    from vptq_core.quant.distill import _draw
-
-    p = torch.tensor([[0.5, 0.0, 0.3, 0.2, 0.0, 0.0]])
-    gen = torch.Generator().manual_seed(0)
-    counts = torch.bincount(torch.cat([_draw(p.log(), 1.0, [gen])[0] for _ in range(4000)]), minlength=6)
-    assert counts[[1, 4, 5]].sum() == 0
-    torch.testing.assert_close(counts.float() / 4000, p[0], rtol=0, atol=0.03)
-    # u at the very top (rounding): the last token with probability > 0, not one past the end
-    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1))
-    assert _draw(p.log(), 1.0, [gen]).tolist() == [[3]]
-    two = torch.tensor([[0.0, 1.0, 0.0], [0.6, 0.4, 0.0]]).log()
-    assert _draw(two, 1.0, [gen, gen]).tolist() == [[1], [1]]

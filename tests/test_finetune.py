@@ -3,18 +3,10 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
-from factories import random_vq_state
 
 from vptq_core.quant.blocks import decoder_blocks
 from vptq_core.quant.config import VPTQConfig
-from vptq_core.quant.finetune import (
-    CodebookLinear,
-    cosine_factor,
-    finetune_block_centroids,
-    holdout_count,
-    minibatches,
-)
+from vptq_core.quant.finetune import finetune_block_centroids
 from vptq_core.quant.methods import Cancelled
 from vptq_core.quant.pipeline import _run_batched, capture_block_inputs, quantize_model, run_block
 from vptq_core.storage.checkpoint import load_quantized, save_quantized
@@ -28,50 +20,6 @@ def windows() -> torch.Tensor:
     # 16 windows of 128 tokens: on this random model shorter or fewer windows make fine-tuning overfit (the
     # held-out check then rightly keeps the untuned block)
     return torch.randint(0, 256, (16, 128), generator=torch.Generator().manual_seed(1))
-
-
-LAYOUTS = [
-    {"vector_len": 4, "num_centroids": 16},
-    {"vector_len": 6, "num_centroids": 64, "num_res_centroids": 16, "perm": True},  # 70 rows: a padded vector
-    {"vector_len": 4, "num_centroids": 16, "group_num": 2, "outlier_size": 8, "outlier_vector_len": 2,
-     "num_outlier_centroids": 16, "perm": True, "norm": True},
-    {"vector_len": 8, "num_centroids": 32, "group_num": 4, "norm": True, "bias": True},
-]
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_codebook_linear_matches_the_dequantized_layer_and_trains_every_float_tensor(layout):
-    out = 70 if layout["vector_len"] == 6 else 96
-    st = random_vq_state(64, out, **layout)
-    layer = CodebookLinear(st, None if st.bias is None else torch.nn.Parameter(st.bias.clone()))
-    x = torch.randn(3, 5, 64)
-    y = layer(x)
-    torch.testing.assert_close(y, F.linear(x, st.dequantize(), st.bias), rtol=1e-5, atol=1e-5)
-    y.square().sum().backward()
-    for key, p in layer.params.items():
-        assert p.grad is not None and p.grad.abs().sum() > 0, key
-    # the codebooks' gradients (summed by a sparse row-sum product on the CPU) equal autograd's through the
-    # reference dequantization
-    leaves = {key: getattr(st, key).detach().clone().requires_grad_() for key in layer.params}
-    F.linear(x, dataclasses.replace(st, **leaves).dequantize(), st.bias).square().sum().backward()
-    for key, p in layer.params.items():
-        torch.testing.assert_close(p.grad, leaves[key].grad, rtol=1e-4, atol=1e-4, msg=key)
-    # trained_state() is a copy with the current tensors; the given state is untouched
-    with torch.no_grad():
-        layer.params["centroids"].add_(0.5)
-    moved = layer.trained_state()
-    torch.testing.assert_close(moved.centroids, st.centroids + 0.5)
-    torch.testing.assert_close(F.linear(x, moved.dequantize(), st.bias), layer(x), rtol=1e-5, atol=1e-5)
-
-
-def test_helpers():
-    assert [holdout_count(n, 0.125) for n in (1, 2, 8, 16, 32)] == [0, 1, 1, 2, 4]
-    assert holdout_count(16, 0.0) == 0
-    assert cosine_factor(0, 10) == 1.0 and cosine_factor(10, 10) == 0.0 and 0.4 < cosine_factor(5, 10) < 0.6
-    assert cosine_factor(0, 10, warmup=2) < cosine_factor(1, 10, warmup=2) < cosine_factor(2, 10, warmup=2) == 1.0
-    gen = minibatches(5, 2, seed=0)
-    epoch = torch.cat([next(gen), next(gen)])
-    assert len(set(epoch.tolist())) == 4  # without replacement within an epoch
 
 
 def _block_setup(tiny_model, windows, b=0):

@@ -1,4 +1,4 @@
-"""LRQ: scalar quantization with a learned low-rank weight scaling (METHODS.md section 2, arXiv 2407.11534).
+"""LRQ: scalar quantization with a learned low-rank weight scaling (docs/methods.md#lrq, arXiv 2407.11534).
 
 Per linear layer (weight ``W`` [out, in], b bits, asymmetric, per output channel or per (channel, group))::
 
@@ -6,12 +6,12 @@ Per linear layer (weight ``W`` [out, in], b bits, asymmetric, per output channel
     W_int = clamp(round(W / (s1 * exp(D))) + z, 0, 2**b - 1)
     W_hat = s1 * (W_int - z)        # s1, z [out, n_groups] broadcast over each group's columns
 
-``s1`` and ``z`` start from round-to-nearest (``scalar.rtn_quantize``, optional clipping search) and ``z`` stays
+``s1`` and ``z`` start from round-to-nearest (``rtn.rtn_quantize``, optional clipping search) and ``z`` stays
 fixed, so training starts exactly at RTN. ``log s1``, ``L``, ``U``, ``r`` and ``c`` are learned by Adam (cosine
-schedule to 0) to make the block's output match the full-precision block's output (MSE), with straight-through
-rounding. ``full_scale=True`` learns a full [out, in] matrix instead of ``L @ U`` (FlexRound). After training
-``D`` is folded into the integer codes: a ``ScalarLayerState`` with codes, ``s1`` and ``z`` reproduces the
-trained weight exactly.
+schedule to 0; ``train.train_holdout``) to make the block's output match the full-precision block's output
+(MSE), with straight-through rounding; the training is kept unless it made that MSE worse. ``full_scale=True``
+learns a full [out, in] matrix instead of ``L @ U`` (FlexRound). After training ``D`` is folded into the integer
+codes: a ``ScalarLayerState`` with codes, ``s1`` and ``z`` reproduces the trained weight exactly.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,7 @@ from .hessian import proxy_loss, single_thread_torch
 from .methods import BlockContext, Cancelled, Method, QuantResult, register
 from .rtn import describe_scalar, effective_group_size, rtn_quantize, scalar_config_bits
 from .states import ScalarLayerState
+from .train import TrainResult, minibatches, no_worse, train_holdout
 
 MAX_CURVE_POINTS = 100
 EVAL_BATCH = 8
@@ -337,7 +339,7 @@ def lrq_quantize_block(
     _check_arguments(block, linear_names, inputs, targets, config, act_scales)
     device = next(iter(block.parameters()), inputs).device
     batch_size = min(config.batch_size, inputs.shape[0])
-    eval_batch = max(batch_size, EVAL_BATCH)  # no-grad passes: batches of 8 ran ~1.6x faster per sample than 1
+    eval_batch = max(batch_size, EVAL_BATCH)  # no-grad passes run faster per sample in batches
     generator = torch.Generator().manual_seed(config.seed)
 
     with torch.inference_mode(False), torch.enable_grad():
@@ -351,23 +353,20 @@ def lrq_quantize_block(
         wrappers = _wrap_linears(work, linear_names, config, static, device, generator)
 
         wrapper_list = list(wrappers.values())
-        start_params = [p.detach().clone() for w in wrapper_list for p in w.quantizer.parameters()]
-        loss_before, outputs = _mean_loss(forward, work, wrapper_list, inputs, targets, eval_batch, device,
-                                          return_outputs)
-        curve, iters_done = _train(forward, work, wrapper_list, inputs, targets, config, batch_size, device,
-                                   generator, should_stop)
-        loss_after, kept_rtn = loss_before, False
-        if iters_done:
-            loss_after, trained_outputs = _mean_loss(forward, work, wrapper_list, inputs, targets, eval_batch,
-                                                     device, return_outputs)
-            if loss_after > loss_before:  # training diverged (e.g. too high lr): return the RTN start
-                with torch.no_grad():
-                    params = [p for w in wrapper_list for p in w.quantizer.parameters()]
-                    for param, start in zip(params, start_params, strict=True):
-                        param.copy_(start)
-                loss_after, kept_rtn = loss_before, True
-            else:
-                outputs = trained_outputs
+        outputs_at: list[torch.Tensor | None] = []  # the block's outputs at each check
+
+        def check() -> float:
+            loss, outputs = _mean_loss(forward, work, wrapper_list, inputs, targets, eval_batch, device,
+                                       return_outputs)
+            outputs_at.append(outputs)
+            return loss
+
+        trained = _train(forward, work, wrapper_list, inputs, targets, config, batch_size, device, generator,
+                         check, should_stop)
+        curve, iters_done = trained.curve, trained.result.steps
+        loss_before, loss_after = trained.result.before, trained.result.best
+        outputs = outputs_at[trained.result.best_index]
+        kept_rtn = iters_done > 0 and trained.result.best_index == 0  # training made it worse (e.g. too high lr)
 
         states = {}
         for name, wrapper in wrappers.items():
@@ -407,44 +406,44 @@ def _wrap_linears(
     return wrappers
 
 
+class _Trained(NamedTuple):
+    result: TrainResult
+    curve: list[float]  # mean minibatch loss over consecutive chunks of steps, at most MAX_CURVE_POINTS points
+
+
 def _train(forward, work, wrappers, inputs, targets, config: LRQConfig, batch_size: int, device,
-           generator: torch.Generator, should_stop) -> tuple[list[float], int]:
-    """Adam with a cosine schedule to 0 over ``config.iters`` steps -> (loss curve, steps done)."""
+           generator: torch.Generator, check: Callable[[], float], should_stop) -> _Trained:
+    """Adam with a cosine schedule to 0 over ``config.iters`` steps, on all calibration samples: ``check`` (the
+    block-output MSE over all of them) runs before and after, and the trained parameters are kept unless they
+    made it worse."""
     params = [p for wrapper in wrappers for p in wrapper.quantizer.parameters()]
-    optimizer = torch.optim.Adam(params, lr=config.lr)
     iters, n = config.iters, inputs.shape[0]
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: 0.5 * (1.0 + math.cos(math.pi * min(step, iters) / max(iters, 1))))
+    batches = minibatches(n, batch_size, generator=generator)  # every sample once per epoch
     chunk = max(1, math.ceil(iters / MAX_CURVE_POINTS))
     curve: list[float] = []
-    running, counted, iters_done = 0.0, 0, 0
-    order, position = torch.randperm(n, generator=generator), 0
-    for step in range(iters):
-        if should_stop is not None and should_stop():
-            break
-        if position + batch_size > n:  # a new epoch: every sample is seen once per epoch
-            order, position = torch.randperm(n, generator=generator), 0
-        idx = order[position : position + batch_size]
-        position += batch_size
+    running = [0.0, 0]  # loss sum, steps in the current chunk
+
+    def step_loss() -> torch.Tensor:
+        idx = next(batches)
         out = _run(forward, work, inputs, idx, device)
-        loss = F.mse_loss(out, targets[idx].to(device=device, dtype=torch.float32))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        iters_done = step + 1
-        running, counted = running + loss.item(), counted + 1
-        if counted == chunk:
-            curve.append(running / counted)
-            running, counted = 0.0, 0
-    if counted:
-        curve.append(running / counted)
-    return curve, iters_done
+        return F.mse_loss(out, targets[idx].to(device=device, dtype=torch.float32))
+
+    def step_done(_step: int, loss: float) -> None:
+        running[0], running[1] = running[0] + loss, running[1] + 1
+        if running[1] == chunk:
+            curve.append(running[0] / running[1])
+            running[0], running[1] = 0.0, 0
+
+    result = train_holdout([{"params": params, "lr": config.lr}], step_loss, check, iters,
+                           eval_every=max(iters, 1), better=no_worse, should_stop=should_stop, on_step=step_done)
+    if running[1]:
+        curve.append(running[0] / running[1])
+    return _Trained(result, curve)
 
 
 def _quantize_block(ctx: BlockContext) -> None:
     """The pipeline's block step: train the whole block, then publish each linear's folded state."""
-    # One torch thread: LRQ's small training steps ran 4.6x slower with 2 threads on a busy 2-core machine.
+    # One torch thread: LRQ's small training steps run slower with more threads on a busy machine.
     with torch.enable_grad(), single_thread_torch():
         res = lrq_quantize_block(ctx.block, list(ctx.linears), ctx.inputs, ctx.targets, ctx.forward, ctx.config,
                                  should_stop=ctx.should_stop)
@@ -461,9 +460,8 @@ def _quantize_block(ctx: BlockContext) -> None:
 
 
 # LRQ's presets keep one scale per output channel from 3 bits up: its learned scaling is what makes
-# per-channel grids work (SmolLM2 W3A16: ppl 71.7 vs RTN per-channel 597).
-# Named by total bits per weight, an upper bound: per-channel grids add 32 bits per output row (3.06 and
-# 4.06 total on SmolLM2).
+# per-channel grids work where RTN's fail (docs/methods.md#lrq).
+# Named by total bits per weight, an upper bound: per-channel grids add 32 bits per output row.
 PRESETS = {"2.5 bits": {"bits": 2, "group_size": 64, **SCALAR_PRESET_OFF},
            "3.5 bits": {"bits": 3, "group_size": 0, **SCALAR_PRESET_OFF},
            "4.5 bits": {"bits": 4, "group_size": 0, **SCALAR_PRESET_OFF}}

@@ -1,0 +1,269 @@
+"""Windows the original model writes itself: ancestral sampling at temperature 1 from a start token, for the
+block-by-block stage's calibration (``sampled_calibration``, ``calib_sampled_share``) and for distillation's
+training windows (``distill_data`` "sampled" / "mixed"); docs/methods.md#self-written-calibration.
+
+Text drawn from the original model covers every domain it knows, in proportion to how it predicts, not only the
+calibration text's. The sampling's own logits give the teacher's top-k on the written windows for free
+(``teacher.topk_of``). Under a ``time_budget`` the writing of the calibration windows is projected from its first
+tokens (``WritingProjection``) and given up when it would take too large a share of the budget.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .calib_windows import distill_settings, written_rows
+from .device import native_bf16
+from .packed_dense import packed_linears
+from .teacher import stack_teacher, topk_of
+
+# Windows written at once: one batched decode step serves them all (bench/sampling.py compares batch sizes).
+SAMPLE_BATCH = 32
+SAMPLE_DTYPES = ("auto", "bfloat16", "model")
+CALIB_SAMPLE_ROWS = 1 << 20  # generator row numbers of calibration samples (distillation's own start at 0)
+# Under a ``time_budget`` the windows the original writes itself may take at most this share of it, as
+# ``WritingProjection`` projects it from the tokens drawn so far; over it they stay text: a writing that takes
+# much more leaves distillation too few steps to help (docs/methods.md#time-budget).
+SAMPLING_BUDGET_SHARE = 0.2
+PROJECT_AFTER = 16  # polls before the first (lower-bound) projection
+FIT_CHUNKS = 4  # runs of tokens whose median costs the growth is fitted to (``WritingProjection.projected``)
+# The fitted projection never exceeds this multiple of the mean-cost one: the true totals of the models measured
+# stay well under it (bench/sampling_projection.py), and a fit thrown off by a busy moment would otherwise give up
+# a writing that fits.
+GROWTH_CAP = 2.0
+
+
+def sampling_dtype(model: nn.Module, choice: str = "auto") -> torch.dtype | None:
+    """The dtype ``sample_windows`` runs ``model`` in: None = its own parameters as they are; bfloat16 = bf16
+    copies of its floating-point parameters (its buffers, e.g. rotary frequencies, untouched).
+
+    ``choice``: "model" (as it is), "bfloat16" (always bf16), "auto" (bf16 when the parameters are float32 on a
+    device that multiplies bf16 in hardware, ``device.native_bf16``; the model's own dtype elsewhere, where bf16
+    arithmetic would be emulated and slower)."""
+    if choice not in SAMPLE_DTYPES:
+        raise ValueError(f"sample_dtype must be one of {SAMPLE_DTYPES}, got {choice!r}")
+    param = next(model.parameters())
+    if choice == "model" or param.dtype == torch.bfloat16:
+        return None
+    if choice == "bfloat16":
+        return torch.bfloat16
+    if param.dtype != torch.float32:
+        return None
+    return torch.bfloat16 if native_bf16(param.device) else None
+
+
+def _cast_params(model: nn.Module, dtype: torch.dtype | None) -> dict[str, torch.Tensor] | None:
+    """Copies of ``model``'s floating-point parameters in ``dtype`` (None: no copies)."""
+    if dtype is None:
+        return None
+    return {name: p.detach().to(dtype) for name, p in model.named_parameters() if p.is_floating_point()}
+
+
+def _runner(model: nn.Module, params: dict[str, torch.Tensor] | None) -> Callable:
+    """``model``'s forward, or the same forward through ``params`` (copies of its floating-point parameters,
+    ``_cast_params``; ``torch.func.functional_call``, the module itself is left as it is)."""
+    if params is None:
+        return model
+
+    def forward(**kwargs):
+        return torch.func.functional_call(model, params, (), kwargs, tie_weights=True)
+    return forward
+
+
+class WritingProjection:
+    """The projected seconds of writing ``batches`` batches of ``per_batch`` tokens each, from the times of the
+    polls so far (one poll before every token; ``sample_windows``' ``should_stop``).
+
+    A token costs more the further along its window it is (attention reads every earlier position), so scaling
+    the mean cost so far to every token projects too little, and re-projecting at every token would give a
+    writing up only late. The growth cannot be told from the first few dozen tokens either, so the writing is
+    decided on twice over. At PROJECT_AFTER polls and the doublings after: the mean cost so far (without the
+    set-up and the first token), a lower bound, stops it only when even that is over. At a quarter of the first
+    window (at least PROJECT_AFTER polls), once and for all: a cost per token growing linearly with the position,
+    fitted to the tokens so far (``projected``; bench/sampling_projection.py replays real writings).
+    """
+
+    def __init__(self, per_batch: int, batches: int, start: float) -> None:
+        self.per_batch, self.batches, self.start = per_batch, batches, start
+        self.draws = per_batch * batches
+        self.final = max(PROJECT_AFTER, per_batch // 4)  # the poll of the growth-aware decision
+        self.times: list[float] = []  # the polls' times after ``start``, up to the final decision
+
+    def poll(self, now: float) -> float | None:
+        """Record one poll at ``now``; the projected total seconds at a decision point, else None."""
+        k = len(self.times) + 1
+        if k > self.final:
+            return None
+        self.times.append(now - self.start)
+        if k == self.final:
+            return self.projected()
+        if k >= PROJECT_AFTER and not k & (k - 1):
+            return self.flat()
+        return None
+
+    def projected(self) -> float:
+        """Elapsed + the fitted cost of the tokens left, at most GROWTH_CAP x what the mean cost so far projects.
+
+        The fit is a line through the median cost of each of FIT_CHUNKS runs of consecutive tokens (the first
+        token, which pays the first forward's warm-up, left out), so a few seconds of a busy machine move it little.
+        """
+        t = self.times
+        cost = torch.tensor([t[i + 1] - t[i] for i in range(1, len(t) - 1)], dtype=torch.float64)  # tokens 1..k-2
+        pos = torch.tensor([i % self.per_batch for i in range(1, len(t) - 1)], dtype=torch.float64)
+        chunks = [c for c in torch.arange(cost.numel()).tensor_split(FIT_CHUNKS) if c.numel()]
+        x = torch.stack([pos[c].mean() for c in chunks])
+        y = torch.stack([cost[c].median() for c in chunks])
+        centred = x - x.mean()
+        spread = float(centred.pow(2).sum())
+        b = max(0.0, float((centred * (y - y.mean())).sum()) / spread) if spread > 0 else 0.0
+        a = max(0.0, float(y.mean() - b * x.mean()))
+
+        def tokens(frm: int, upto: int) -> float:  # positions frm .. upto - 1 of a window
+            return a * (upto - frm) + b * (upto * upto - frm * frm) / 2
+
+        batches_done, at = divmod(len(t) - 1, self.per_batch)  # tokens drawn so far: len(t) - 1
+        whole = max(0, self.batches - batches_done - 1)
+        fitted = t[-1] + tokens(at, self.per_batch) + whole * tokens(0, self.per_batch)
+        return min(fitted, GROWTH_CAP * self.flat())
+
+    def flat(self) -> float:
+        """Elapsed + the tokens left at the mean cost so far (the set-up and the first token left out)."""
+        t = self.times
+        return t[-1] + (self.draws - len(t) + 1) * (t[-1] - t[1]) / (len(t) - 2)
+
+
+def sampled_calibration(model: nn.Module, calib_ids: torch.Tensor, config,
+                        should_stop: Callable[[], bool] | None = None, topk: int = 0,
+                        info: dict | None = None):
+    """``calib_ids`` with the last ``sampled_count`` of the windows the block-by-block stage sees
+    (``layerwise_count``) replaced by windows ``model`` writes itself (``sample_windows``, seeded by
+    ``config.seed``, each started from the first token of the window it replaces); the held-out check windows
+    after them stay text. ``calib_ids`` itself when ``calib_sampled_share`` is 0; None if ``should_stop`` turned
+    true. With ``topk`` > 0 it returns (windows, known): ``known`` the teacher's top-k on the written windows,
+    taken from the sampling's own logits, as ``distill(known_teacher=...)`` takes it ({"rows", "logp", "index",
+    "rest"} on the CPU; None when no window is written). With a ``time_budget`` the writing stops early and every
+    window stays text when it is projected to take more than ``SAMPLING_BUDGET_SHARE`` of the budget; ``info``
+    (a dict) then gets "self_written": 0 and the projection."""
+    rows = written_rows(calib_ids.shape[0], config)
+    if not rows.numel():
+        return (calib_ids, None) if topk else calib_ids
+    settings = distill_settings(config)
+    limit = SAMPLING_BUDGET_SHARE * float(settings.time_budget or 0.0)
+    batches = math.ceil(rows.numel() / SAMPLE_BATCH)
+    projection = WritingProjection(calib_ids.shape[1] - 1, batches, time.perf_counter())
+    over = {}
+
+    def stop() -> bool:
+        if should_stop is not None and should_stop():
+            return True
+        if limit <= 0:
+            return False
+        projected = projection.poll(time.perf_counter())
+        if projected is not None and projected > limit:
+            over.update(self_written=0, projected_seconds=round(projected, 1), limit_seconds=round(limit, 1),
+                        reason=f"writing {rows.numel()} windows was projected at {projected:.0f} s, over "
+                               f"{SAMPLING_BUDGET_SHARE:.0%} of the {limit / SAMPLING_BUDGET_SHARE:.0f} s "
+                               "time budget: the calibration stays text")
+            return True
+        return False
+
+    got = sample_windows(model, calib_ids[rows, :1], calib_ids.shape[1], seed=settings.seed, batch=SAMPLE_BATCH,
+                         should_stop=stop, rows=rows + CALIB_SAMPLE_ROWS, topk=topk,
+                         device=torch.device("cpu"), dtype=settings.sample_dtype)
+    if got is None and over:
+        if info is not None:
+            info.update(over)
+        return (calib_ids, None) if topk else calib_ids
+    if got is None:
+        return None
+    written, teacher = got if topk else (got, None)
+    out = calib_ids.clone()
+    out[rows] = written.to(out.dtype)
+    return (out, {"rows": rows, **teacher}) if topk else out
+
+
+@torch.no_grad()
+def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed: int = 0, batch: int = 8,
+                   temperature: float = 1.0, should_stop: Callable[[], bool] | None = None,
+                   topk: int = 0, device: torch.device | None = None, rows: torch.Tensor | None = None,
+                   dtype: str = "model", pack: bool = True):
+    """Windows of ``seqlen`` tokens sampled from ``reference`` itself -> [n, seqlen] int64 on the CPU.
+
+    Row i begins with ``starts[i]`` ([n, s] token ids, 1 <= s < seqlen; e.g. the BOS token, or a calibration
+    window's first token for variety) and continues by ancestral sampling at ``temperature`` (1.0 = the
+    model's own distribution), ``batch`` rows at a time with the KV cache (row i's draws come from its own
+    generator, so a row does not depend on the batch it was sampled in). Reproducible from ``seed``. None if
+    ``should_stop`` turned true (polled before every token). With ``topk`` > 0 it returns (windows, teacher): the
+    reference's top-k log-probabilities at every predicted position, as ``teacher_topk`` gives them (on
+    ``device``), taken from the logits the sampling computed anyway. ``rows`` [n]: the row numbers that seed
+    each row's generator (default 0..n-1), so any subset of a larger draw gets exactly that draw's rows.
+    ``pack``: a float32 model on the CPU runs its linears through oneDNN with packed weights while sampling
+    (``packed_dense``); False: as it is.
+    """
+    starts = torch.as_tensor(starts, dtype=torch.long)
+    if starts.dim() != 2 or starts.shape[0] < 1 or not 1 <= starts.shape[1] < seqlen:
+        raise ValueError(f"starts must be token ids [n >= 1, 1..{seqlen - 1}], got shape {tuple(starts.shape)}")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    rows = torch.arange(starts.shape[0]) if rows is None else torch.as_tensor(rows, dtype=torch.long).cpu()
+    if tuple(rows.shape) != (starts.shape[0],):
+        raise ValueError(f"rows must name one row number per start, got shape {tuple(rows.shape)} for "
+                         f"{starts.shape[0]} starts")
+    from .lean_decoder import LeanDecoder  # the decode loop, loaded only when windows are written
+
+    ref_device = next(reference.parameters()).device
+    params = _cast_params(reference, sampling_dtype(reference, dtype))  # one set of copies for either path
+    forward = _runner(reference, params)
+    out, teachers = [], []
+    # float32 on the CPU: the linears through oneDNN with packed weights (packed_dense: faster at these few-row
+    # products), for the sampling only
+    with packed_linears(reference, enabled=pack and params is None, rows=min(batch, starts.shape[0])):
+        for lo in range(0, starts.shape[0], batch):
+            ids = starts[lo : lo + batch].cpu()
+            # one generator per row: a row's tokens do not depend on the batch it was sampled in
+            gens = [torch.Generator().manual_seed(seed * 1_000_003 + int(r)) for r in rows[lo : lo + batch]]
+            # llama-family models: the lean decoder (the same weights, far fewer ops per token, no cache growth)
+            lean = LeanDecoder.for_model(reference, seqlen, batch=ids.shape[0], params=params)
+            step_in, past, steps = ids, None, []
+            while ids.shape[1] < seqlen:
+                if should_stop is not None and should_stop():
+                    return None
+                if lean is None:
+                    res = forward(input_ids=step_in.to(ref_device), past_key_values=past, use_cache=True)
+                    past, logits = res.past_key_values, res.logits
+                elif step_in is ids:  # the first pass: the start tokens
+                    logits = lean.prefill(step_in.to(ref_device), all_positions=bool(topk))
+                else:
+                    logits = lean.step(step_in.to(ref_device))
+                logits = logits if logits.dim() == 3 else logits[:, None]
+                if topk:
+                    steps.append(topk_of(logits, topk, device or ref_device))  # [b, new positions, k]
+                step_in = _draw(logits[:, -1], temperature, gens)
+                ids = torch.cat([ids, step_in], dim=1)
+            out.append(ids)
+            if topk:
+                teachers.append(stack_teacher(steps, dim=1, cat=True))
+    windows = torch.cat(out)
+    return (windows, stack_teacher(teachers, cat=True)) if topk else windows
+
+
+def _draw(logits: torch.Tensor, temperature: float, gens: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of ``logits`` [b, V] from softmax(logits / temperature), row i by inverse transform
+    of one uniform draw of ``gens[i]`` -> [b, 1] int64 on the CPU. Never a token of probability 0."""
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+    cdf = probs.cumsum(-1)
+    u = torch.cat([torch.rand(1, generator=g) for g in gens]) * cdf[:, -1]
+    # the first token whose cumulative probability passes u has probability > 0; only rounding at the top end
+    # (u at the total) can point past the last token, then the last one with probability > 0 is taken
+    index = torch.searchsorted(cdf, u[:, None], right=True).clamp_(max=probs.shape[-1] - 1)
+    zero = probs.gather(1, index)[:, 0] <= 0
+    if bool(zero.any()):
+        index[zero] = (probs[zero] > 0).long().cumsum(-1).argmax(-1, keepdim=True)
+    return index
