@@ -131,6 +131,7 @@ class ChatHandlers:
 
     # ------------------------------------------------------------------------------------------ stop
     def stop_both(self, request: gr.Request) -> None:
+        """Stop both sides."""
         self._stop_sides(getattr(request, "session_hash", None), SIDES)
 
     def stop_original(self, request: gr.Request) -> None:

@@ -39,7 +39,8 @@ class HubPush:
 
     def push(self, job_id: str, repo_id: str, private: bool, token: str, request: gr.Request,
              oauth_token: gr.OAuthToken | None = None) -> tuple[str, str]:
-        """Upload a finished run's checkpoint (with its model card) to the user's own hub repo."""
+        """Upload a finished run's checkpoint (with its model card) to the user's own hub repo, with the user's
+        token (Sign in with Hugging Face on Spaces, a pasted write token elsewhere; never the server's)."""
         owner = self.shared.owner(request)
         manager = self.shared.manager
         try:

@@ -64,6 +64,6 @@ def wire_page(page: Page) -> None:
     p.demo.load(studio.pages.attach, inputs=p.identity,
                 outputs=[p.identity, p.job_id, p.poll_state, p.timer, p.eval_box, p.runs_table, p.runs_plot,
                          p.chat_run, p.delete_pick, p.guard], api_visibility="private", show_progress="hidden")
-    p.demo.load(studio.hub.status, outputs=[p.push_note, p.push_btn], api_visibility="private",
-                show_progress="hidden")
+    p.demo.load(studio.hub.status, outputs=[p.push_note, p.push_btn], api_name="hub_status",
+                api_visibility="private", show_progress="hidden")
     p.demo.unload(studio.pages.on_unload)
