@@ -25,7 +25,6 @@ class JobCancelled(Exception):
     """Raised by a task (or inside it) to end the job as cancelled."""
 
 
-
 @dataclass(frozen=True)
 class JobSnapshot:
     """A consistent, immutable view of a job at one moment (what the UI renders)."""
@@ -162,8 +161,8 @@ class JobContext:
         return self._job.cancel_event.is_set()
 
 
-
 def error_reason(exc: BaseException) -> str:
+    """What a job's owner is shown of a failure: a ValueError's own words, else the exception's type and text."""
     text = str(exc).strip()
     if isinstance(exc, ValueError) and text:
         return text
