@@ -138,3 +138,16 @@ def test_elsewhere_nothing_changes(monkeypatch):
     monkeypatch.setenv("SPACES_ZERO_GPU", "true")
     monkeypatch.setitem(sys.modules, "spaces", None)  # on ZeroGPU, but spaces not importable
     assert zerogpu.zero_gpu() is None
+
+
+def test_handlers_run_on_a_gpu_only_where_spaces_is_installed(monkeypatch):
+    def evaluate(job_id):
+        yield f"evaluated {job_id}"
+
+    monkeypatch.setitem(sys.modules, "spaces", None)  # not on Spaces: the handler itself
+    assert zerogpu.on_gpu(evaluate, 300) is evaluate
+    fake = FakeSpaces()
+    monkeypatch.setitem(sys.modules, "spaces", fake)
+    wrapped = zerogpu.on_gpu(evaluate, 300)
+    assert wrapped is not evaluate and list(wrapped("abc")) == ["evaluated abc"]
+    assert fake.calls == [{"fn": "evaluate", "duration": 300}]

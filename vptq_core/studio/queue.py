@@ -3,28 +3,15 @@ per-layer reports published while they run, cancellation between layers, failure
 a limit on the runs one owner keeps, finished runs deleted from disk once they are older than ``max_age_s``,
 and listeners told about every deleted job (e.g. to drop copies served for download).
 
-Runs survive a restart of the process: a job that starts writes its description (``job.json``: the owner's
-identity as a SHA-256 hash, never the identity itself, the title, kind, device, times and ``meta``) into its
-directory, and a finished one adds its result (paths relative to the job directory), extras and layer reports.
-A new ``JobManager`` on the same work directory reloads every job directory with a valid description: finished
-runs come back as they were, a run that was cut off (no result, but an unfinished run in
-``<job dir>/checkpoint/.partial``, ``api.partial_status``) comes back as "interrupted" with the blocks it had
-finished, and ``resume`` queues it again. Reloaded jobs belong to nobody until a caller presents the identity
-whose hash they hold. Anything else there (no or a malformed description, expired) is deleted.
-
-A task is ``task(ctx: JobContext) -> dict``: it writes under ``ctx.out_dir``, reports through
-``ctx.on_start`` / ``ctx.on_layer`` / ``ctx.set_phase``, polls ``ctx.should_stop()`` and raises
-``JobCancelled`` to end as cancelled. Its returned dict becomes the job's ``result``.
+One job's state and what its task sees are ``job``; what a job keeps on disk to come back after a restart is
+``jobstore``: a new ``JobManager`` on the same work directory reloads the runs an earlier process left there,
+and ``resume`` queues an interrupted one again.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import logging
 import os
-import re
 import secrets
 import shutil
 import threading
@@ -32,26 +19,28 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-STATUSES = ("queued", "running", "done", "failed", "cancelled", "interrupted")
-ACTIVE = ("queued", "running")
-FINISHED = ("done", "failed", "cancelled", "interrupted")  # interrupted: cut off by a restart, can be resumed
-KEPT = ("done", "interrupted")  # statuses that hold files and count against the runs an owner may keep
+from . import jobstore
+from .job import (
+    ACTIVE,
+    FINISHED,
+    KEPT,
+    STATUSES,
+    Job,
+    JobCancelled,
+    JobContext,
+    JobSnapshot,
+    error_reason,
+)
+from .jobstore import owner_digest, run_bytes
+
+__all__ = ["ACTIVE", "DEFAULT_LIMITS", "FINISHED", "KEPT", "STATUSES", "Job", "JobCancelled", "JobContext",
+           "JobManager", "JobSnapshot", "default_device", "error_reason", "owner_digest"]
+
 DEFAULT_LIMITS = {"cpu": 1, "cuda": 1}
-_JOB_ID = re.compile(r"^[0-9a-f]{12}$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-DESCRIPTION = "job.json"
-DESCRIPTION_FORMAT = 1
-MAX_DESCRIPTION_BYTES = 16_000_000
-RESULT_PATHS = ("checkpoint_dir", "archive")  # result fields that are paths inside the job directory
 _log = logging.getLogger(__name__)
-
-
-class JobCancelled(Exception):
-    """Raised by a task (or inside it) to end the job as cancelled."""
 
 
 def default_device() -> str:
@@ -64,150 +53,13 @@ def default_device() -> str:
     return "cpu"
 
 
-# ----------------------------------------------------------------------------------------------- jobs
-@dataclass(frozen=True)
-class JobSnapshot:
-    """A consistent, immutable view of a job at one moment (what the UI renders)."""
-
-    id: str
-    owner: str
-    title: str
-    kind: str
-    device: str
-    status: str
-    phase: str
-    position: int  # 1-based place in its device queue while queued, else 0
-    running_ahead: int  # jobs running on the same device while this one waits
-    total_layers: int | None
-    layers_done: int
-    current: str  # e.g. "block 3 · mlp.down_proj" (last finished layer)
-    reports: tuple[dict, ...]
-    reports_version: tuple[int, int]  # (reports, reports with their block's output error): changes on news
-    error: str | None
-    result: dict | None
-    extras: dict
-    meta: dict
-    created: float
-    started: float | None
-    finished: float | None
-    eta_seconds: float | None
-
-    @property
-    def active(self) -> bool:
-        return self.status in ACTIVE
-
-    @property
-    def elapsed(self) -> float:
-        if self.started is None:
-            return 0.0
-        return (self.finished or time.time()) - self.started
-
-    def to_dict(self, reports: bool = True) -> dict:
-        data = dataclasses.asdict(self)
-        data["reports"] = list(self.reports) if reports else len(self.reports)
-        data["reports_version"] = list(self.reports_version)
-        data["elapsed"] = round(self.elapsed, 2)
-        return data
-
-
-class Job:
-    """One unit of background work. Its mutable state is guarded by ``self.lock``; read it through
-    ``snapshot()``."""
-
-    def __init__(self, job_id: str, owner: str, task: Callable, title: str, kind: str, device: str, meta: dict,
-                 out_dir: Path) -> None:
-        self.id = job_id
-        self.owner = owner
-        self.task = task
-        self.title = title
-        self.kind = kind
-        self.device = device
-        self.meta = dict(meta)
-        self.out_dir = out_dir
-        self.created = time.time()
-        self.lock = threading.Lock()
-        self.cancel_event = threading.Event()
-        self.status = "queued"
-        self.phase = "waiting in the queue"
-        self.total_layers: int | None = None
-        self.reports: list = []
-        self.error: str | None = None
-        self.error_detail: str | None = None
-        self.result: dict | None = None
-        self.extras: dict = {}
-        self.started: float | None = None
-        self.layers_started: float | None = None
-        self.finished: float | None = None
-        self.forgotten = False  # owner gone: delete the outputs as soon as the job ends
-        self.owner_hash: str | None = None  # reloaded after a restart: owned by whoever's identity hashes to this
-
-    def snapshot(self, position: int = 0, running_ahead: int = 0, reports: bool = True) -> JobSnapshot:
-        with self.lock:
-            done = len(self.reports)
-            with_output = sum(1 for r in self.reports if r.rel_output_error is not None)
-            rows = tuple(r.to_dict() for r in self.reports) if reports else ()
-            current = f"block {self.reports[-1].block} · {self.reports[-1].module}" if self.reports else ""
-            eta = None
-            if self.status == "running" and self.total_layers and done and self.layers_started is not None:
-                spent = time.time() - self.layers_started
-                eta = spent / done * max(self.total_layers - done, 0)
-            return JobSnapshot(
-                id=self.id, owner=self.owner, title=self.title, kind=self.kind, device=self.device,
-                status=self.status, phase=self.phase, position=position, running_ahead=running_ahead,
-                total_layers=self.total_layers, layers_done=done, current=current, reports=rows,
-                reports_version=(done, with_output), error=self.error,
-                result=dict(self.result) if self.result is not None else None, extras=dict(self.extras),
-                meta=dict(self.meta), created=self.created, started=self.started, finished=self.finished,
-                eta_seconds=eta,
-            )
-
-
-class JobContext:
-    """What a running task sees: its output directory and the progress / cancellation callbacks."""
-
-    def __init__(self, job: Job) -> None:
-        self._job = job
-
-    @property
-    def job_id(self) -> str:
-        return self._job.id
-
-    @property
-    def out_dir(self) -> Path:
-        return self._job.out_dir
-
-    def set_phase(self, text: str) -> None:
-        with self._job.lock:
-            self._job.phase = text
-
-    def on_start(self, total_layers: int) -> None:
-        """The number of layers the task will report (enables the progress bar and ETA)."""
-        with self._job.lock:
-            self._job.total_layers = int(total_layers)
-            self._job.layers_started = time.time()
-            self._job.phase = "quantizing"
-
-    def on_layer(self, report) -> None:
-        """Publish one finished layer (a ``LayerReport``; its ``rel_output_error`` may be filled in later)."""
-        job = self._job
-        with job.lock:
-            job.reports.append(report)
-            if job.total_layers and len(job.reports) >= job.total_layers:
-                job.phase = "saving the checkpoint"
-            else:
-                job.phase = "quantizing"
-
-    def should_stop(self) -> bool:
-        return self._job.cancel_event.is_set()
-
-
 class JobManager:
     """Runs jobs in background threads, at most ``limits[device]`` at a time per device, first come first
     served. Every call that reads or changes a job names its owner; other owners' jobs are invisible.
 
     Args:
         workdir: jobs write under ``workdir/jobs/<job id>/``; what earlier processes left there is reloaded when
-            it has a valid description (finished and interrupted runs), else removed (see the module docstring).
+            it has a valid description (finished and interrupted runs), else removed (see ``jobstore``).
         limits: concurrent jobs per device, e.g. {"cpu": 1, "cuda": 1}.
         max_active_per_owner: queued + running jobs one owner may have.
         max_queued: jobs waiting in all queues together; beyond it ``submit`` refuses.
@@ -246,114 +98,7 @@ class JobManager:
         self._running: dict[str, int] = dict.fromkeys(limits, 0)
         self._threads: dict[str, threading.Thread] = {}
         self._listeners: list[Callable[[str, str], None]] = []
-        self._restore()
-
-    # ------------------------------------------------------------------------------ restart: descriptions
-    def _restore(self) -> None:
-        """Reload the job directories of an earlier process that have a valid description; remove the rest."""
-        now = time.time()
-        for path in sorted(self.jobs_dir.iterdir()):
-            if not path.is_dir() or path.is_symlink() or not _JOB_ID.match(path.name):
-                continue
-            try:
-                job = self._restored_job(path, now)
-            except Exception as exc:  # noqa: BLE001 - whatever is wrong with a leftover, it is removed
-                _log.info("removing job directory %s: %s", path.name, exc)
-                job = None
-            if job is None:
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                self._jobs[job.id] = job
-
-    def _restored_job(self, path: Path, now: float) -> Job | None:
-        """The job described in ``path`` (None, or ValueError why, when it cannot come back)."""
-        file = path / DESCRIPTION
-        if not file.is_file() or file.is_symlink():
-            return None
-        if file.stat().st_size > MAX_DESCRIPTION_BYTES:
-            raise ValueError(f"{DESCRIPTION} is larger than {MAX_DESCRIPTION_BYTES} bytes")
-        data = json.loads(file.read_text(encoding="utf-8"))
-        if not isinstance(data, dict) or data.get("format") != DESCRIPTION_FORMAT:
-            raise ValueError(f"{DESCRIPTION} is not a job description of format {DESCRIPTION_FORMAT}")
-        _expect(data.get("id") == path.name, "its id is not its directory's name")
-        _expect(isinstance(data.get("owner_sha256"), str) and _SHA256.match(data["owner_sha256"]),
-                "owner_sha256 is not a SHA-256 hex digest")
-        for key in ("title", "kind", "device", "state"):
-            _expect(isinstance(data.get(key), str), f"{key} is not a string")
-        for key in ("created", "started", "finished"):
-            _expect(data.get(key) is None or _number(data[key]), f"{key} is not a time")
-        _expect(_number(data.get("created")), "created is not a time")
-        for key in ("meta", "extras"):
-            _expect(isinstance(data.get(key), dict), f"{key} is not an object")
-        reports = data.get("reports", [])
-        _expect(isinstance(reports, list) and all(_report_ok(r) for r in reports), "reports are malformed")
-        job = Job(path.name, "", _not_resumed, data["title"], data["kind"], data["device"], data["meta"], path)
-        job.owner_hash = data["owner_sha256"]
-        job.created, job.started, job.extras = float(data["created"]), data.get("started"), dict(data["extras"])
-        if data["state"] == "done":
-            result = data.get("result")
-            _expect(isinstance(result, dict), "a finished job has no result")
-            result = dict(result)
-            for key in RESULT_PATHS:
-                rel = result.get(key)
-                if rel is None:
-                    continue
-                _expect(isinstance(rel, str), f"result {key} is not a path")
-                target = (path / rel).resolve()
-                _expect(target.is_relative_to(path.resolve()) and target.exists(),
-                        f"result {key} {rel!r} is not inside the job directory")
-                result[key] = str(path / rel)
-            _expect(_number(data.get("finished")), "a finished job has no finish time")
-            job.status, job.phase, job.result, job.finished = "done", "done", result, float(data["finished"])
-            job.reports = [_StoredReport(r) for r in reports]
-            job.total_layers = len(job.reports) or None
-        elif data["state"] == "started":
-            status = _partial_status(path)
-            if status is None:
-                return None  # cut off before it had written anything worth keeping
-            run_file = Path(status["dir"]) / "run.json"
-            job.finished = run_file.stat().st_mtime  # when it last finished a block
-            job.status = "interrupted"
-            job.phase = (f"interrupted by a restart after {status['blocks_done']} of {status['blocks_total']} "
-                         "blocks")
-            job.extras["interrupted"] = {"blocks_done": int(status["blocks_done"]),
-                                         "blocks_total": int(status["blocks_total"])}
-        else:
-            raise ValueError(f"state must be 'started' or 'done', got {data['state']!r}")
-        if self.max_age_s is not None and now - job.finished > self.max_age_s:
-            return None
-        return job
-
-    def _describe_locked(self, job: Job) -> None:
-        """Write ``job``'s description into its directory (atomic; the directory must exist). Jobs that did not
-        finish well write none (their directory goes)."""
-        with job.lock:
-            if job.status not in ("running", "done", "interrupted") or job.forgotten or not job.out_dir.is_dir():
-                return
-            owner_hash = job.owner_hash or owner_digest(job.owner)
-            data = {"format": DESCRIPTION_FORMAT, "id": job.id, "owner_sha256": owner_hash, "title": job.title,
-                    "kind": job.kind, "device": job.device, "created": job.created, "started": job.started,
-                    "finished": job.finished, "state": "done" if job.status == "done" else "started",
-                    "model": job.meta.get("model"), "method": job.meta.get("method"),
-                    "settings": job.meta.get("settings"), "calib": job.meta.get("calib"),
-                    "meta": job.meta, "extras": {k: v for k, v in job.extras.items() if k != "interrupted"}}
-            if job.status == "done":
-                result = dict(job.result or {})
-                for key in RESULT_PATHS:
-                    if result.get(key) is not None:
-                        result[key] = os.path.relpath(result[key], job.out_dir)
-                data["result"] = result
-                data["reports"] = [r.to_dict() for r in job.reports]
-        try:
-            text = json.dumps(data, default=_plain)
-            tmp = job.out_dir / f".{DESCRIPTION}.tmp"
-            with tmp.open("w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, job.out_dir / DESCRIPTION)
-        except (OSError, TypeError, ValueError):  # the run goes on; it only would not come back after a restart
-            _log.warning("cannot write the description of job %s", job.id, exc_info=True)
+        self._jobs.update((job.id, job) for job in jobstore.restore(self.jobs_dir, max_age_s))
 
     def _adopt_locked(self, owner: str) -> None:
         """Reloaded jobs whose owner hash is ``owner``'s become ``owner``'s."""
@@ -405,7 +150,7 @@ class JobManager:
                 job.status, job.phase, job.result = "done", "done", dict(result or {})
                 job.started = job.finished = now
                 self._jobs[job_id] = job
-                self._describe_locked(job)
+                jobstore.describe(job)
                 return self._snapshot_locked(job)
         except BaseException:
             shutil.rmtree(out_dir, ignore_errors=True)
@@ -443,7 +188,7 @@ class JobManager:
             if job.cancel_event.is_set():
                 raise JobCancelled
             with self._lock:
-                self._describe_locked(job)  # from here on a restart finds it (and resumes it, see the docstring)
+                jobstore.describe(job)  # from here on a restart finds it (``jobstore.restore``)
             result = job.task(JobContext(job))
             if result is not None and not isinstance(result, dict):
                 raise TypeError(f"a job task must return a dict or None, got {type(result).__name__}")
@@ -462,7 +207,7 @@ class JobManager:
                 job.result = dict(result) if status == "done" and result is not None else None
                 job.finished = time.time()
                 job.phase = {"done": "done", "failed": "failed", "cancelled": "cancelled"}[status]
-            self._describe_locked(job)
+            jobstore.describe(job)
             self._running[job.device] -= 1
             self._threads.pop(job.id, None)
             if job.forgotten:
@@ -514,13 +259,13 @@ class JobManager:
                 self._adopt_locked(owner)
             jobs = [(j.out_dir, j.status in ACTIVE, j.meta.get("reserve_bytes") or 0)
                     for j in self._jobs.values() if owner is None or j.owner == owner]
-        return sum(max(_run_bytes(d), int(reserve) if active else 0) for d, active, reserve in jobs)
+        return sum(max(run_bytes(d), int(reserve) if active else 0) for d, active, reserve in jobs)
 
     def job_bytes(self, job_id: str, owner: str) -> int:
         """Bytes on disk under the directory of the job ``job_id`` of ``owner``."""
         with self._lock:
             job = self._owned(job_id, owner)
-        return _run_bytes(job.out_dir)
+        return run_bytes(job.out_dir)
 
     def check_submit(self, owner: str) -> None:
         """Raise the ValueError ``submit`` would raise for ``owner`` now (limits per owner, a full queue)."""
@@ -528,14 +273,20 @@ class JobManager:
         with self._lock:
             self._prune_locked()
             self._adopt_locked(owner)
-            mine = [j for j in self._jobs.values() if j.owner == owner and j.status in ACTIVE]
-            if len(mine) >= self.max_active_per_owner:
-                raise ValueError(f"you already have {len(mine)} job(s) queued or running (limit "
-                                 f"{self.max_active_per_owner}); wait for one to finish or cancel it")
+            self._check_active_locked(owner)
             self._check_runs_locked(owner)
-            waiting = sum(len(q) for q in self._queues.values())
-            if waiting >= self.max_queued:
-                raise ValueError(f"the queue is full ({waiting} jobs waiting); try again in a few minutes")
+            self._check_queue_locked()
+
+    def _check_active_locked(self, owner: str) -> None:
+        mine = [j for j in self._jobs.values() if j.owner == owner and j.status in ACTIVE]
+        if len(mine) >= self.max_active_per_owner:
+            raise ValueError(f"you already have {len(mine)} job(s) queued or running (limit "
+                             f"{self.max_active_per_owner}); wait for one to finish or cancel it")
+
+    def _check_queue_locked(self) -> None:
+        waiting = sum(len(q) for q in self._queues.values())
+        if waiting >= self.max_queued:
+            raise ValueError(f"the queue is full ({waiting} jobs waiting); try again in a few minutes")
 
     def update_result(self, job_id: str, owner: str, **fields: Any) -> JobSnapshot:
         """Change fields of a finished job's result (e.g. the archive's size after it was packed again)."""
@@ -545,7 +296,7 @@ class JobManager:
                 if job.result is None:
                     raise ValueError(f"job {job_id} has no result (status: {job.status})")
                 job.result.update(fields)
-            self._describe_locked(job)
+            jobstore.describe(job)
             return self._snapshot_locked(job)
 
     def reassign(self, old_owner: str, new_owner: str) -> int:
@@ -558,7 +309,7 @@ class JobManager:
             mine = [j for j in self._jobs.values() if j.owner == old_owner and not j.forgotten]
             for job in mine:
                 job.owner = new_owner
-                self._describe_locked(job)
+                jobstore.describe(job)
             return len(mine)
 
     def checkpoint_dir(self, job_id: str, owner: str) -> Path:
@@ -574,7 +325,7 @@ class JobManager:
             job = self._owned(job_id, owner)
             with job.lock:
                 job.extras[key] = value
-            self._describe_locked(job)
+            jobstore.describe(job)
             return self._snapshot_locked(job)
 
     def wait(self, job_id: str, owner: str, timeout: float | None = None) -> JobSnapshot:
@@ -601,13 +352,8 @@ class JobManager:
             if status != "interrupted":
                 raise ValueError(f"job {job_id} was not interrupted, it cannot be resumed (status: {status})")
             self._prune_locked()
-            mine = [j for j in self._jobs.values() if j.owner == owner and j.status in ACTIVE]
-            if len(mine) >= self.max_active_per_owner:
-                raise ValueError(f"you already have {len(mine)} job(s) queued or running (limit "
-                                 f"{self.max_active_per_owner}); wait for one to finish or cancel it")
-            waiting = sum(len(q) for q in self._queues.values())
-            if waiting >= self.max_queued:
-                raise ValueError(f"the queue is full ({waiting} jobs waiting); try again in a few minutes")
+            self._check_active_locked(owner)
+            self._check_queue_locked()
             with job.lock:
                 job.task, job.device, job.cancel_event = task, device, threading.Event()
                 job.status, job.phase, job.error, job.error_detail, job.result = (
@@ -713,89 +459,7 @@ class JobManager:
             thread.join(max(deadline - time.monotonic(), 0))
 
 
-def _run_bytes(job_dir: Path) -> int:
-    """What a job's files take on disk, without its description (the manager's own, a few kB)."""
-    try:
-        own = (job_dir / DESCRIPTION).stat().st_size
-    except OSError:
-        own = 0
-    return _tree_bytes(job_dir) - own
-
-
-def _tree_bytes(path: Path) -> int:
-    total = 0
-    try:
-        entries = list(os.scandir(path))
-    except OSError:
-        return 0
-    for entry in entries:
-        try:
-            if entry.is_dir(follow_symlinks=False):
-                total += _tree_bytes(Path(entry.path))
-            elif entry.is_file(follow_symlinks=False):
-                total += entry.stat(follow_symlinks=False).st_size
-        except OSError:
-            continue
-    return total
-
-
-def owner_digest(owner: str) -> str:
-    """What a job's description stores of its owner: the SHA-256 hex digest of the identity."""
-    return hashlib.sha256(owner.encode("utf-8")).hexdigest()
-
-
-class _StoredReport:
-    """A layer report read back from a job's description (what snapshots read of a ``LayerReport``)."""
-
-    def __init__(self, data: dict) -> None:
-        self._data = dict(data)
-        self.block, self.module = data["block"], data["module"]
-        self.rel_output_error = data.get("rel_output_error")
-
-    def to_dict(self) -> dict:
-        return dict(self._data)
-
-
-def _report_ok(data) -> bool:
-    return (isinstance(data, dict) and isinstance(data.get("block"), int) and isinstance(data.get("module"), str)
-            and (data.get("rel_output_error") is None or _number(data["rel_output_error"])))
-
-
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _expect(ok: bool, what: str) -> None:
-    if not ok:
-        raise ValueError(f"{DESCRIPTION}: {what}")
-
-
-def _plain(value):
-    """JSON for values of a result or report that are not plain (numpy or torch scalars, paths)."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return str(value)
-
-
-def _not_resumed(ctx: JobContext) -> dict:
-    raise ValueError("this run was interrupted by a restart; resume it to continue")
-
-
-def _partial_status(job_dir: Path) -> dict | None:
-    """The unfinished run in ``<job dir>/checkpoint`` (``api.partial_status``), or None."""
-    from ..api import partial_status  # only here: the queue itself is torch-free
-
-    return partial_status(job_dir / "checkpoint")
-
-
 def _check_owner(owner: str) -> None:
     if not isinstance(owner, str) or not owner:
         raise ValueError(f"owner must be a non-empty session id, got {owner!r}")
 
-
-def error_reason(exc: BaseException) -> str:
-    text = str(exc).strip()
-    if isinstance(exc, ValueError) and text:
-        return text
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

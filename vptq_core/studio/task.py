@@ -13,7 +13,7 @@ from ..storage.archive import pack_checkpoint
 from ..storage.checkpoint import checkpoint_size
 from . import zerogpu
 from .card import write_model_card
-from .queue import JobCancelled, JobContext
+from .job import JobCancelled, JobContext
 
 
 def quantization_task(model_name: str, method: str, config, calib, device: str = "cpu",

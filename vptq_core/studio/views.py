@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from ..models import BUNDLED, TINY
 from ..quant import methods
 from .estimate import Estimate, ModelInfo
-from .queue import JobSnapshot
+from .job import JobSnapshot
 
 SMOLLM2_NOTE = ("The bundled SmolLM2-135M-Instruct was shipped as 4-bit **Q4_1** weights (groups of 32), so 4-bit "
                 "results on it are flattered: a 4-bit group-32 grid nearly reproduces them. Judge methods at 2–3 bits.")

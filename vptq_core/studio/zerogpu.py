@@ -155,3 +155,13 @@ def quantize_job(spaces, ctx, model_name: str, method: str, config, calib, out_d
         raise RuntimeError("the ZeroGPU worker ended without a result")
     out, summary = result
     return Path(out), summary
+
+
+def on_gpu(fn, duration: int):
+    """``spaces.GPU(duration=duration)(fn)`` where the ``spaces`` package is installed (Hugging Face Spaces: on
+    ZeroGPU a GPU is attached for the call; elsewhere it has no effect), else ``fn`` itself."""
+    try:
+        import spaces  # only installed on Hugging Face Spaces
+    except ImportError:
+        return fn
+    return spaces.GPU(duration=duration)(fn)

@@ -1,0 +1,39 @@
+"""The app's settings (``AppSettings``): where runs are written, the device, and every limit a public machine
+needs. ``app.py`` fills them from the command line and the environment (``app.LIMITS``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..models import BUNDLED
+from ..storage.archive import DEFAULT_MAX_BYTES, DEFAULT_MAX_ENTRY_BYTES, DEFAULT_MAX_FILES, DEFAULT_MAX_RATIO
+
+
+@dataclass(frozen=True)
+class AppSettings:
+    """The app's settings; every limit also has a command-line flag and an environment variable
+    (``app.LIMITS``). Sizes are bytes (the flags and variables take MB = 10^6 bytes)."""
+
+    workdir: Path
+    default_model: str = BUNDLED
+    device: str = "cpu"
+    chat_concurrency: int = 2  # chat events served at once (each runs both models)
+    max_upload_bytes: int = DEFAULT_MAX_BYTES  # an uploaded archive (zip) as sent
+    max_unpacked_bytes: int = DEFAULT_MAX_BYTES  # an uploaded archive unpacked, all files together
+    max_entry_bytes: int = DEFAULT_MAX_ENTRY_BYTES  # one file of an uploaded archive, unpacked
+    max_ratio: float = DEFAULT_MAX_RATIO  # unpacked / compressed bytes, per file and for the whole archive
+    max_archive_files: int = DEFAULT_MAX_FILES
+    user_quota_bytes: int = 5_000_000_000  # disk for one browser's runs (checkpoints, archives, uploads)
+    total_quota_bytes: int = 20_000_000_000  # disk for every run of every browser
+    max_runs_per_user: int = 6  # runs kept + jobs queued or running, per browser
+    max_jobs_per_user: int = 2  # jobs queued or running, per browser
+    run_ttl_hours: float = 12.0  # finished runs are deleted this long after they finish
+    max_prompt_tokens: int = 1024  # a chat prompt with the conversation so far
+    max_calib_bytes: int = 32_000_000  # an uploaded calibration .txt
+    eval_windows: int = 4
+    eval_seqlen: int = 512
+    cleanup_workdir: bool = False  # remove the work dir at exit (it was a fresh temporary one)
+    browser_secret: str | None = None  # encrypts the identity in the browser (None: random per process)
+
+

@@ -1,0 +1,78 @@
+"""Evaluating a run against its original model (perplexity, KL, top-1 agreement), and the run's model card and
+archive written again with the result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gradio as gr
+
+from ..eval import evaluate
+from ..storage.archive import pack_checkpoint
+from ..storage.checkpoint import checkpoint_size
+from . import views
+from .card import write_model_card
+from .downloads import Downloads
+from .queue import JobManager
+from .run_models import RunModels
+from .services import Shared
+
+
+def refresh_card(manager: JobManager, snap, owner: str):
+    """Write the run's model card again (with its evaluation) and pack its archive again; the new snapshot.
+    Uploaded runs keep their card as it came."""
+    result = snap.result or {}
+    if snap.kind == "import" or not result.get("checkpoint_dir"):
+        return snap
+    ckpt = Path(result["checkpoint_dir"])
+    write_model_card(ckpt, result.get("source_model"), snap.extras.get("eval"))
+    archive = result.get("archive")
+    if archive:
+        packed = pack_checkpoint(ckpt, archive)  # atomic: copies already served keep their content
+        snap = manager.update_result(snap.id, owner, archive_bytes=packed.stat().st_size,
+                                     checkpoint_bytes=checkpoint_size(ckpt))
+    return snap
+
+
+class Evaluation:
+    def __init__(self, shared: Shared, models: RunModels, downloads: Downloads) -> None:
+        self.shared = shared
+        self.models = models
+        self.downloads = downloads
+
+    def evaluate(self, job_id: str, windows, seqlen, request: gr.Request, progress=gr.Progress()):  # noqa: B008
+        """Perplexity, KL and top-1 agreement of the quantized run against its original model; the model card
+        in the run's zip gets them (a fresh download copy is returned)."""
+        owner = self.shared.owner(request)
+        try:
+            snap = self._evaluate(job_id, windows, seqlen, owner, progress)
+        except ValueError as exc:
+            raise self.shared.error(exc) from None
+        rows, fig, _choices = self.shared.runs_view(owner)
+        download = self.downloads.button(snap, owner) if (snap.result or {}).get("archive") else gr.skip()
+        return views.eval_md(snap.extras.get("eval")), rows, fig, self.shared.job_json(snap), download
+
+    def evaluate_run(self, run_id: str, windows, seqlen, request: gr.Request,
+                     progress=gr.Progress()):  # noqa: B008
+        """``evaluate`` for the run picked in the Chat tab (e.g. an uploaded checkpoint)."""
+        owner = self.shared.owner(request)
+        try:
+            snap = self._evaluate(run_id, windows, seqlen, owner, progress)
+        except ValueError as exc:
+            raise self.shared.error(exc) from None
+        rows, fig, _choices = self.shared.runs_view(owner)
+        return views.eval_md(snap.extras.get("eval")), rows, fig
+
+    def _evaluate(self, job_id: str, windows, seqlen, owner: str, progress):
+        windows, seqlen = int(windows or 0), int(seqlen or 0)
+        if not 1 <= windows <= 512:
+            raise ValueError(f"evaluation windows must be in 1..512, got {windows}")
+        if not 16 <= seqlen <= 8192:
+            raise ValueError(f"evaluation window length must be in 16..8192 tokens, got {seqlen}")
+        progress(0.0, desc="loading the models")
+        (qmodel, tok), original, _why, _source = self.models.run_models(job_id, owner)
+        result = evaluate(qmodel, tok, text="wiki", seqlen=seqlen, max_windows=windows,
+                          reference=original[0] if original else None,
+                          on_window=lambda i, n: progress(i / n, desc=f"window {i}/{n}"))
+        snap = self.shared.manager.set_extra(job_id, owner, "eval", result.to_dict())
+        return refresh_card(self.shared.manager, snap, owner)
