@@ -22,7 +22,7 @@ from vptq_core.data import calibration_windows  # noqa: E402
 from vptq_core.models import load_model  # noqa: E402
 from vptq_core.quant.blocks import block_linears, decoder_blocks  # noqa: E402
 from vptq_core.quant.config import VPTQConfig  # noqa: E402
-from vptq_core.quant.pipeline import _pass_a, _run_batched, capture_block_inputs  # noqa: E402
+from vptq_core.quant.pipeline import block_hessians, capture_block_inputs, run_block_batched  # noqa: E402
 from vptq_core.quant.vptq import vptq_quantize  # noqa: E402
 
 BASE = dict(vector_len=4, num_centroids=256)
@@ -41,12 +41,14 @@ def main() -> None:
                         default=["0:self_attn.q_proj", "5:self_attn.o_proj", "11:mlp.down_proj", "20:mlp.up_proj"])
     parser.add_argument("--calib-samples", type=int, default=16)
     parser.add_argument("--seqlen", type=int, default=512)
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="a built-in model (tiny-random-llama for a quick check of the script)")
     args = parser.parse_args()
     wanted: dict[int, list[str]] = {}
     for spec in args.layers:
         block, name = spec.split(":")
         wanted.setdefault(int(block), []).append(name)
-    model, tok = load_model("smollm2-135m-instruct", dtype=torch.float32)
+    model, tok = load_model(args.model, dtype=torch.float32)
     calib = calibration_windows(tok, "wiki", args.calib_samples, args.seqlen, seed=0)
     rows = []
     with torch.no_grad():
@@ -56,7 +58,7 @@ def main() -> None:
                 break
             if b in wanted:
                 linears = block_linears(block)
-                hessians, _ = _pass_a(block, {n: linears[n] for n in wanted[b]}, hidden, kwargs)
+                hessians, _ = block_hessians(block, {n: linears[n] for n in wanted[b]}, hidden, kwargs)
                 for name in wanted[b]:
                     W = linears[name].weight.data
                     for label, extra in VARIANTS.items():
@@ -64,8 +66,8 @@ def main() -> None:
                         res = vptq_quantize(W, hessians[name], VPTQConfig(**BASE, **extra))
                         rows.append((f"{b}.{name}", label, res.rel_proxy_loss, res.rel_weight_error,
                                      time.perf_counter() - t0))
-            hidden = _run_batched(block, hidden, kwargs)
-    print(f"SmolLM2-135M-Instruct layers, VPTQ v4 k256 (2 index bits), calibration {args.calib_samples} x "
+            hidden = run_block_batched(block, hidden, kwargs)
+    print(f"{args.model} layers, VPTQ v4 k256 (2 index bits), calibration {args.calib_samples} x "
           f"{args.seqlen} tokens of bundled wiki; relative proxy loss tr(dW H dW^T)/tr(W H W^T), lower is better")
     print("| layer | variant | rel. proxy loss | rel. weight error | seconds |")
     print("|---|---|---|---|---|")

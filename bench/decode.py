@@ -4,7 +4,7 @@ time goes.
 Two sources:
   --checkpoint DIR      a packed checkpoint (save_quantized) against its original (--original, default the
                         bundled SmolLM2-135M-Instruct) in bf16;
-  --shape 0.5b|smollm2  random weights of a model shape (speed does not depend on the values): a bf16 model
+  --shape 0.5b|smollm2|tiny  random weights of a model shape (speed does not depend on the values): a bf16 model
                         and the same model with every block linear replaced by a random packed layer of
                         --layout (vptq2 = VPTQ v6 k4096 + 0.5% outliers v4 k256 + perm, the 2-bit default;
                         vptq3 = v4 k4096; scalar4 = 4-bit codes, groups of 128; scalar4-a8 / scalar4-a8asym =
@@ -69,6 +69,9 @@ SHAPES = {
                  num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "smollm2": dict(family="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
+    # tiny-random-llama's shape: seconds for the whole script, to check that it runs (not a speed figure)
+    "tiny": dict(family="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=259, tie_word_embeddings=True),
 }
 
 

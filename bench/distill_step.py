@@ -37,7 +37,7 @@ from vptq_core.quant.states import VQLayerState  # noqa: E402
 from vptq_core.quant.vptq import outlier_columns  # noqa: E402
 
 # projection name suffix -> (v, k) of the "2.5 bits" preset on SmolLM2 (bits_budget 2.5 -> layer cap 3.0137;
-# README, "Spending the whole budget")
+# docs/methods.md, "Bit plan by sensitivity")
 SHAPES = {"q_proj": (5, 1024), "o_proj": (5, 1024), "k_proj": (5, 1024), "v_proj": (5, 1024),
           "gate_proj": (6, 4096), "up_proj": (6, 4096), "down_proj": (6, 4096)}
 
@@ -76,6 +76,8 @@ def student_of(reference: torch.nn.Module, seed: int = 0) -> tuple[torch.nn.Modu
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default="smollm2-135m-instruct",
+                    help="teacher: a built-in model (tiny-random-llama for a quick check of the script)")
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per variant and round")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps before them (>= 1: a step is timed from the "
@@ -89,7 +91,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    reference, tok = load_model("smollm2-135m-instruct", dtype=torch.float32)
+    reference, tok = load_model(args.model, dtype=torch.float32)
     reference.eval()
     windows = calibration_windows(tok, "wiki", samples=4, seqlen=args.seqlen, seed=0)
     student, states = student_of(reference)

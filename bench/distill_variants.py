@@ -1,13 +1,13 @@
 """End-to-end distillation variants from ONE quantization: what the data, steps and learning rate buy.
 
 Protocol: SmolLM2-135M-Instruct (fp32 teacher), ``--row`` of ``bench/quality.py`` (any method) quantized once
-(distillation off) on 32 wiki calibration windows x 512 tokens (even articles, seed 0); distillation also gets the
-held-out check windows drawn on top of them, as in the pipeline (4 more by default); its layer states are
-cached under ``--cache`` (safetensors + JSON) so later runs skip the quantization. Each variant distils a fresh
-copy of that quantized model with the row's distillation settings overridden by the variant's, then the model is
-evaluated in bf16 against the bf16 original on ``--windows`` held-out 512-token windows of wiki (odd articles) and of
-Python's docs (pydocs, odd topics: another domain). Results are appended to ``--results`` (one JSON line per
-variant; a variant already there is skipped).
+(distillation off) on 32 wiki calibration windows x 512 tokens (``--calib-samples``, ``--seqlen``; even articles,
+seed 0); distillation also gets the held-out check windows drawn on top of them, as in the pipeline (4 more by
+default); its layer states are cached under ``--cache`` (safetensors + JSON) so later runs skip the quantization.
+Each variant distils a fresh copy of that quantized model with the row's distillation settings overridden by the
+variant's, then the model is evaluated in bf16 against the bf16 original on ``--windows`` held-out windows of the
+same length of wiki (odd articles) and of Python's docs (pydocs, odd topics: another domain). Results are appended
+to ``--results`` (one JSON line per variant; a variant already there is skipped).
 
     python bench/distill_variants.py --row vptq-2.5-alloc-kd64 \\
         --variants calib64:distill_data=calibration sampled64:distill_data=sampled \\
@@ -97,6 +97,7 @@ def main() -> None:
     parser.add_argument("--results", default="bench/results/distill_variants.jsonl")
     parser.add_argument("--calib-samples", type=int, default=32)
     parser.add_argument("--windows", type=int, default=16)
+    parser.add_argument("--seqlen", type=int, default=512, help="tokens per calibration and evaluation window")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -105,7 +106,8 @@ def main() -> None:
     for _name, overrides in variants:
         dataclasses.replace(config, **overrides)  # a bad setting fails before any work
     model_tag = "" if args.model == "smollm2-135m-instruct" else f"{args.model}-"
-    cache = Path(args.cache or f"/tmp/distill_variants/{model_tag}{args.row}-{args.calib_samples}-heldout")
+    seqlen_tag = "" if args.seqlen == 512 else f"-{args.seqlen}"
+    cache = Path(args.cache or f"/tmp/distill_variants/{model_tag}{args.row}-{args.calib_samples}{seqlen_tag}-heldout")
     results = Path(args.results)
     done = set()
     if results.is_file():
@@ -115,7 +117,7 @@ def main() -> None:
     reference, _ = load_model(args.model, dtype=torch.bfloat16)
     # the calibration windows and, drawn on top of them, distillation's held-out check windows (``with_heldout``)
     calib = calibration_windows(tok, "wiki", with_heldout(args.calib_samples, dataclasses.replace(
-        config, distill_iters=max(config.distill_iters, 1))), 512, seed=0)
+        config, distill_iters=max(config.distill_iters, 1))), args.seqlen, seed=0)
     # A row with self-written calibration (``calib_sampled_share``, the presets): the original model writes those
     # windows once, as the pipeline does (its top-k on them kept for distillation); they are cached with the states.
     written = None
@@ -159,7 +161,7 @@ def main() -> None:
         qb = copy.deepcopy(qmodel).to(torch.bfloat16)
         out = {}
         for text in ("wiki", "pydocs"):
-            ev = evaluate(qb, tok, text=text, seqlen=512, max_windows=args.windows, reference=reference)
+            ev = evaluate(qb, tok, text=text, seqlen=args.seqlen, max_windows=args.windows, reference=reference)
             out[text] = {"perplexity": ev.perplexity, "ratio": ev.perplexity / ev.reference_perplexity,
                          "kl": ev.kl_divergence, "top1": ev.top1_agreement, "bf16": ev.reference_perplexity}
         return out

@@ -2,10 +2,10 @@
 
 Protocol: SmolLM2-135M-Instruct block ``--block`` (inputs from the original blocks before it), 3-bit
 per-channel weights, trained with ``lrq_quantize_block`` on ``--calib`` wiki calibration windows (even
-articles) of 512 tokens; error = relative block-output error ||Y_q - Y||² / ||Y||² on those windows
+articles) of ``--seqlen`` (512) tokens; error = relative block-output error ||Y_q - Y||² / ||Y||² on those windows
 ("calib") and on ``--held`` windows of the held-out wiki split (odd articles). One torch thread.
 
-    python bench/lrq_overfit.py [--block 5] [--calib 4] [--held 8]
+    python bench/lrq_overfit.py [--block 5] [--calib 4] [--held 8] [--grid 32:auto 128:full ...]
 """
 
 from __future__ import annotations
@@ -25,10 +25,20 @@ from vptq_core.models import load_model  # noqa: E402
 from vptq_core.quant.blocks import block_linears, decoder_blocks  # noqa: E402
 from vptq_core.quant.config import LRQConfig  # noqa: E402
 from vptq_core.quant.lrq import auto_rank, lrq_quantize_block  # noqa: E402
-from vptq_core.quant.pipeline import _run_batched, capture_block_inputs, run_block  # noqa: E402
+from vptq_core.quant.pipeline import capture_block_inputs, run_block, run_block_batched  # noqa: E402
 
 GRID = [(32, "auto"), (32, "full"), (128, 16), (128, 48), (128, "auto"), (128, "full"), (384, "auto"),
         (384, "full")]
+
+
+def grid_cell(text: str) -> tuple[int, int | str]:
+    """``STEPS:RANK`` (RANK an integer, ``auto`` or ``full``) -> (steps, rank)."""
+    steps, _, rank = text.partition(":")
+    try:
+        return int(steps), rank if rank in ("auto", "full") else int(rank)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"grid cell must be STEPS:RANK, RANK an integer, auto or full; got {text!r}") from None
 
 
 def main() -> None:
@@ -36,32 +46,38 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=5)
     parser.add_argument("--calib", type=int, default=4)
     parser.add_argument("--held", type=int, default=8)
+    parser.add_argument("--seqlen", type=int, default=512, help="tokens per window")
+    parser.add_argument("--grid", type=grid_cell, nargs="+", default=GRID, help="STEPS:RANK cells (default: "
+                        + " ".join(f"{s}:{r}" for s, r in GRID) + ")")
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="a built-in model (tiny-random-llama for a quick check of the script)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model, tok = load_model("smollm2-135m-instruct", dtype=torch.float32)
-    calib = calibration_windows(tok, "wiki", args.calib, 512)
-    held = eval_windows(tok, "wiki", 512, args.held)
+    model, tok = load_model(args.model, dtype=torch.float32)
+    calib = calibration_windows(tok, "wiki", args.calib, args.seqlen)
+    held = eval_windows(tok, "wiki", args.seqlen, args.held)
     n = args.calib
     with torch.no_grad():
         inps, kwargs = capture_block_inputs(model, torch.cat([calib, held]))
         blocks = decoder_blocks(model)
         for b in range(args.block):
-            inps = _run_batched(blocks[b], inps, kwargs)
+            inps = run_block_batched(blocks[b], inps, kwargs)
         block = blocks[args.block]
-        targets = _run_batched(block, inps, kwargs)
+        targets = run_block_batched(block, inps, kwargs)
     names = list(block_linears(block))
 
     def rel_error(blk, rows: slice) -> float:
         with torch.no_grad():
-            out = _run_batched(blk, inps[rows], kwargs)
+            out = run_block_batched(blk, inps[rows], kwargs)
         return float(((out - targets[rows]) ** 2).sum() / (targets[rows] ** 2).sum())
 
-    auto = auto_rank(576, 576)
-    print(f"block {args.block}, W3 per-channel, {n} calibration / {args.held} held-out windows x 512 tokens; "
-          f"relative block-output error (auto rank = {auto} for 576-wide layers)")
+    width = model.config.hidden_size
+    auto = auto_rank(width, width)
+    print(f"block {args.block}, W3 per-channel, {n} calibration / {args.held} held-out windows x {args.seqlen} tokens; "
+          f"relative block-output error (auto rank = {auto} for {width}-wide layers)")
     print("| steps | scale | calib error | held-out error | seconds |")
     print("|---|---|---|---|---|")
-    for steps, rank in GRID:
+    for steps, rank in args.grid:
         work = copy.deepcopy(block)
         config = LRQConfig(bits=3, iters=steps, full_scale=rank == "full", rank=rank if isinstance(rank, int) else 0)
         t0 = time.perf_counter()

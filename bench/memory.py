@@ -39,6 +39,8 @@ SHAPES = {
     "llama7b": dict(family="llama", hidden=4096, intermediate=11008, heads=32, kv_heads=32, vocab=32000,
                     tied=False),
     "qwen05b": dict(family="qwen2", hidden=896, intermediate=4864, heads=14, kv_heads=2, vocab=151936, tied=True),
+    # tiny-random-llama's shape (the byte tokenizer's 259 tokens): checks that the script runs, no memory figure
+    "tiny": dict(family="llama", hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=259, tied=True),
 }
 GB = 1 << 30
 

@@ -4,7 +4,7 @@ Protocol: random float32 weights of each shape; per shape and row count, both pa
 alternated rounds of ``--calls`` calls each; the table gives the median ms per call and the ratio torch / packed.
 The end-to-end effect on self-written calibration: ``bench/sampling.py``.
 
-    python bench/packed_dense.py [--threads 2] [--rows 1 24 512] [--rounds 4]
+    python bench/packed_dense.py [--threads 2] [--rows 1 24 512] [--rounds 4] [--quick]
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def timed(fn, calls: int) -> float:
 def kernels(args) -> None:
     print("| linear (out x in) | rows | torch ms | packed ms | torch / packed |")
     print("|---|---|---|---|---|")
-    for name, out_f, in_f in SHAPES:
+    for name, out_f, in_f in [s for s in SHAPES if not (args.quick and "LM head" in s[0])]:
         lin = nn.Linear(in_f, out_f, bias=False)
         calls = max(1, args.calls * 576 * 576 // (out_f * in_f))
         for rows in args.rows:
@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 24, 512])
     ap.add_argument("--calls", type=int, default=50, help="calls per round at 576 x 576 (fewer for bigger shapes)")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--quick", action="store_true", help="SmolLM2's block linears only (no LM heads)")
     args = ap.parse_args()
     if not available():
         sys.exit("oneDNN packed linears are unavailable in this torch build")

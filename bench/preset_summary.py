@@ -13,7 +13,7 @@ from pathlib import Path
 def summary(root: Path, name: str) -> str:
     report = json.loads((root / name / "quant_report.json").read_text())
     s = report["summary"]
-    metrics = s["model_metrics"]
+    metrics = s.get("model_metrics", {})  # absent in a run without a bit plan or distillation
     log = (root / f"{name}.log").read_text()
     wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\S+)", log).group(1)
     rss_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", log).group(1))

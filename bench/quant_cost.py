@@ -1,14 +1,14 @@
 """What one VPTQ layer costs to quantize on this machine, phase by phase, against the cost model the app's time
 estimate uses (``vptq_core.studio.estimate.vptq_layer_seconds``).
 
-Usage: python bench/quant_cost.py [--threads 2] [--quick] [--results FILE.jsonl]
+Usage: python bench/quant_cost.py [--threads 2] [--quick] [--grid D:K ...] [--results FILE.jsonl]
        python bench/quant_cost.py --replay FILE.jsonl   (the table of saved measurements against today's model)
 
-Protocol: the weights of one block of the bundled SmolLM2-135M (block 10: q/k 576x576 and 192x576, gate 1536x576,
-down 576x1536) and their real Hessians, from the original model's inputs to them over 8 calibration windows of
-512 wiki tokens (the k-d tree's query cost depends on how far the swept vectors fall from the codebook, so on
-both). For every (shape, vector length, centroids) of the grid, ``vptq_quantize`` runs once to warm up
-and then twice, the faster run kept; it reports its k-means, inverse-Hessian and sweep seconds and the call's
+Protocol: the weights of one block of the bundled SmolLM2-135M (``--block``, default 10: q/k 576x576 and
+192x576, gate 1536x576, down 576x1536) and their real Hessians, from the original model's inputs to them over 8
+calibration windows of 512 wiki tokens (the k-d tree's query cost depends on how far the swept vectors fall from
+the codebook, so on both). For every (shape, vector length, centroids) of the grid, ``vptq_quantize`` runs once
+to warm up and then twice, the faster run kept; it reports its k-means, inverse-Hessian and sweep seconds and the call's
 whole time. The table puts each beside the model's prediction (ratio measured / predicted); the last line is
 the geometric mean and the worst ratio of whole layers. The model predicts the machine alone and unhurried
 (``estimate._VPTQ_SCALE``): on a machine running slower than that, the geometric mean says by how much.
@@ -45,6 +45,15 @@ EXTRA = [  # the presets' own layers: outliers on, residual codebooks
     {"vector_len": 4, "num_centroids": 256, "num_res_centroids": 256, "outlier_percent": 0.5},
     {"vector_len": 8, "num_centroids": 256, "num_res_centroids": 256, "outlier_percent": 0.0},
 ]
+
+
+def grid_pair(text: str) -> tuple[int, int]:
+    """``D:K`` -> (vector length, centroids)."""
+    try:
+        d, k = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"grid pair must be D:K (two integers), got {text!r}") from None
+    return d, k
 
 
 def block_hessians(model, tokenizer, block, names) -> dict[str, torch.Tensor]:
@@ -108,20 +117,25 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="4 (vector length, centroids) pairs, 2 shapes")
     parser.add_argument("--results", help="append one JSON row per measurement to this file")
     parser.add_argument("--replay", help="print the table of a --results file instead of measuring")
+    parser.add_argument("--grid", type=grid_pair, nargs="+", help="(vector length, centroids) pairs D:K to measure "
+                        "instead of the built-in grid (and without the presets' layers)")
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="a built-in model (tiny-random-llama for a quick check of the script)")
+    parser.add_argument("--block", type=int, default=10, help="the block whose layers are quantized")
     args = parser.parse_args()
     if args.replay:
         with open(args.replay, encoding="utf-8") as f:
             print_table([json.loads(line) for line in f if line.strip()])
         return
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model("smollm2-135m-instruct")
-    block = model.model.layers[10]
+    model, tokenizer = load_model(args.model)
+    block = model.model.layers[args.block]
     modules = MODULES[::2] if args.quick else MODULES
     weights = {name: block.get_submodule(name).weight.detach().float() for name in modules}
     hessians = block_hessians(model, tokenizer, block, modules)
-    configs = [{"vector_len": d, "num_centroids": k, "outlier_percent": 0.0} for d, k in (QUICK if args.quick
-                                                                                         else GRID)]
-    configs += [] if args.quick else EXTRA
+    pairs = args.grid or (QUICK if args.quick else GRID)
+    configs = [{"vector_len": d, "num_centroids": k, "outlier_percent": 0.0} for d, k in pairs]
+    configs += [] if args.quick or args.grid else EXTRA
     print(f"# VPTQ layer cost: {args.threads} torch threads, best of 2 after a warm-up; measured / predicted")
     rows = []
     out = open(args.results, "a", encoding="utf-8") if args.results else None

@@ -40,9 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--dtype", default="auto", choices=distill.SAMPLE_DTYPES)
+    ap.add_argument("--model", default="smollm2-135m-instruct",
+                    help="a built-in model (tiny-random-llama for a quick check of the script)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model = load_model("smollm2-135m-instruct", dtype=torch.float32)
+    model = load_model(args.model, dtype=torch.float32)
     model = (model[0] if isinstance(model, tuple) else model).eval()
     starts = torch.full((args.rows, 1), int(model.config.bos_token_id or 1), dtype=torch.long)
 
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             seconds, drawn[p] = run(p, args.seqlen)
             times[p].append(seconds)
     same = {p: int((drawn[paths[0]] == drawn[p]).all(1).sum()) for p in paths}
-    print("sampling benchmark: SmolLM2-135M-Instruct float32 model, sample dtype", args.dtype,
+    print(f"sampling benchmark: {args.model} float32 model, sample dtype", args.dtype,
           f"({distill.sampling_dtype(model, args.dtype) or 'model'}); {args.rows} windows x {args.seqlen} tokens, "
           f"batch {distill.SAMPLE_BATCH}, top-{args.topk} teacher; {args.threads} threads; {args.runs} alternated "
           "runs each after a warm-up; medians")

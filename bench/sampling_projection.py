@@ -1,10 +1,10 @@
 """How the writing of self-written calibration windows is projected under a time budget.
 
-Protocol: a bundled model, 32 wiki calibration windows x 512 tokens (seed 0), the "2.5 bits" preset's settings
-(the windows it writes: 21 of them, one batch), ``--threads`` threads. The original model writes the windows as
-``distill.sampled_calibration`` does, with ``--budget`` as the run's ``time_budget``; every poll's time is
-recorded and ``distill.WritingProjection``'s decisions are printed: the poll, the seconds so far, the projection,
-and whether it stopped the writing. With a budget too large to stop anything the whole writing runs, so the
+Protocol: a bundled model, 32 wiki calibration windows x 512 tokens (``--seqlen``; seed 0), the "2.5 bits"
+preset's settings (the windows it writes: 21 of them, one batch), ``--threads`` threads. The original model writes
+the windows as ``distill.sampled_calibration`` does, with ``--budget`` as the run's ``time_budget``; every poll's
+time is recorded and ``distill.WritingProjection``'s decisions are printed: the poll, the seconds so far, the
+projection, and whether it stopped the writing. With a budget too large to stop anything the whole writing runs, so the
 printed total is the true one and the cost per token along the window is shown by chunks of 64 tokens.
 
     python bench/sampling_projection.py --model gemma3-270m                 # the preset's 570 s
@@ -34,10 +34,11 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--budget", type=float, default=PRESETS["2.5 bits"]["time_budget"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seqlen", type=int, default=512, help="tokens per calibration window")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, tok = load_model(args.model)
-    calib = calibration_windows(tok, "wiki", 32, 512, seed=0)
+    calib = calibration_windows(tok, "wiki", 32, args.seqlen, seed=0)
     config = VPTQConfig(**{**PRESETS["2.5 bits"], "time_budget": args.budget})
     times, decisions = [], []
     poll = D.WritingProjection.poll

@@ -34,6 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {
     "smollm2": dict(family="llama", hidden=576, intermediate=1536, heads=9, kv_heads=3, layers=30),
     "qwen05b": dict(family="qwen2", hidden=896, intermediate=4864, heads=14, kv_heads=2, layers=24),
+    # tiny-random-llama's shape: checks that the script runs (not a cost figure); not in the default --shapes
+    "tiny": dict(family="llama", hidden=64, intermediate=128, heads=4, kv_heads=2, layers=2),
 }
 PHASES = ("capture_inputs", "hessians_targets", "kmeans", "inverse_hessian", "sweep", "quantize", "block_outputs")
 
@@ -123,7 +125,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=["smollm2", "qwen05b"], choices=list(SHAPES))
     parser.add_argument("--before", help="another source tree to measure too (the code before a change)")
     parser.add_argument("--json", help="append the raw rows to this JSON-lines file")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -2,7 +2,8 @@
 uses, at the query counts of a sweep column (one column's vectors) and of a k-means iteration (the fitted sample),
 and one whole layer's ``vptq_quantize`` with the automatic search against the k-d tree.
 
-Usage: python bench/search.py [--threads 1] [--rounds 5] [--no-layer]
+Usage: python bench/search.py [--threads 1] [--rounds 5] [--no-layer] [--cells D:K:QUERIES ...]
+       [--layer-shapes OUTxIN ...]
 
 Protocol: Gaussian centroids and queries (seeded), float32 CPU. Per cell every backend answers once (warm-up, and
 its answer is checked against float64 brute force: "exact" counts the queries whose chosen centroid is at the
@@ -38,6 +39,24 @@ CELLS = [(6, 4096, 256), (6, 4096, 65536), (4, 4096, 384), (4, 4096, 65536), (8,
 LAYERS = [(1536, 576), (576, 1536)]
 
 
+def cell(text: str) -> tuple[int, int, int]:
+    """``D:K:QUERIES`` -> (d, k, queries)."""
+    try:
+        d, k, n = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cell must be D:K:QUERIES (three integers), got {text!r}") from None
+    return d, k, n
+
+
+def layer_shape(text: str) -> tuple[int, int]:
+    """``OUTxIN`` -> (out, in)."""
+    try:
+        out_f, in_f = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"layer shape must be OUTxIN (two integers), got {text!r}") from None
+    return out_f, in_f
+
+
 def time_calls(fns: dict[str, object], reps: dict[str, int], rounds: int) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
@@ -49,11 +68,11 @@ def time_calls(fns: dict[str, object], reps: dict[str, int], rounds: int) -> dic
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def search_table(rounds: int) -> None:
+def search_table(rounds: int, cells: list[tuple[int, int, int]]) -> None:
     cols = ["d", "k", "queries"] + [f"{b} ms" for b in BACKENDS] + ["native/kdtree", "auto picks", "exact"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
-    for d, k, n in CELLS:
+    for d, k, n in cells:
         gen = torch.Generator().manual_seed(d * 100003 + k)
         C, X = torch.randn(k, d, generator=gen), torch.randn(n, d, generator=gen)
         exact = torch.cdist(X.double(), C.double()).min(dim=1).values
@@ -73,11 +92,11 @@ def search_table(rounds: int) -> None:
         print("| " + " | ".join(cells) + " |", flush=True)
 
 
-def layer_table(rounds: int) -> None:
+def layer_table(rounds: int, layers: list[tuple[int, int]]) -> None:
     config = VPTQConfig(vector_len=6, num_centroids=4096, num_res_centroids=0)
     print("\n| layer | config | auto s | k-d tree s | auto/tree | auto k-means / sweep s | tree k-means / sweep s |")
     print("|---|---|---|---|---|---|---|")
-    for out_f, in_f in LAYERS:
+    for out_f, in_f in layers:
         gen = torch.Generator().manual_seed(out_f + in_f)
         X = torch.randn(4096, in_f, generator=gen) @ (torch.eye(in_f) + 0.1 * torch.randn(in_f, in_f, generator=gen))
         H = X.T @ X / X.shape[0]
@@ -106,6 +125,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the native search follows)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--no-layer", action="store_true", help="skip the whole-layer table")
+    parser.add_argument("--layer-shapes", type=layer_shape, nargs="+", default=LAYERS,
+                        help="OUTxIN layers of the whole-layer table (default: "
+                        + " ".join(f"{o}x{i}" for o, i in LAYERS) + ")")
+    parser.add_argument("--cells", type=cell, nargs="+", default=CELLS,
+                        help="(d, k, queries) cells D:K:QUERIES of the search table (default: the built-in ones)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     usable, reason = native.status()
@@ -114,9 +138,9 @@ def main() -> None:
     print(f"Protocol: CPU ({native.isa()} kernels), torch {torch.__version__}, threads={torch.get_num_threads()} "
           f"(the k-d tree queries with as many workers), float32, Gaussian data | per cell: one checked call per "
           f"backend, then {args.rounds} rounds in turn, median per-call time\n")
-    search_table(args.rounds)
+    search_table(args.rounds, args.cells)
     if not args.no_layer:
-        layer_table(max(3, args.rounds // 2))
+        layer_table(max(3, args.rounds // 2), args.layer_shapes)
 
 
 if __name__ == "__main__":

@@ -2,16 +2,16 @@
 
 ``blocks``: layer-wise fine-tuning variants on real blocks. Protocol: SmolLM2 blocks ``--blocks`` with
 inputs from the original blocks before them, VPTQ ``--preset`` (default "2.5 bits") quantization of the block
-on ``--calib`` wiki calibration windows x 512 tokens (even articles, seed 0); each variant fine-tunes a copy
-of the quantized block; error = relative block-output error ||Y_q - Y||^2 / ||Y||^2 on ``--held`` windows of
-the held-out wiki split (odd articles) and of Python's docs (pydocs, odd topics), and on the training
-windows ("fit"). ``legacy`` is the fine-tuning of the previous version (centroids only, random batches of 2
-with replacement, constant lr, accepted on the first 2 training windows).
+on ``--calib`` wiki calibration windows x ``--seqlen`` (512) tokens (even articles, seed 0); each variant
+fine-tunes a copy of the quantized block; error = relative block-output error ||Y_q - Y||^2 / ||Y||^2 on
+``--held`` windows of the held-out wiki split (odd articles) and of Python's docs (pydocs, odd topics), and on
+the training windows ("fit"). ``legacy`` is the fine-tuning of the previous version (centroids only, random
+batches of 2 with replacement, constant lr, accepted on the first 2 training windows).
 
 The whole recipe (quantization, then end-to-end distillation, evaluated before and after distilling on
 held-out wiki and pydocs) is measured by ``bench/quality.py`` rows ``*-kd*``.
 
-    python bench/distill.py blocks [--blocks 3 15 27] [--iters 32]
+    python bench/finetune.py blocks [--blocks 3 15 27] [--iters 32]
 """
 
 from __future__ import annotations
@@ -34,7 +34,12 @@ from vptq_core.models import load_model  # noqa: E402
 from vptq_core.quant.blocks import block_linears, decoder_blocks  # noqa: E402
 from vptq_core.quant.config import VPTQConfig  # noqa: E402
 from vptq_core.quant.finetune import finetune_block_centroids  # noqa: E402
-from vptq_core.quant.pipeline import _pass_a, _run_batched, capture_block_inputs, run_block  # noqa: E402
+from vptq_core.quant.pipeline import (  # noqa: E402
+    block_hessians,
+    capture_block_inputs,
+    run_block,
+    run_block_batched,
+)
 from vptq_core.quant.states import VQLayerState  # noqa: E402
 from vptq_core.quant.vptq import PRESETS, vptq_quantize  # noqa: E402
 
@@ -105,17 +110,17 @@ def block_variants(iters: int) -> dict[str, tuple[dict, dict]]:
 
 def run_blocks(args) -> None:
     torch.set_num_threads(args.threads)
-    model, tok = load_model("smollm2-135m-instruct", dtype=torch.float32)
-    calib = calibration_windows(tok, "wiki", args.calib, 512, seed=0)
-    held_wiki = eval_windows(tok, "wiki", 512, args.held)
-    held_py = eval_windows(tok, "pydocs", 512, args.held)
+    model, tok = load_model(args.model, dtype=torch.float32)
+    calib = calibration_windows(tok, "wiki", args.calib, args.seqlen, seed=0)
+    held_wiki = eval_windows(tok, "wiki", args.seqlen, args.held)
+    held_py = eval_windows(tok, "pydocs", args.seqlen, args.held)
     ids = torch.cat([calib, held_wiki, held_py])
     n, h = args.calib, args.held
     parts = {"fit": slice(0, n), "wiki held-out": slice(n, n + h), "pydocs held-out": slice(n + h, n + 2 * h)}
     base = VPTQConfig(**PRESETS[args.preset])
     print(f"blocks {args.blocks}, VPTQ {args.preset} ({base.vector_len=}, {base.num_centroids=}), {n} calibration "
           f"windows (held out for decisions: the last {round(n * base.finetune_holdout)}), {h}+{h} held-out "
-          f"windows x 512 tokens, {args.iters} steps, {args.threads} threads; relative block-output error")
+          f"windows x {args.seqlen} tokens, {args.iters} steps, {args.threads} threads; relative block-output error")
     print("| block | variant | fit | wiki held-out | pydocs held-out | seconds |")
     print("|---|---|---|---|---|---|")
     records = []
@@ -125,13 +130,13 @@ def run_blocks(args) -> None:
         done = 0
         for b in sorted(args.blocks):
             for i in range(done, b):
-                inps = _run_batched(blocks[i], inps, kwargs)
+                inps = run_block_batched(blocks[i], inps, kwargs)
             done = b
             block = blocks[b]
             kw = kwargs.at(b)
             linears = block_linears(block)
-            hessians, _ = _pass_a(block, linears, inps[:n], kw)
-            targets = _run_batched(block, inps, kw)
+            hessians, _ = block_hessians(block, linears, inps[:n], kw)
+            targets = run_block_batched(block, inps, kw)
             qblock = copy.deepcopy(block)
             states: dict[str, VQLayerState] = {}
             cache: dict = {}
@@ -148,7 +153,7 @@ def run_blocks(args) -> None:
 
             def rel(blk, part, targets=targets, forward=forward):
                 sl = parts[part]
-                out = _run_batched(blk, inps[sl], kw)
+                out = run_block_batched(blk, inps[sl], kw)
                 return float(((out - targets[sl]) ** 2).sum() / (targets[sl] ** 2).sum())
 
             for label, (overrides, extra) in block_variants(args.iters).items():
@@ -185,6 +190,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=32)
     p.add_argument("--preset", default="2.5 bits", choices=list(PRESETS))
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="a built-in model (tiny-random-llama for a quick check of the script)")
+    p.add_argument("--seqlen", type=int, default=512, help="tokens per window")
     p.add_argument("--only", nargs="*", help="run only variants whose label contains one of these strings")
     p.add_argument("--out", help="write the records as JSON lines")
     args = parser.parse_args()

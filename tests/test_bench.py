@@ -1,0 +1,222 @@
+"""Smoke test of every benchmark script in bench/: each runs as a subprocess on a tiny model (or tiny shapes) for a
+few seconds, one thread, and must exit as it should and print its table. The figures are not checked (they mean
+nothing at this size); that the scripts still run against today's code is.
+
+A new script in bench/ must be added to ``SMOKES`` (``test_every_bench_script_is_smoke_run``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+TINY = "tiny-random-llama"
+# A hang guard, not a speed check: each run takes seconds alone, more on a loaded machine.
+TIMEOUT_S = 180
+
+
+@dataclass(frozen=True)
+class Smoke:
+    """How one script is smoke-run: its arguments (``{root}`` = a directory shared by the runs of this module),
+    the text its output must contain (stdout + stderr, and ``log`` when the script writes its output to a file),
+    the exit status it must end with, extra environment, and a script whose outputs it reads (run first)."""
+
+    args: tuple[str, ...]
+    expect: tuple[str, ...]
+    returncode: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    after: str | None = None
+    log: str | None = None
+    gpu: bool = False  # needs CUDA: without a GPU it must exit with ``returncode`` and a one-line reason
+    optional: bool = False  # may be absent from the tree (written on another branch)
+
+
+QUALITY_ROW = "vptq-2-v6k4096-kd32"  # quantization then distillation: both paths of bench/quality.py
+NO_CUDA = "torch.cuda.is_available() is False"
+
+SMOKES: dict[str, Smoke] = {
+    "bench/ablation.py": Smoke(
+        ("--model", TINY, "--layers", "0:self_attn.q_proj", "1:mlp.down_proj", "--calib-samples", "2",
+         "--seqlen", "32"),
+        ("| layer | variant | rel. proxy loss | rel. weight error | seconds |", "2nd-order + outliers")),
+    "bench/decode.py": Smoke(
+        ("--shape", "tiny", "--tokens", "2", "--pairs", "1", "--loop", "lean", "--anatomy"),
+        ("| model | decode tok/s (median) |", "speed ratio quantized / bf16", "| model | total | block linears |")),
+    "bench/distill_step.py": Smoke(
+        ("--model", TINY, "--threads", "1", "--seqlen", "32", "--steps", "1", "--warmup", "1", "--rounds", "1",
+         "--variants", "float32"),
+        ("| variant | median s per step | × first row | steps timed |", "| float32 |")),
+    "bench/distill_variants.py": Smoke(
+        ("--model", TINY, "--row", "rtn-2", "--variants", "kd1:distill_iters=1", "--calib-samples", "2",
+         "--seqlen", "32", "--windows", "1", "--threads", "1", "--cache", "{root}/distill_variants/cache",
+         "--results", "{root}/distill_variants/results.jsonl"),
+        ("| variant | settings | wiki ppl | x bf16 |", "| kd1 |", "| none |")),
+    "bench/finetune.py": Smoke(
+        ("blocks", "--model", TINY, "--blocks", "1", "--calib", "4", "--held", "1", "--iters", "2", "--seqlen", "32",
+         "--only", "no fine-tuning", "legacy", "+ norms lr 1e-3"),
+        ("| block | variant | fit | wiki held-out | pydocs held-out | seconds |", "| 1 | legacy:")),
+    # reads the checkpoint bench/quality.py wrote with --save-dir, as docs describe the pair
+    "bench/generalisation.py": Smoke(
+        (f"{{root}}/quality/ckpt/{QUALITY_ROW}", "--original", TINY, "--seqlen", "32", "--windows", "1",
+         "--threads", "1"),
+        ("| checkpoint | text | ppl | bf16 ppl |", f"| {QUALITY_ROW} | python docs |"), after="bench/quality.py"),
+    "bench/gpu.sh": Smoke((), (f"bench/gpu.sh needs a CUDA device: {NO_CUDA}",), returncode=1, gpu=True),
+    "bench/gpu_quantize.py": Smoke(("--model", TINY), ("no CUDA device: GPU figures need a GPU",), returncode=1,
+                                   gpu=True),
+    "bench/head_quality.py": Smoke(
+        ("--model", TINY, "--samples", "2", "--seqlen", "32", "--windows", "1", "--threads", "1",
+         "--rows", "runtime-8,gptq-4"),
+        ("| head | wiki ppl | × bf16 | pydocs ppl |", "| runtime-8 ", "| gptq-4 ")),
+    "bench/kernels.py": Smoke(
+        ("--tokens", "1", "--rounds", "1", "--configs", "2-bit v6 k4096", "--shapes", "192x576"),
+        ("native/dense", "|     192x576 |     2-bit v6 k4096 |", "Per-call overhead", "module/dense")),
+    "bench/kernels_gpu.py": Smoke(("--reps", "1"), (f"bench/kernels_gpu.py needs a CUDA device: {NO_CUDA}",),
+                                  returncode=1, gpu=True),
+    "bench/lrq_overfit.py": Smoke(
+        ("--model", TINY, "--block", "1", "--calib", "2", "--held", "1", "--seqlen", "32", "--grid", "2:auto",
+         "2:full"),
+        ("| steps | scale | calib error | held-out error | seconds |", "| 2 | full (FlexRound-style) |")),
+    # make_results.py comes from the docs branch; until its own smoke run is written here, its --help
+    "bench/make_results.py": Smoke(("--help",), ("usage:",), optional=True),
+    "bench/memory.py": Smoke(
+        ("--shape", "tiny", "--layers", "1", "--samples", "2", "--seqlen", "16", "--threads", "1",
+         "--workdir", "{root}/memory"),
+        ("| layers | block weights | file | peak RSS |", "formula terms:")),
+    "bench/packed_dense.py": Smoke(
+        ("--quick", "--threads", "1", "--rows", "1", "--rounds", "1", "--calls", "1"),
+        ("| linear (out x in) | rows | torch ms | packed ms | torch / packed |", "SmolLM2 down (576 x 1536)")),
+    # writes its output to $OUT/NAME.log and the evaluations to $OUT/NAME_{wiki,pydocs}.json
+    "bench/preset_run.sh": Smoke(
+        ("t", "--set", "vector_len=4", "--set", "num_centroids=16", "--calib-samples", "2", "--seqlen", "32",
+         "--quiet"),
+        ("== ", "t: --set vector_len=4", "Exit status: 0", "done"),
+        env={"MODEL": TINY, "WINDOWS": "1", "THREADS": "1", "OUT": "{root}/presets"}, log="{root}/presets/t.log"),
+    "bench/preset_summary.py": Smoke(
+        ("t",), ("wall ", "total /", "index bits", "  wiki ", "  pydocs "), env={"OUT": "{root}/presets"},
+        after="bench/preset_run.sh"),
+    "bench/quality.py": Smoke(
+        ("--model", TINY, "--rows", QUALITY_ROW, "--calib-samples", "2", "--calib-seqlen", "32", "--seqlen", "32",
+         "--windows", "1", "--threads", "1", "--results", "{root}/quality/results.jsonl", "--save-dir",
+         "{root}/quality/ckpt"),
+        ("| idx bits | total bits | wiki ppl | × bf16 | KL | top-1 | pydocs ppl |", "| bf16 original ",
+         "VPTQ v6 k4096 + distillation 32 steps")),
+    "bench/quant_cost.py": Smoke(
+        ("--model", TINY, "--block", "0", "--quick", "--grid", "2:16", "--threads", "1"),
+        ("| layer | settings | k-means s | pred | sweep s |", "whole layer measured / predicted")),
+    "bench/sampling.py": Smoke(
+        ("--model", TINY, "--rows", "2", "--seqlen", "16", "--topk", "4", "--threads", "1", "--runs", "1"),
+        ("| path | s (median) | runs | tokens/s |", "| lean decoder, packed linears |")),
+    "bench/sampling_projection.py": Smoke(
+        ("--model", TINY, "--threads", "1", "--seqlen", "128"),
+        ("| poll | seconds so far | projected total s | decision |", "all windows written")),
+    "bench/scaling.py": Smoke(
+        ("--shapes", "tiny", "--layers", "1", "--samples", "2", "--seqlen", "16", "--vocab", "64", "--threads", "1",
+         "--method", "rtn", "--settings", '{"bits": 4, "group_size": 32}'),
+        ("| shape | blocks | block weights |", "| tiny | 1 |")),
+    "bench/search.py": Smoke(
+        ("--cells", "4:256:64", "--rounds", "1", "--layer-shapes", "64x32"),
+        ("| d | k | queries | native ms | kdtree ms |", "| layer | config | auto s | k-d tree s |", "| 64x32 |")),
+}
+
+
+def bench_scripts() -> set[str]:
+    """Every script in bench/, as a path relative to the repository root."""
+    return {p.relative_to(ROOT).as_posix() for pattern in ("*.py", "*.sh") for p in BENCH.glob(pattern)}
+
+
+def test_every_bench_script_is_smoke_run():
+    on_disk = bench_scripts()
+    assert sorted(on_disk - set(SMOKES)) == [], "add a smoke run of each new bench script to SMOKES"
+    stale = {name for name in set(SMOKES) - on_disk if not SMOKES[name].optional}
+    assert sorted(stale) == [], "SMOKES names scripts that are not in bench/"
+    for name, smoke in SMOKES.items():
+        assert smoke.after is None or smoke.after in SMOKES, name
+
+
+def _environment(root: Path, extra: dict[str, str]) -> dict[str, str]:
+    threads = {key: "1" for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                    "NUMBA_NUM_THREADS")}
+    # the shell scripts call `python`: this interpreter's
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    env = {**os.environ, **threads, "PATH": path, "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("TRITON_INTERPRET", None)
+    return {**env, **{key: value.replace("{root}", str(root)) for key, value in extra.items()}}
+
+
+def _run(name: str, smoke: Smoke, root: Path) -> tuple[int, str]:
+    script = ROOT / name
+    args = [arg.replace("{root}", str(root)) for arg in smoke.args]
+    command = ["bash", str(script), *args] if name.endswith(".sh") else [sys.executable, str(script), *args]
+    proc = subprocess.run(command, cwd=ROOT, env=_environment(root, smoke.env), capture_output=True, text=True,
+                          timeout=TIMEOUT_S, check=False)
+    output = proc.stdout + proc.stderr
+    if smoke.log:
+        log = Path(smoke.log.replace("{root}", str(root)))
+        output += log.read_text(encoding="utf-8") if log.is_file() else f"\n(no log {log})"
+    return proc.returncode, output
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """run(name) -> (exit status, output) of the script's smoke run, each run once per module (a script that
+    reads another's outputs runs after it)."""
+    root = tmp_path_factory.mktemp("bench")
+    done: dict[str, tuple[int, str]] = {}
+
+    def run(name: str) -> tuple[int, str]:
+        if name not in done:
+            smoke = SMOKES[name]
+            if smoke.after:
+                code, output = run(smoke.after)
+                assert code == 0, f"{smoke.after} (whose outputs {name} reads) failed:\n{output[-3000:]}"
+            done[name] = _run(name, smoke, root)
+        return done[name]
+
+    return run
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _native_reason(name: str) -> str | None:
+    """Why a script that needs the native CPU kernels or oneDNN cannot run here (None: it can)."""
+    if name in ("bench/kernels.py", "bench/search.py"):
+        from kernels import native
+
+        usable, reason = native.status()
+        return None if usable else f"native kernels unusable: {reason}"
+    if name == "bench/packed_dense.py":
+        from vptq_core.quant.packed_dense import available
+
+        return None if available() else "oneDNN packed linears unavailable in this torch build"
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SMOKES))
+def test_bench_script_runs(name, bench_run):
+    smoke = SMOKES[name]
+    if smoke.optional and not (ROOT / name).is_file():
+        pytest.skip(f"{name} is not in this tree")
+    if smoke.gpu and _cuda_available():
+        pytest.skip("a GPU is present: run bash bench/gpu.sh on it (this test checks the refusal without one)")
+    reason = _native_reason(name)
+    if reason:
+        pytest.skip(reason)
+    code, output = bench_run(name)
+    assert code == smoke.returncode, f"{name} exited {code}, expected {smoke.returncode}:\n{output[-3000:]}"
+    missing = [text for text in smoke.expect if text not in output]
+    assert missing == [], f"{name}: {missing} not in its output:\n{output[-3000:]}"
+    if smoke.gpu:
+        reason_lines = [line for line in output.splitlines() if line.strip()]
+        assert len(reason_lines) == 1, f"{name} should say why in one line without a GPU:\n{output}"
