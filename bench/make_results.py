@@ -104,8 +104,8 @@ def code_block(lines: list[str]) -> str:
     return "```text\n" + "\n".join(lines) + "\n```"
 
 
-def source_line(path: Path) -> str:
-    return f"File: `bench/results/{path.name}`."
+def source_line(name: str) -> str:
+    return f"File: `bench/results/{name}`."
 
 
 def commands_block(commands: list[str]) -> str:
@@ -144,7 +144,7 @@ def _windows(record: dict) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _quality_command(path: Path, records: list[dict]) -> list[str]:
+def _quality_command(name: str, records: list[dict]) -> list[str]:
     """One `bench/quality.py` command per distinct (model, calibration windows, evaluation windows, threads)."""
     groups: dict[tuple, list[str]] = {}
     for r in records:
@@ -163,12 +163,12 @@ def _quality_command(path: Path, records: list[dict]) -> list[str]:
         if threads:
             parts.append(f"--threads {threads}")
         parts.append("--rows " + " ".join(rows))
-        parts.append(f"--results bench/results/{path.name}")
+        parts.append(f"--results bench/results/{name}")
         commands.append(" ".join(parts))
     return commands
 
 
-def render_quality(path: Path, records: list[dict]) -> str:
+def render_quality(name: str, records: list[dict]) -> str:
     latest: dict[str, dict] = {}
     for r in records:  # a later record of a row replaces an earlier one, as bench/quality.py reads the file
         latest[str(r["row"])] = r
@@ -199,8 +199,8 @@ def render_quality(path: Path, records: list[dict]) -> str:
     reference = sorted({f"wiki {fmt(r['bf16_perplexity'])}" + (
         f", pydocs {fmt(r['ood_bf16_perplexity'])}" if r.get("ood_bf16_perplexity") else "") for r in rows})
     models = sorted({r.get("model") or DEFAULT_MODEL for r in rows})
-    parts = [source_line(path) + f" Model: {', '.join(models)}. bf16 perplexity: {'; '.join(reference)}.",
-             table(headers, body), commands_block(_quality_command(path, rows))]
+    parts = [source_line(name) + f" Model: {', '.join(models)}. bf16 perplexity: {'; '.join(reference)}.",
+             table(headers, body), commands_block(_quality_command(name, rows))]
     return "\n\n".join(parts)
 
 
@@ -229,7 +229,7 @@ def _overrides_text(overrides: object) -> str:
     return ",".join(f"{key}={value}" for key, value in overrides.items())
 
 
-def render_variants(path: Path, records: list[dict]) -> str:
+def render_variants(name: str, records: list[dict]) -> str:
     texts = sorted({text for r in records for text in r["scores"]})
     order = [t for t in ("wiki", "pydocs") if t in texts] + [t for t in texts if t not in ("wiki", "pydocs")]
     headers = ["row", "variant", "settings", "total bits"]
@@ -263,21 +263,21 @@ def render_variants(path: Path, records: list[dict]) -> str:
             parts.append(f"--windows {windows}")
         if threads:
             parts.append(f"--threads {threads}")
-        parts.append(f"--results bench/results/{path.name}")
+        parts.append(f"--results bench/results/{name}")
         if variants:
             parts.append("--variants " + " ".join(variants))
         lines.append(" ".join(parts))
     models = sorted({r.get("model") or DEFAULT_MODEL for r in records})
-    return "\n\n".join([source_line(path) + f" Model: {', '.join(models)}.", table(headers, body),
+    return "\n\n".join([source_line(name) + f" Model: {', '.join(models)}.", table(headers, body),
                         commands_block(lines)])
 
 
-def render_jsonl(path: Path) -> str:
+def render_jsonl(path: Path, name: str) -> str:
     records = read_jsonl(path)
     if is_quality(records):
-        return render_quality(path, records)
+        return render_quality(name, records)
     if is_variants(records):
-        return render_variants(path, records)
+        return render_variants(name, records)
     raise ResultFileError("JSON lines of an unknown kind (neither bench/quality.py rows nor distillation variants)")
 
 
@@ -364,14 +364,14 @@ def parse_presets_log(text: str) -> list[RunGroup]:
     return [g for g in groups if g.runs]
 
 
-def render_presets_log(path: Path) -> str:
+def render_presets_log(path: Path, name: str) -> str:
     groups = parse_presets_log(path.read_text(encoding="utf-8"))
     if not groups:
         raise ResultFileError("no run blocks in the structured format (`== HH:MM:SS NAME: ARGS`); "
                               "an older free-form log")
     headers = ["time (UTC)", "run", "arguments", "bits: total / index", "wiki × bf16", "pydocs × bf16",
                "distillation steps, check KL (best step)", "pipeline s", "wall", "peak RSS"]
-    parts = [source_line(path)]
+    parts = [source_line(name)]
     for group in groups:
         if group.notes:
             parts.append(code_block(group.notes))
@@ -396,7 +396,7 @@ def _markdown_table(lines: list[str]) -> str:
     return table(header, body)
 
 
-def render_text(path: Path) -> str:
+def render_text(path: Path, name: str) -> str:
     lines = path.read_text(encoding="utf-8").splitlines()
     segments: list[tuple[list[str], list[str]]] = []  # (lines before, table lines)
     before: list[str] = []
@@ -415,7 +415,7 @@ def render_text(path: Path) -> str:
         before = []
     if not segments:
         raise ResultFileError("no Markdown table")
-    parts = [source_line(path)]
+    parts = [source_line(name)]
     for context, rows in segments:
         if context:
             shown = context[-CONTEXT_LINES:]
@@ -429,7 +429,7 @@ def render_text(path: Path) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- the page
-def renderer_for(path: Path) -> Callable[[Path], str]:
+def renderer_for(path: Path) -> Callable[[Path, str], str]:
     if path.suffix == ".jsonl":
         return render_jsonl
     if fnmatch.fnmatch(path.name, "presets_cli_*.txt"):
@@ -453,27 +453,29 @@ def slug(heading: str) -> str:
 
 
 def build(results_dir: Path = RESULTS) -> tuple[str, list[str], list[tuple[str, str]]]:
-    """The page, the files shown and the files not shown (name, reason)."""
-    files = sorted(p for p in results_dir.iterdir() if p.is_file() and not p.name.startswith("."))
+    """The page, the files shown and the files not shown (name under ``results_dir``, reason)."""
+    files = sorted(p.relative_to(results_dir).as_posix() for p in results_dir.rglob("*")
+                   if p.is_file() and not p.name.startswith("."))
     shown: list[str] = []
     not_shown: list[tuple[str, str]] = []
     by_section: dict[str, list[str]] = {s.title: [] for s in SECTIONS}
-    for path in files:
+    for name in files:
+        path = results_dir / name
         reason = left_out_reason(path.name)
         if reason:
-            not_shown.append((path.name, reason))
+            not_shown.append((name, reason))
             continue
         try:
-            markdown = renderer_for(path)(path)
+            markdown = renderer_for(path)(path, name)
         except ResultFileError as exc:
-            not_shown.append((path.name, str(exc)))
+            not_shown.append((name, str(exc)))
             continue
         except (UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError) as exc:
-            not_shown.append((path.name, f"could not be read ({type(exc).__name__}: {exc})"))
+            not_shown.append((name, f"could not be read ({type(exc).__name__}: {exc})"))
             continue
         section = next(s for s in SECTIONS if any(fnmatch.fnmatch(path.name, p) for p in s.patterns))
-        by_section[section.title].append(f"### {path.name}\n\n{markdown}")
-        shown.append(path.name)
+        by_section[section.title].append(f"### {name}\n\n{markdown}")
+        shown.append(name)
     page = [f"# Results\n\n{HEADER}.\n",
             "Every table below is what one file under `bench/results/` records, with the command that produced "
             "it. The machine, date and load are those the file names; times from different machines, or from a "

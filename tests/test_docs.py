@@ -4,6 +4,9 @@ writes, and every docs page a code comment points at exists (with its heading)."
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -180,3 +183,56 @@ def test_docs_references_in_the_code_resolve():
 def test_code_reference_scan_sees_this_repository():
     refs = {(page, anchor) for _, page, anchor in code_references()}
     assert ("docs/results.md", "") in refs  # bench/make_results.py names its output
+
+
+@functools.cache
+def load_make_results():
+    """bench/make_results.py as a module (bench/ is scripts, not a package: imported from its file)."""
+    spec = importlib.util.spec_from_file_location("make_results", ROOT / "bench" / "make_results.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_make_results_skips_what_it_cannot_read(tmp_path):
+    make_results = load_make_results()
+    row = {"row": "rtn-4", "label": "RTN 4-bit", "perplexity": 30.0, "bf16_perplexity": 24.0, "index_bits": 4.0,
+           "total_bits": 4.5, "kl": 0.3, "top1": 0.7, "quant_seconds": 60.0, "threads": 2,
+           "calib": {"samples": 16, "seqlen": 512}, "ood_perplexity": 18.0, "ood_bf16_perplexity": 15.0}
+    (tmp_path / "quality_x.jsonl").write_text(json.dumps(row) + "\n", encoding="utf-8")
+    (tmp_path / "quality_broken.jsonl").write_text('{"row": "cut off', encoding="utf-8")
+    (tmp_path / "other.jsonl").write_text('{"something": 1}\n', encoding="utf-8")
+    (tmp_path / "kernels_x.txt").write_text("protocol line\n| a | b |\n|---|---|\n| 1 | 2 |\ntail\n", encoding="utf-8")
+    (tmp_path / "notes.txt").write_text("no table here\n", encoding="utf-8")
+    (tmp_path / "blob.txt").write_bytes(b"\xff\xfe\x00garbage")
+    (tmp_path / "image.png").write_bytes(b"\x89PNG")
+    page, shown, not_shown = make_results.build(tmp_path)
+    assert shown == ["kernels_x.txt", "quality_x.jsonl"]
+    reasons = dict(not_shown)
+    assert set(reasons) == {"quality_broken.jsonl", "other.jsonl", "notes.txt", "blob.txt", "image.png"}
+    assert "not JSON" in reasons["quality_broken.jsonl"] and "no Markdown table" in reasons["notes.txt"]
+    assert "| rtn-4 | RTN 4-bit | 4.00 / 4.50 | 30.00 | 1.25× |" in page
+    assert ("python bench/quality.py --calib-samples 16 --threads 2 --rows rtn-4 "
+            "--results bench/results/quality_x.jsonl") in page
+    assert "| 1 | 2 |" in page and "## Files not shown" in page
+    assert page.splitlines()[2] == make_results.HEADER + "."
+
+
+def test_make_results_reads_a_presets_log(tmp_path):
+    make_results = load_make_results()
+    (tmp_path / "presets_cli_x.txt").write_text(
+        "== machine X, 2 vCPUs\n   quantize: python -m vptq_core quantize ...\n"
+        "-- the code of some commit\n"
+        "== 2026-12-04 15:08:07 s25f: --preset 2.5\n"
+        "  wall 6:26.83, peak RSS 4.06 GB; pipeline 378.98 s; 2.49990 total / 2.3391 index bits\n"
+        "  distillation 48 of 48 steps, check KL 0.7069 -> 0.5322 (best 48); teacher 13.2 s\n"
+        "  wiki   45.410 (bf16 23.443) = 1.937x, KL 0.7264, top-1 57.12%\n"
+        "  pydocs 28.498 (bf16 14.820) = 1.923x, KL 0.6648, top-1 59.66%\n"
+        "== 2026-12-04 15:08:07 s25f: --preset 2.5\n  wall 1:00.00\n", encoding="utf-8")
+    page, shown, _ = make_results.build(tmp_path)
+    assert shown == ["presets_cli_x.txt"]
+    assert ("| 2026-12-04 15:08:07 | s25f | `--preset 2.5` | 2.49990 / 2.3391 | 1.937×, KL 0.7264 | 1.923×, KL 0.6648 "
+            "| 48 of 48, 0.7069 → 0.5322 (48) | 378.98 | 6:26.83 | 4.06 GB |") in page
+    assert "machine X, 2 vCPUs" in page and "the code of some commit" in page
+    assert page.count("| s25f |") == 1  # a block logged twice is shown once
