@@ -8,6 +8,7 @@ into exit code 2 and the app into a visible error.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, fields
 
@@ -272,29 +273,16 @@ class VPTQConfig(DistillSettings):
 
     def for_model(self, shapes) -> VPTQConfig:
         """With ``bits_budget``: the same config with the ``layer_bits_cap`` that budget means for these shapes
-        (allocate.resolve_budget; ValueError when the budget cannot be met or a different cap is set too)."""
-        if not self.bits_budget:
-            return self
-        from .allocate import resolve_budget
+        (the VPTQ method resolves it: ``Method.for_model``, allocate.budget_for_model)."""
+        from .methods import get
 
-        try:
-            return resolve_budget(self, shapes)
-        except ValueError:
-            if self.allocation != "sensitivity":
-                raise
-            return self  # the per-layer plan's ladder reaches lower; it says so itself when it cannot either
+        return get("vptq").for_model(self, shapes)
 
     def for_layer(self, name: str) -> VPTQConfig:
         """The settings layer ``name`` (full module name) is quantized with: its entry of ``layer_plan``, or
         this config (its cap applies by shape, ``vptq.layer_config``)."""
-        if not self.layer_plan:
-            return self
         plan = {entry: (v, k) for entry, v, k in self.layer_plan}
-        if name not in plan:
-            return self
-        from .sensitivity import layer_settings
-
-        return layer_settings(self, *plan[name])
+        return layer_settings(self, *plan[name]) if name in plan else self
 
     @property
     def res_bits(self) -> int:
@@ -306,6 +294,12 @@ class VPTQConfig(DistillSettings):
 
 
 ALLOCATIONS = ("cap", "sensitivity")
+
+
+def layer_settings(config: VPTQConfig, vector_len: int, num_centroids: int) -> VPTQConfig:
+    """``config`` for one layer of a plan: these vector settings, no cap, budget or plan of its own."""
+    return dataclasses.replace(config, vector_len=vector_len, num_centroids=num_centroids, num_res_centroids=0,
+                               layer_bits_cap=0.0, bits_budget=0.0, allocation="cap", layer_plan=())
 
 
 def check_allocation(config) -> None:
