@@ -75,34 +75,18 @@ def quantize_to_dir(
     """Load ``model_name``, quantize it with ``method``/``config`` on ``calib`` data, write the packed
     checkpoint to ``out_dir``. Returns (directory, summary). The stages, in order: load (``load_stage``), those of
     ``quantize_model`` (calibrate, plan, blocks, distill), embeddings (``embeddings_stage``), save
-    (``save_stage``), evaluate; ``on_stage(name)`` as each one starts.
+    (``save_stage``), evaluate (``evaluate_after``); ``on_stage(name)`` as each one starts.
 
-    Memory: with ``stream`` "auto" (default) a model stored as safetensors is built on the meta device and
-    each block is read from disk when it is quantized and freed afterwards (``models.open_streaming``), so
-    the run holds about one block plus the calibration activations and the non-block tensors, whatever the
-    model's size; other sources (tiny models built in code, .bin checkpoints) are loaded whole in their own
-    dtype. ``stream=True`` refuses those, ``False`` always loads the whole model. What the method's config needs
-    of the whole model (``Method.needs``: a plan, self-written calibration, end-to-end distillation) loads it
-    whole too.
-
-    Every finished block is written to ``<out_dir>/.partial`` (``vptq_core.resume``). A run that is
-    interrupted (killed, or cancelled through ``should_stop``: ``summary["cancelled"] = True``, nothing else
-    is written) continues from its last finished block with ``resume=True`` and writes the same checkpoint as
-    an uninterrupted run; a resume with a different model, method, settings, calibration, save dtype or
-    device is refused (ValueError saying what differs). ``resume=False`` starts over, discarding an
-    unfinished run. The partial directory is removed once the checkpoint is written. A run with a plan or
-    after-model hooks (distillation, trained against the original loaded a second time) starts over instead of
-    resuming; ``on_step(phase, step, steps, loss)`` reports every training step.
-
-    ``head`` / ``embedding``: also quantize the LM head (its Hessian from the final-norm outputs of the
-    quantized blocks) and / or the input embedding, with the same method and settings
-    (``quant.embedding``); with tied weights either one quantizes the shared matrix, and ``embedding`` makes
-    the input embedding read its rows. Such checkpoints load with ``load_quantized``.
-
-    Several ranks (``quant.distributed`` active, e.g. ``torchrun ... -m vptq_core quantize``): every rank calls
-    this with the same arguments (``device``: its own, from ``distributed.init_from_env``); the linears of each
-    block are split across the ranks, and rank 0 alone writes ``.partial`` and the checkpoint, which equals a
-    single-process run's bit for bit. ``out_dir`` must be on a file system every rank sees (resume reads it).
+    ``stream`` "auto" (default) quantizes a model stored as safetensors block by block from disk, so the run holds
+    about one block whatever the model's size; ``True`` refuses other sources, ``False`` loads the whole model, as
+    does a config that needs it (``Method.needs``: a plan, self-written calibration, after-model training).
+    Every finished block is written to ``<out_dir>/.partial``: a run that is interrupted (killed, or cancelled
+    through ``should_stop``: ``summary["cancelled"]``, nothing else written) continues from its last finished block
+    with ``resume=True`` and writes the same checkpoint as an uninterrupted run (``open_partial``);
+    ``on_step(phase, step, steps, loss)`` reports every step of after-model training. ``head`` / ``embedding``:
+    also quantize the LM head and / or the input embedding with the same method (``embeddings_stage``). Several
+    ranks (``quant.distributed``, e.g. under torchrun) split each block's linears, every rank calling this with the
+    same arguments (``device``: its own); rank 0 alone writes, to an ``out_dir`` every rank sees.
     """
     stage = on_stage or (lambda _name: None)
     job = _DirRun(model_name, methods.get(method), config, calib, Path(out_dir), save_dtype,
@@ -151,7 +135,7 @@ class _DirRun:
     out_dir: Path
     save_dtype: torch.dtype
     parts: EmbeddingParts
-    needs: methods.RunNeeds = None
+    needs: methods.RunNeeds | None = None
     model: object = None
     tok: object = None
     source: object = None  # the streamed model (``models.open_streaming``), or None when loaded whole
@@ -210,7 +194,11 @@ class _DirRun:
 
 
 def load_stage(job: _DirRun, stream: bool | str) -> None:
-    """The model (streamed block by block where it can and may be) and its calibration windows."""
+    """The model and its calibration windows. Streamed where it can and may be: a model stored as safetensors is
+    built on the meta device and each block is read from disk when it is quantized and freed afterwards
+    (``models.open_streaming``), so the run holds about one block plus the calibration activations and the
+    non-block tensors; other sources (tiny models built in code, .bin checkpoints) are loaded whole in their own
+    dtype."""
     if job.needs.whole_model:
         stream, job.stream_note = False, f"off: {job.whole_model_reason(short=True)}"
     if stream is not False:
@@ -232,8 +220,11 @@ def load_stage(job: _DirRun, stream: bool | str) -> None:
 
 
 def open_partial(job: _DirRun, resume: bool) -> None:
-    """The unfinished-run directory: where to resume (``resume`` and a matching run there), else a fresh start.
-    A run with a plan or after-model hooks starts over: both work on the whole model again."""
+    """The unfinished-run directory (``vptq_core.resume``): where to resume (``resume`` and a run there), else a
+    fresh start. A resume with a different model, method, settings, calibration, save dtype or device is refused
+    (ValueError saying what differs); ``resume=False`` discards an unfinished run. A run with a plan or
+    after-model hooks starts over: both work on the whole model again (distillation against the original,
+    loaded a second time)."""
     blocks_total = len(decoder_blocks(job.model))
     fingerprint = run_fingerprint(job.model_name, job.model, job.method, job.config, job.calib, job.calib_ids,
                                   job.save_dtype, job.device)
@@ -268,9 +259,11 @@ def collect_layers(job: _DirRun, result) -> _Layers:
 
 
 def embeddings_stage(job: _DirRun, layers: _Layers) -> dict:
-    """Quantize the LM head and / or input embedding into ``layers``; returns the report's entry. The head's
-    inputs: the last block's outputs (kept in ``.partial``), or after whole-model training a forward of the
-    trained model."""
+    """Quantize the LM head and / or input embedding into ``layers`` (``quant.embedding``); returns the report's
+    entry. The head's Hessian comes from the final-norm outputs of the quantized blocks: the last block's outputs
+    (kept in ``.partial``), or after whole-model training a forward of the trained model. With tied weights either
+    one quantizes the shared matrix, and ``embedding`` makes the input embedding read its rows; such checkpoints
+    load with ``load_quantized``."""
     if job.needs.reference:
         last = _last_block_outputs(job.model, job.calib_ids, job.device)
     else:
@@ -283,7 +276,8 @@ def embeddings_stage(job: _DirRun, layers: _Layers) -> dict:
 
 
 def save_stage(job: _DirRun, layers: _Layers, report: dict) -> Path:
-    """Write the packed checkpoint, then remove ``.partial`` and let the model go."""
+    """Write the packed checkpoint (rank 0; it equals a single-process run's bit for bit), then remove
+    ``.partial`` and let the model go."""
     out = save_packed(job.model, job.tok, job.partial.quant_method(), layers.dims, layers.packed, job.out_dir,
                       report=report, dtype=job.save_dtype, embedding=layers.embedding)
     job.partial.remove()
