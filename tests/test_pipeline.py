@@ -1,8 +1,10 @@
+import dataclasses
+
 import pytest
 import torch
 
 from vptq_core.quant.blocks import decoder_blocks
-from vptq_core.quant.config import ScalarConfig, VPTQConfig
+from vptq_core.quant.config import ConfigBase, ScalarConfig, VPTQConfig
 from vptq_core.quant.pipeline import capture_block_inputs, quantize_model, run_block
 
 TINY_VQ = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=3, outlier_percent=0.0)
@@ -195,21 +197,40 @@ def test_each_builtin_method_says_what_a_run_with_its_config_needs():
     assert lrq.needs(LRQConfig()).target_chain == "fp" and lrq.needs(LRQConfig(target_chain="quantized")) == RunNeeds()
 
 
+@dataclasses.dataclass(frozen=True)
+class _BareConfig(ConfigBase):
+    bits: int = 4
+    group_size: int = 0
+    sym: bool = False
+    clip_search: bool = False
+
+
 def test_a_method_without_needs_of_its_own_needs_nothing_but_its_hooks(tiny_model, calib_ids):
-    from vptq_core.quant.config import ConfigBase
     from vptq_core.quant.methods import Method, ModelHook, RunNeeds
     from vptq_core.quant.rtn import rtn_layer, scalar_config_bits
 
     hook = ModelHook("polish", lambda config: True, lambda ctx: {"steps": 1})
-    bare = Method(name="bare", label="Bare", description="x", config_class=ScalarConfig, bits=scalar_config_bits,
+    bare = Method(name="bare", label="Bare", description="x", config_class=_BareConfig, bits=scalar_config_bits,
                   describe=lambda s: "bare", quantize_linear=lambda W, H, c, b, cache: rtn_layer(W, H, c, b),
                   after_model=(hook,))
-    config = ScalarConfig(calib_sampled_share=0.5)  # its settings are the config's, not asked for by this method
+    config = _BareConfig()
     assert bare.needs(config) == RunNeeds(after_model=("polish",))
-    assert bare.for_model(config, [(64, 64)]) is config and isinstance(config, ConfigBase)
+    assert bare.for_model(config, [(64, 64)]) is config
     stages = []
     _, result = quantize_model(tiny_model[0], calib_ids, bare, config, on_stage=stages.append)
     assert stages == ["blocks", "distill"] and result.model_metrics["polish"] == {"steps": 1}
+
+
+def test_a_method_reusing_a_builtin_config_reads_its_settings_as_their_owner_does():
+    from vptq_core.quant import methods
+    from vptq_core.quant.methods import Method
+
+    vptq = methods.get("vptq")
+    probe = Method(name="probe", label="probe", description="x", config_class=VPTQConfig, bits=vptq.bits,
+                   describe=vptq.describe, quantize_linear=vptq.quantize_linear)
+    config = VPTQConfig(target_chain="fp", calib_sampled_share=0.25, time_budget=60.0)
+    assert probe.needs(config) == vptq.needs(dataclasses.replace(config, distill_iters=0))
+    assert probe.needs(config).fp_chain and probe.needs(config).after_model == ()  # the hooks are its own
 
 
 def test_quantize_model_goes_through_its_stages_in_order(tiny_model, calib_ids):

@@ -175,11 +175,6 @@ class RunNeeds:
         return self.target_chain == "fp"
 
 
-def no_config_needs(_config) -> RunNeeds:
-    """A config that asks nothing of the run beyond its hooks (the default of ``Method.config_needs``)."""
-    return RunNeeds()
-
-
 @dataclass(frozen=True)
 class Method:
     """One quantization method. Exactly one of ``quantize_linear`` / ``quantize_block`` is given.
@@ -190,7 +185,8 @@ class Method:
     bits(config, out_features, in_features) -> BitsInfo of one layer of that shape;
     describe(settings dict) -> a short label of the settings (runs table, archive names);
     config_needs(config) -> RunNeeds: what the config's own settings ask of the run (self-written calibration,
-        time budget, target chain); the hooks' part is added by ``needs``;
+        time budget, target chain); the hooks' part is added by ``needs``. None: as the registered method that
+        owns the config's class says (a method reusing VPTQConfig reads its settings as VPTQ does), else nothing;
     resolve(config, shapes) -> the config a run on a model with these block-linear shapes uses (settings that
         depend on the whole model, e.g. a total-bits budget, resolved); None: ``config.for_model(shapes)``;
     cost(RunSize, config) -> seconds of the method's own block work on the reference machine, on top of the
@@ -211,7 +207,7 @@ class Method:
     after_block: tuple[BlockHook, ...] = ()
     after_model: tuple[ModelHook, ...] = ()  # need the original model (``quantize_model(reference=...)``)
     block_phase: str = "quantize"  # the timing phase of ``quantize_block``
-    config_needs: Callable[[Any], RunNeeds] = no_config_needs
+    config_needs: Callable[[Any], RunNeeds] | None = None
     resolve: Callable[[Any, list[tuple[int, int]]], Any] | None = None
     cost: Cost | None = None
     estimate_seconds: Cost | None = None
@@ -247,9 +243,15 @@ class Method:
 
     def needs(self, config) -> RunNeeds:
         """What a run with ``config`` needs: its own settings' needs and the phases of the hooks that apply."""
-        return replace(self.config_needs(config),
+        return replace(self._settings_needs(config),
                        plan=tuple(hook.phase for hook in self.before_blocks if hook.applies(config)),
                        after_model=tuple(hook.phase for hook in self.after_model if hook.applies(config)))
+
+    def _settings_needs(self, config) -> RunNeeds:
+        if self.config_needs is not None:
+            return self.config_needs(config)
+        owner = next((m for m in all_methods() if m.config_needs is not None and type(config) is m.config_class), None)
+        return owner.config_needs(config) if owner is not None else RunNeeds()
 
     def for_model(self, config, shapes):
         """The config a run on a model with these block-linear shapes [(out, in), ...] uses: the pipeline, the
