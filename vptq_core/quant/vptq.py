@@ -309,7 +309,7 @@ def _needs(config: VPTQConfig) -> RunNeeds:
 # The pipeline must end within this many seconds (loading and writing the checkpoint take a little more): on a
 # slower machine distillation runs fewer steps instead of running late (docs/methods.md#time-budget).
 PRESET_TIME_BUDGET = 570.0
-# At 3.5 bits the distillation step that suits 2.5 bits overshoots: half of it held out best.
+# At 3.5 bits the distillation step that suits 2.5 bits overshoots: half of it scored best on held-out text.
 DISTILL_LR_3BIT = 1.25e-3
 # distill_samples is named so that picking the preset resets every distillation field of the form
 _PRESET_DISTILL = {"distill_data": "calibration", "distill_samples": 16, "distill_eval_every": 8,
