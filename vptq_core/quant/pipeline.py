@@ -91,12 +91,11 @@ def calibrate(run: Run) -> None:
 
 def plan(run: Run) -> None:
     """The method's plan hooks on the whole original model: each returns the config the run goes on with."""
-    hooks = [hook for hook in run.method.before_blocks if hook.phase in run.needs.plan]
-    for hook in hooks:
+    windows = run.calib_ids[: layerwise_count(run.calib_ids.shape[0], run.config)]  # the block stage's windows
+    for hook in [hook for hook in run.method.before_blocks if hook.phase in run.needs.plan]:
         with run.result.timed(hook.phase):
             try:
-                run.config, metrics = hook.run(run.model, run.calib_ids[: layerwise_count(run.calib_ids.shape[0],
-                                               run.config)], run.config, run.device, run.should_stop)
+                run.config, metrics = hook.run(run.model, windows, run.config, run.device, run.should_stop)
             except Cancelled:
                 run.result.cancelled = True
                 return
