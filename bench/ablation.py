@@ -22,7 +22,7 @@ from vptq_core.data import calibration_windows  # noqa: E402
 from vptq_core.models import load_model  # noqa: E402
 from vptq_core.quant.blocks import block_linears, decoder_blocks  # noqa: E402
 from vptq_core.quant.config import VPTQConfig  # noqa: E402
-from vptq_core.quant.pipeline import block_hessians, capture_block_inputs, run_block_batched  # noqa: E402
+from vptq_core.quant.forward import capture_block_inputs, hessians_and_targets, run_batched  # noqa: E402
 from vptq_core.quant.vptq import vptq_quantize  # noqa: E402
 
 BASE = dict(vector_len=4, num_centroids=256)
@@ -58,7 +58,7 @@ def main() -> None:
                 break
             if b in wanted:
                 linears = block_linears(block)
-                hessians, _ = block_hessians(block, {n: linears[n] for n in wanted[b]}, hidden, kwargs)
+                hessians, _ = hessians_and_targets(block, {n: linears[n] for n in wanted[b]}, hidden, kwargs)
                 for name in wanted[b]:
                     W = linears[name].weight.data
                     for label, extra in VARIANTS.items():
@@ -66,7 +66,7 @@ def main() -> None:
                         res = vptq_quantize(W, hessians[name], VPTQConfig(**BASE, **extra))
                         rows.append((f"{b}.{name}", label, res.rel_proxy_loss, res.rel_weight_error,
                                      time.perf_counter() - t0))
-            hidden = run_block_batched(block, hidden, kwargs)
+            hidden = run_batched(block, hidden, kwargs)
     print(f"{args.model} layers, VPTQ v4 k256 (2 index bits), calibration {args.calib_samples} x "
           f"{args.seqlen} tokens of bundled wiki; relative proxy loss tr(dW H dW^T)/tr(W H W^T), lower is better")
     print("| layer | variant | rel. proxy loss | rel. weight error | seconds |")

@@ -38,8 +38,8 @@ from vptq_core.data import calibration_windows  # noqa: E402
 from vptq_core.eval import evaluate  # noqa: E402
 from vptq_core.models import load_model  # noqa: E402
 from vptq_core.quant.act_quant import install_activation_quant  # noqa: E402
+from vptq_core.quant.calib_windows import with_heldout  # noqa: E402
 from vptq_core.quant.distill import distill, sampled_calibration  # noqa: E402
-from vptq_core.quant.finetune import with_heldout  # noqa: E402
 from vptq_core.quant.pipeline import quantize_model  # noqa: E402
 from vptq_core.quant.states import ScalarLayerState, VQLayerState  # noqa: E402
 

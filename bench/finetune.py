@@ -34,11 +34,11 @@ from vptq_core.models import load_model  # noqa: E402
 from vptq_core.quant.blocks import block_linears, decoder_blocks  # noqa: E402
 from vptq_core.quant.config import VPTQConfig  # noqa: E402
 from vptq_core.quant.finetune import finetune_block_centroids  # noqa: E402
-from vptq_core.quant.pipeline import (  # noqa: E402
-    block_hessians,
+from vptq_core.quant.forward import (  # noqa: E402
     capture_block_inputs,
+    hessians_and_targets,
+    run_batched,
     run_block,
-    run_block_batched,
 )
 from vptq_core.quant.states import VQLayerState  # noqa: E402
 from vptq_core.quant.vptq import PRESETS, vptq_quantize  # noqa: E402
@@ -130,13 +130,13 @@ def run_blocks(args) -> None:
         done = 0
         for b in sorted(args.blocks):
             for i in range(done, b):
-                inps = run_block_batched(blocks[i], inps, kwargs)
+                inps = run_batched(blocks[i], inps, kwargs)
             done = b
             block = blocks[b]
             kw = kwargs.at(b)
             linears = block_linears(block)
-            hessians, _ = block_hessians(block, linears, inps[:n], kw)
-            targets = run_block_batched(block, inps, kw)
+            hessians, _ = hessians_and_targets(block, linears, inps[:n], kw)
+            targets = run_batched(block, inps, kw)
             qblock = copy.deepcopy(block)
             states: dict[str, VQLayerState] = {}
             cache: dict = {}
@@ -153,7 +153,7 @@ def run_blocks(args) -> None:
 
             def rel(blk, part, targets=targets, forward=forward):
                 sl = parts[part]
-                out = run_block_batched(blk, inps[sl], kw)
+                out = run_batched(blk, inps[sl], kw)
                 return float(((out - targets[sl]) ** 2).sum() / (targets[sl] ** 2).sum())
 
             for label, (overrides, extra) in block_variants(args.iters).items():

@@ -24,8 +24,8 @@ from vptq_core.data import calibration_windows, eval_windows  # noqa: E402
 from vptq_core.models import load_model  # noqa: E402
 from vptq_core.quant.blocks import block_linears, decoder_blocks  # noqa: E402
 from vptq_core.quant.config import LRQConfig  # noqa: E402
+from vptq_core.quant.forward import capture_block_inputs, run_batched, run_block  # noqa: E402
 from vptq_core.quant.lrq import auto_rank, lrq_quantize_block  # noqa: E402
-from vptq_core.quant.pipeline import capture_block_inputs, run_block, run_block_batched  # noqa: E402
 
 GRID = [(32, "auto"), (32, "full"), (128, 16), (128, 48), (128, "auto"), (128, "full"), (384, "auto"),
         (384, "full")]
@@ -61,14 +61,14 @@ def main() -> None:
         inps, kwargs = capture_block_inputs(model, torch.cat([calib, held]))
         blocks = decoder_blocks(model)
         for b in range(args.block):
-            inps = run_block_batched(blocks[b], inps, kwargs)
+            inps = run_batched(blocks[b], inps, kwargs)
         block = blocks[args.block]
-        targets = run_block_batched(block, inps, kwargs)
+        targets = run_batched(block, inps, kwargs)
     names = list(block_linears(block))
 
     def rel_error(blk, rows: slice) -> float:
         with torch.no_grad():
-            out = run_block_batched(blk, inps[rows], kwargs)
+            out = run_batched(blk, inps[rows], kwargs)
         return float(((out - targets[rows]) ** 2).sum() / (targets[rows] ** 2).sum())
 
     width = model.config.hidden_size

@@ -1,4 +1,4 @@
-"""Time of writing calibration windows with the original model (``calib_sampled_share``; ``distill.sample_windows``):
+"""Time of writing calibration windows with the original model (``calib_sampled_share``; ``sampling.sample_windows``):
 the model's own forward with transformers' KV cache, the lean decoder, and the lean decoder with the float32 linears
 through oneDNN with packed weights (``packed_dense``, what the pipeline runs), in one process.
 
@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vptq_core.models import load_model  # noqa: E402
-from vptq_core.quant import distill  # noqa: E402
+from vptq_core.quant import lean_decoder, sampling  # noqa: E402
 
 PACKED = "lean decoder, packed linears"
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topk", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=2)
-    ap.add_argument("--dtype", default="auto", choices=distill.SAMPLE_DTYPES)
+    ap.add_argument("--dtype", default="auto", choices=sampling.SAMPLE_DTYPES)
     ap.add_argument("--model", default="smollm2-135m-instruct",
                     help="a built-in model (tiny-random-llama for a quick check of the script)")
     args = ap.parse_args(argv)
@@ -49,11 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     starts = torch.full((args.rows, 1), int(model.config.bos_token_id or 1), dtype=torch.long)
 
     def run(path: str, seqlen: int) -> tuple[float, torch.Tensor]:
-        patch = (mock.patch.object(distill.LeanDecoder, "for_model", return_value=None) if path == "model forward"
+        patch = (mock.patch.object(lean_decoder.LeanDecoder, "for_model", return_value=None) if path == "model forward"
                  else contextlib.nullcontext())
         with patch:
             start = time.perf_counter()
-            windows, _ = distill.sample_windows(model, starts, seqlen, seed=0, batch=distill.SAMPLE_BATCH,
+            windows, _ = sampling.sample_windows(model, starts, seqlen, seed=0, batch=sampling.SAMPLE_BATCH,
                                                 topk=args.topk, dtype=args.dtype, pack=path == PACKED)
             return time.perf_counter() - start, windows
 
@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             times[p].append(seconds)
     same = {p: int((drawn[paths[0]] == drawn[p]).all(1).sum()) for p in paths}
     print(f"sampling benchmark: {args.model} float32 model, sample dtype", args.dtype,
-          f"({distill.sampling_dtype(model, args.dtype) or 'model'}); {args.rows} windows x {args.seqlen} tokens, "
-          f"batch {distill.SAMPLE_BATCH}, top-{args.topk} teacher; {args.threads} threads; {args.runs} alternated "
+          f"({sampling.sampling_dtype(model, args.dtype) or 'model'}); {args.rows} windows x {args.seqlen} tokens, "
+          f"batch {sampling.SAMPLE_BATCH}, top-{args.topk} teacher; {args.threads} threads; {args.runs} alternated "
           "runs each after a warm-up; medians")
     print()
     print("| path | s (median) | runs | tokens/s | speed-up over the model forward | windows identical to its |")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from vptq_core.quant import methods
-from vptq_core.quant.allocate import candidate_caps, cap_for_budget, model_bits
+from vptq_core.quant.allocate import budget_for_model, candidate_caps, cap_for_budget, model_bits
 from vptq_core.quant.config import VPTQConfig
 from vptq_core.quant.pipeline import quantize_model, total_linear_shapes
 from vptq_core.quant.vptq import config_bits, layer_config
@@ -98,3 +98,8 @@ def test_bits_budget_resolves_to_its_cap_once_and_refuses_a_different_cap():
         dataclasses.replace(preset, bits_budget=1.5).for_model(SMOLLM2)
     with pytest.raises(ValueError, match="bits_budget"):
         VPTQConfig(bits_budget=-1.0)
+    # the method resolves it (``Method.for_model``: allocate.budget_for_model); the config asks the method
+    assert methods.get("vptq").for_model(preset, SMOLLM2) == budget_for_model(preset, SMOLLM2) == resolved
+    # a budget the cap cannot meet is left to a sensitivity plan, whose ladder reaches lower
+    planned = dataclasses.replace(preset, bits_budget=1.5, allocation="sensitivity")
+    assert budget_for_model(planned, SMOLLM2) is planned

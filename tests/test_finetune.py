@@ -7,8 +7,9 @@ import torch
 from vptq_core.quant.blocks import decoder_blocks
 from vptq_core.quant.config import VPTQConfig
 from vptq_core.quant.finetune import finetune_block_centroids
+from vptq_core.quant.forward import capture_block_inputs, run_batched, run_block
 from vptq_core.quant.methods import Cancelled
-from vptq_core.quant.pipeline import _run_batched, capture_block_inputs, quantize_model, run_block
+from vptq_core.quant.pipeline import quantize_model
 from vptq_core.storage.checkpoint import load_quantized, save_quantized
 
 TINY = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=3, outlier_percent=0.0)
@@ -31,7 +32,7 @@ def _block_setup(tiny_model, windows, b=0):
     block = decoder_blocks(model)[b]
     kw = kwargs.at(b)
     with torch.no_grad():
-        targets = _run_batched(block, inps, kw)
+        targets = run_batched(block, inps, kw)
     prefix = f"model.layers.{b}."
     states = {k[len(prefix):]: copy.deepcopy(v) for k, v in result.states.items() if k.startswith(prefix)}
     return copy.deepcopy(qblock), states, inps, targets, (lambda blk, x: run_block(blk, x, kw))
@@ -140,7 +141,7 @@ def test_fp_chain_targets_are_the_original_models_own_block_outputs(tiny_model, 
         hidden, kwargs = capture_block_inputs(model, ids)
         fp_outputs = []
         for b, block in enumerate(decoder_blocks(model)):
-            hidden = _run_batched(block, hidden, kwargs.at(b))
+            hidden = run_batched(block, hidden, kwargs.at(b))
             fp_outputs.append(hidden.clone())
     seen: dict[str, list[torch.Tensor]] = {"fp": [], "quantized": []}
     vptq = methods.get("vptq")

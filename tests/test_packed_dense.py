@@ -4,8 +4,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vptq_core.quant import packed_dense
-from vptq_core.quant.distill import sample_windows
 from vptq_core.quant.packed_dense import PackedLinear, packed_linears
+from vptq_core.quant.sampling import sample_windows
 
 needs_onednn = pytest.mark.skipif(not packed_dense.available(), reason="oneDNN packed linears unavailable here")
 

@@ -1,8 +1,10 @@
+import dataclasses
+
 import pytest
 import torch
 
 from vptq_core.quant.blocks import decoder_blocks
-from vptq_core.quant.config import ScalarConfig, VPTQConfig
+from vptq_core.quant.config import ConfigBase, ScalarConfig, VPTQConfig
 from vptq_core.quant.pipeline import capture_block_inputs, quantize_model, run_block
 
 TINY_VQ = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=3, outlier_percent=0.0)
@@ -95,7 +97,7 @@ def test_lrq_through_pipeline(tiny_model, calib_ids):
 
 def test_hessians_shared_only_by_linears_with_the_same_input(tiny_model, calib_ids):
     from vptq_core.quant.blocks import block_linears
-    from vptq_core.quant.pipeline import _pass_a
+    from vptq_core.quant.forward import hessians_and_targets
 
     model, _ = tiny_model
     with torch.no_grad():
@@ -108,7 +110,7 @@ def test_hessians_shared_only_by_linears_with_the_same_input(tiny_model, calib_i
         run_block(block, hidden, kwargs)
         for h in hooks:
             h.remove()
-        hessians, _ = _pass_a(block, linears, hidden, kwargs)
+        hessians, _ = hessians_and_targets(block, linears, hidden, kwargs)
     assert hessians["self_attn.q_proj"] is hessians["self_attn.k_proj"] is hessians["self_attn.v_proj"]
     assert hessians["mlp.gate_proj"] is hessians["mlp.up_proj"]
     assert len({id(h) for h in hessians.values()}) == 4
@@ -164,3 +166,113 @@ def test_phase_timings_cover_the_run(tiny_model, calib_ids):
     assert all(v >= 0 for v in t.values()) and sum(vq.timings.values()) <= vq.seconds
     _, rtn = quantize_model(model, calib_ids, "rtn", ScalarConfig(bits=4))
     assert set(rtn.timings) == {"capture_inputs", "hessians_targets", "quantize", "block_outputs"}
+
+
+# ------------------------------------------------------------------------------- the stages and what they need
+def test_each_builtin_method_says_what_a_run_with_its_config_needs():
+    from vptq_core.quant import methods
+    from vptq_core.quant.config import LRQConfig
+    from vptq_core.quant.methods import RunNeeds
+    from vptq_core.quant.vptq import PRESET_TIME_BUDGET
+
+    vptq, gptq, rtn, lrq = (methods.get(name) for name in ("vptq", "gptq", "rtn", "lrq"))
+    for method, config in ((vptq, VPTQConfig()), (gptq, ScalarConfig()), (rtn, ScalarConfig())):
+        needs = method.needs(config)
+        assert needs == RunNeeds() and not needs.whole_model and not needs.reference and not needs.fp_chain
+    # a preset that plans, writes its own calibration and distils within a time budget
+    preset = vptq.make_config({**vptq.preset("2.5 bits")})
+    needs = vptq.needs(preset)
+    assert needs.plan == ("allocation",) and needs.after_model == ("distill",)
+    assert needs.sampled_share == 0.75 and needs.time_budget == PRESET_TIME_BUDGET
+    assert needs.teacher_topk == preset.distill_topk and needs.whole_model and needs.reference
+    # a planned config has nothing left to measure; distillation on sampled data keeps no teacher from the writing
+    planned = VPTQConfig(layer_plan=(("a.b", 3, 64),), distill_iters=2, distill_data="sampled")
+    assert vptq.needs(planned).plan == () and vptq.needs(planned).teacher_topk == 0
+    assert vptq.needs(VPTQConfig(target_chain="fp")).fp_chain
+    # self-written calibration alone needs the whole model, not the original beside it
+    written = rtn.needs(ScalarConfig(calib_sampled_share=0.5))
+    assert written.whole_model and not written.reference and written.after_model == ()
+    assert gptq.needs(ScalarConfig(distill_iters=4)).after_model == ("distill",)
+    # LRQ fits the original model's own block outputs by default
+    assert lrq.needs(LRQConfig()).target_chain == "fp" and lrq.needs(LRQConfig(target_chain="quantized")) == RunNeeds()
+
+
+@dataclasses.dataclass(frozen=True)
+class _BareConfig(ConfigBase):
+    bits: int = 4
+    group_size: int = 0
+    sym: bool = False
+    clip_search: bool = False
+
+
+def test_a_method_without_needs_of_its_own_needs_nothing_but_its_hooks(tiny_model, calib_ids):
+    from vptq_core.quant.methods import Method, ModelHook, RunNeeds
+    from vptq_core.quant.rtn import rtn_layer, scalar_config_bits
+
+    hook = ModelHook("polish", lambda config: True, lambda ctx: {"steps": 1})
+    bare = Method(name="bare", label="Bare", description="x", config_class=_BareConfig, bits=scalar_config_bits,
+                  describe=lambda s: "bare", quantize_linear=lambda W, H, c, b, cache: rtn_layer(W, H, c, b),
+                  after_model=(hook,))
+    config = _BareConfig()
+    assert bare.needs(config) == RunNeeds(after_model=("polish",))
+    assert bare.for_model(config, [(64, 64)]) is config
+    stages = []
+    _, result = quantize_model(tiny_model[0], calib_ids, bare, config, on_stage=stages.append)
+    assert stages == ["blocks", "distill"] and result.model_metrics["polish"] == {"steps": 1}
+
+
+def test_a_method_reusing_a_builtin_config_reads_its_settings_as_their_owner_does():
+    from vptq_core.quant import methods
+    from vptq_core.quant.methods import Method
+
+    vptq = methods.get("vptq")
+    probe = Method(name="probe", label="probe", description="x", config_class=VPTQConfig, bits=vptq.bits,
+                   describe=vptq.describe, quantize_linear=vptq.quantize_linear)
+    config = VPTQConfig(target_chain="fp", calib_sampled_share=0.25, time_budget=60.0)
+    assert probe.needs(config) == vptq.needs(dataclasses.replace(config, distill_iters=0))
+    assert probe.needs(config).fp_chain and probe.needs(config).after_model == ()  # the hooks are its own
+
+
+def test_quantize_model_goes_through_its_stages_in_order(tiny_model, calib_ids):
+    model, _ = tiny_model
+    stages = []
+    quantize_model(model, calib_ids, "rtn", ScalarConfig(bits=4), on_stage=stages.append)
+    assert stages == ["blocks"]
+    stages.clear()
+    every = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=2, outlier_percent=0.0, bits_budget=4.0,
+                       allocation="sensitivity", calib_sampled_share=0.5, distill_iters=1, distill_topk=8)
+    _, result = quantize_model(model, calib_ids, "vptq", every, on_stage=stages.append)
+    assert stages == ["calibrate", "plan", "blocks", "distill"] and not result.cancelled
+    assert {"sample_calibration", "allocation", "distill"} <= set(result.timings)
+    # a stop ends the run after the stage it happened in
+    stages.clear()
+    _, result = quantize_model(model, calib_ids, "vptq", every, on_stage=stages.append, should_stop=lambda: True)
+    assert stages == ["calibrate"] and result.cancelled and not result.states
+
+
+def test_quantize_to_dir_goes_through_every_stage_in_order(tmp_path):
+    from vptq_core.api import quantize_to_dir
+    from vptq_core.quant.config import CalibConfig
+
+    stages = []
+    out, summary = quantize_to_dir("tiny-random-llama", "rtn", ScalarConfig(bits=4), CalibConfig(samples=2, seqlen=32),
+                                   tmp_path / "ckpt", device="cpu", head=True, on_stage=stages.append)
+    assert stages == ["load", "blocks", "embeddings", "save"]
+    assert (out / "config.json").is_file() and "embeddings" in summary
+
+
+def test_streaming_follows_what_the_method_needs(tmp_path):
+    from vptq_core.api import quantize_to_dir
+    from vptq_core.quant.config import CalibConfig
+
+    calib = CalibConfig(samples=2, seqlen=32)
+    with pytest.raises(ValueError, match="cannot stream block by block with distill: it trains the whole model"):
+        quantize_to_dir("tiny-random-llama", "rtn", ScalarConfig(distill_iters=2), calib, tmp_path / "a", stream=True)
+    with pytest.raises(ValueError, match="the LM head and embedding can be quantized with vptq, gptq or rtn"):
+        quantize_to_dir("tiny-random-llama", "lrq", methods_config("lrq"), calib, tmp_path / "b", head=True)
+
+
+def methods_config(name: str):
+    from vptq_core.quant import methods
+
+    return methods.get(name).make_config()

@@ -7,7 +7,8 @@ import itertools
 import json
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,11 +19,12 @@ from .data import calibration_windows
 from .eval import EvalResult, evaluate
 from .models import BUNDLED, NotStreamable, load_model, model_directory, open_streaming
 from .quant import distributed, methods
-from .quant.blocks import blocks_prefix, decoder_blocks
+from .quant.blocks import blocks_prefix, decoder_blocks, total_linear_shapes
+from .quant.calib_windows import with_heldout
 from .quant.config import CalibConfig
 from .quant.embedding import TIED, EmbeddingParts, head_and_embedding_names, normed_block_outputs, quantize_embeddings
-from .quant.finetune import with_heldout
-from .quant.pipeline import BlockDone, quantize_model, total_linear_shapes
+from .quant.pipeline import quantize_model
+from .quant.results import BlockDone
 from .quant.source import SafetensorsWeights
 from .resume import PartialRun, tensor_digest
 from .storage.checkpoint import pack_layer, quant_method_of, save_packed
@@ -68,151 +70,227 @@ def quantize_to_dir(
     on_step: Callable[[str, int, int, float], None] | None = None,
     head: bool = False,
     embedding: bool = False,
+    on_stage: Callable[[str], None] | None = None,
 ) -> tuple[Path, dict]:
     """Load ``model_name``, quantize it with ``method``/``config`` on ``calib`` data, write the packed
-    checkpoint to ``out_dir``. Returns (directory, summary).
+    checkpoint to ``out_dir``. Returns (directory, summary). The stages, in order: load (``load_stage``), those of
+    ``quantize_model`` (calibrate, plan, blocks, distill), embeddings (``embeddings_stage``), save
+    (``save_stage``), evaluate (``evaluate_after``); ``on_stage(name)`` as each one starts.
 
-    Memory: with ``stream`` "auto" (default) a model stored as safetensors is built on the meta device and
-    each block is read from disk when it is quantized and freed afterwards (``models.open_streaming``), so
-    the run holds about one block plus the calibration activations and the non-block tensors, whatever the
-    model's size; other sources (tiny models built in code, .bin checkpoints) are loaded whole in their own
-    dtype. ``stream=True`` refuses those, ``False`` always loads the whole model.
-
-    Every finished block is written to ``<out_dir>/.partial`` (``vptq_core.resume``). A run that is
-    interrupted (killed, or cancelled through ``should_stop``: ``summary["cancelled"] = True``, nothing else
-    is written) continues from its last finished block with ``resume=True`` and writes the same checkpoint as
-    an uninterrupted run; a resume with a different model, method, settings, calibration, save dtype or
-    device is refused (ValueError saying what differs). ``resume=False`` starts over, discarding an
-    unfinished run. The partial directory is removed once the checkpoint is written.
-
-    ``calib_sampled_share`` (any method) has the original model write a share of the calibration windows itself
-    before the blocks are quantized: the model is then loaded whole too.
-
-    End-to-end distillation (VPTQ ``distill_iters``; any method's after-model hooks) trains the whole
-    quantized model against the original (loaded a second time): the model is then loaded whole (no
-    streaming), a resume starts over (the finished blocks are quantized again), and ``on_step(phase, step,
-    steps, loss)`` reports every training step; a cancel during it writes nothing, like any other. VPTQ's
-    ``allocation="sensitivity"`` (a per-layer plan measured on the whole original model before the first block)
-    loads the model whole as well, and a resume starts over.
-
-    ``head`` / ``embedding``: also quantize the LM head (its Hessian from the final-norm outputs of the
-    quantized blocks) and / or the input embedding, with the same method and settings
-    (``quant.embedding``); with tied weights either one quantizes the shared matrix, and ``embedding`` makes
-    the input embedding read its rows. Such checkpoints load with ``load_quantized``.
-
-    Several ranks (``quant.distributed`` active, e.g. ``torchrun ... -m vptq_core quantize``): every rank calls
-    this with the same arguments (``device``: its own, from ``distributed.init_from_env``); the linears of each
-    block are split across the ranks, and rank 0 alone writes ``.partial`` and the checkpoint, which equals a
-    single-process run's bit for bit. ``out_dir`` must be on a file system every rank sees (resume reads it).
+    ``stream`` "auto" (default) quantizes a model stored as safetensors block by block from disk, so the run holds
+    about one block whatever the model's size; ``True`` refuses other sources, ``False`` loads the whole model, as
+    does a config that needs it (``Method.needs``: a plan, self-written calibration, after-model training).
+    Every finished block is written to ``<out_dir>/.partial``: a run that is interrupted (killed, or cancelled
+    through ``should_stop``: ``summary["cancelled"]``, nothing else written) continues from its last finished block
+    with ``resume=True`` and writes the same checkpoint as an uninterrupted run (``open_partial``);
+    ``on_step(phase, step, steps, loss)`` reports every step of after-model training. ``head`` / ``embedding``:
+    also quantize the LM head and / or the input embedding with the same method (``embeddings_stage``). Several
+    ranks (``quant.distributed``, e.g. under torchrun) split each block's linears, every rank calling this with the
+    same arguments (``device``: its own); rank 0 alone writes, to an ``out_dir`` every rank sees.
     """
-    method_obj = methods.get(method)
-    method_obj.check_config(config)
-    parts = EmbeddingParts(head=head, embedding=embedding)
-    if parts.any and method_obj.quantize_linear is None:
-        raise ValueError(f"method {method!r} quantizes whole blocks; the LM head and embedding can be quantized "
-                         "with vptq, gptq or rtn")
-    if stream not in ("auto", True, False):
-        raise ValueError(f"stream must be 'auto', True or False, got {stream!r}")
-    whole = [hook.phase for hook in method_obj.after_model if hook.applies(config)]
-    if whole and stream is True:
-        raise ValueError(f"cannot stream block by block with {', '.join(whole)}: it trains the whole model")
-    planned = [hook.phase for hook in method_obj.before_blocks if hook.applies(config)]
-    if planned and stream is True:
-        raise ValueError(f"cannot stream block by block with {', '.join(planned)}: it measures the whole model")
-    source, stream_note = None, "off"
-    if whole:
-        stream, stream_note = False, f"off: {', '.join(whole)} trains the whole model"
-    elif planned:
-        stream, stream_note = False, f"off: {', '.join(planned)} measures the whole model"
-    elif getattr(config, "calib_sampled_share", 0):
-        if stream is True:
-            raise ValueError("cannot stream block by block with calib_sampled_share: the original model writes those "
-                             "calibration windows itself, which needs the whole model")
-        stream, stream_note = False, "off: calib_sampled_share samples from the whole model"
-    if stream is not False:
-        try:
-            source = open_streaming(model_name)
-            stream_note = "on"
-        except NotStreamable as exc:
-            if stream is True:
-                raise ValueError(f"cannot stream {model_name!r} block by block: {exc}") from None
-            stream_note = f"off: {exc}"
-    if source is not None:
-        model, tok = source.model, source.tokenizer
-    else:
-        model, tok = load_model(model_name, dtype="auto")
-    # with distillation, its held-out check windows are drawn on top of the calibration windows (``with_heldout``)
-    calib_ids = calibration_windows(tok, calib.text, with_heldout(calib.samples, config), calib.seqlen, calib.seed)
+    stage = on_stage or (lambda _name: None)
+    job = _DirRun(model_name, methods.get(method), config, calib, Path(out_dir), save_dtype,
+                  EmbeddingParts(head=head, embedding=embedding))
+    job.check(stream)
+    stage("load")
+    load_stage(job, stream)
     if on_start:
-        on_start(len(total_linear_shapes(model)))
-    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    blocks_total = len(decoder_blocks(model))
-    fingerprint = run_fingerprint(model_name, model, method_obj, config, calib, calib_ids, save_dtype, dev)
-    partial = PartialRun(out_dir)
-    main = distributed.is_main()  # with several ranks (torchrun) every rank computes, rank 0 alone writes
-    point = None
-    if resume and partial.exists() and not whole and not planned:  # a plan is measured on the whole model, again
-        point = partial.resume_point(fingerprint, blocks_total)
-    distributed.barrier()  # every rank has read the unfinished run before rank 0 may replace it
-    if point is None and main:
-        partial.start(fingerprint, blocks_total)
+        on_start(len(total_linear_shapes(job.model)))
+    job.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    open_partial(job, resume)
+    _, result = quantize_model(
+        job.model, job.calib_ids, job.method, config, on_layer=on_layer, should_stop=should_stop, device=job.device,
+        inplace=True, weights=job.source.weights if job.source is not None else None, capture_dtype=torch.float32,
+        on_block=job.persist, resume=job.point, keep_states=job.needs.reference, on_step=on_step, on_stage=on_stage,
+        reference=load_model(model_name, dtype="auto")[0] if job.needs.reference else None,
+    )
+    summary = job.summary(result)
+    if result.cancelled:
+        return job.out_dir, {**summary, "partial": str(job.partial.dir)}
+    if not distributed.is_main():
+        distributed.barrier()  # returns once rank 0 has written the checkpoint
+        return job.out_dir, summary
+    report = job.report(result)
+    layers = collect_layers(job, result)
+    if job.parts.any:
+        stage("embeddings")
+        summary["embeddings"] = report["embeddings"] = embeddings_stage(job, layers)
+    stage("save")
+    out = save_stage(job, layers, report)
+    if evaluate_after:
+        stage("evaluate")
+        summary["eval"] = evaluate_stage(out, model_name, calib.seqlen)
+    return out, summary
 
-    def persist(done: BlockDone) -> None:
-        if not main:
+
+@dataclass
+class _DirRun:
+    """One ``quantize_to_dir`` call while it runs: the request, what its method needs, the loaded model and its
+    calibration windows, the unfinished-run directory and where to resume."""
+
+    model_name: str
+    method: methods.Method
+    config: object
+    calib: CalibConfig
+    out_dir: Path
+    save_dtype: torch.dtype
+    parts: EmbeddingParts
+    needs: methods.RunNeeds | None = None
+    model: object = None
+    tok: object = None
+    source: object = None  # the streamed model (``models.open_streaming``), or None when loaded whole
+    stream_note: str = "off"
+    calib_ids: torch.Tensor | None = None
+    device: str = "cpu"
+    partial: PartialRun | None = None
+    point: object = None  # the ``ResumePoint`` of an unfinished run, or None
+
+    def check(self, stream: bool | str) -> None:
+        """Refuse, before loading anything, what this method and config cannot do."""
+        self.method.check_config(self.config)
+        self.needs = self.method.needs(self.config)
+        if self.parts.any and self.method.quantize_linear is None:
+            raise ValueError(f"method {self.method.name!r} quantizes whole blocks; the LM head and embedding can be "
+                             "quantized with vptq, gptq or rtn")
+        if stream not in ("auto", True, False):
+            raise ValueError(f"stream must be 'auto', True or False, got {stream!r}")
+        if stream is True and self.needs.whole_model:
+            raise ValueError(f"cannot stream block by block with {self.whole_model_reason()}")
+
+    def whole_model_reason(self, short: bool = False) -> str:
+        """Why the run needs the whole model in memory ("" when it does not); ``short``: as the streaming note."""
+        if self.needs.after_model:
+            return f"{', '.join(self.needs.after_model)}{'' if short else ': it'} trains the whole model"
+        if self.needs.plan:
+            return f"{', '.join(self.needs.plan)}{'' if short else ': it'} measures the whole model"
+        if self.needs.sampled_share:
+            return ("calib_sampled_share samples from the whole model" if short else "calib_sampled_share: the "
+                    "original model writes those calibration windows itself, which needs the whole model")
+        return ""
+
+    def persist(self, done: BlockDone) -> None:
+        """``on_block``: rank 0 writes the finished block to ``.partial``."""
+        if not distributed.is_main():
             return
-        packed = {name: pack_layer(state, save_dtype) for name, state in done.states.items()}
+        packed = {name: pack_layer(state, self.save_dtype) for name, state in done.states.items()}
         kinds = {quant_method_of(state) for state in done.states.values()}
         if len(kinds) != 1:
             raise ValueError(f"block {done.index} mixes quantized layer kinds {sorted(kinds)}")
-        partial.write_block(done, packed, kinds.pop())
+        self.partial.write_block(done, packed, kinds.pop())
 
-    _, result = quantize_model(
-        model, calib_ids, method_obj, config, on_layer=on_layer, should_stop=should_stop, device=dev, inplace=True,
-        weights=source.weights if source is not None else None, capture_dtype=torch.float32, on_block=persist,
-        resume=point, keep_states=bool(whole), on_step=on_step,
-        reference=load_model(model_name, dtype="auto")[0] if whole else None,
-    )
-    summary = result.summary()
-    summary["resumed_from_block"] = point.blocks_done if point is not None else 0
-    summary["streaming"] = stream_note
-    if distributed.active():
-        summary["ranks"] = distributed.world_size()
-    if result.cancelled:
-        summary["partial"] = str(partial.dir)
-        return Path(out_dir), summary
-    if not main:
-        distributed.barrier()  # returns once rank 0 has written the checkpoint
-        return Path(out_dir), summary
-    report = build_report(model_name, result, calib, dev)
-    report["streaming"] = stream_note
-    report["resumed_from_block"] = summary["resumed_from_block"]
-    dims = partial.layer_dims()
-    if source is not None:
-        source.fill_remaining(skip=tuple(dims))  # block norms (small) for the writer; quantized linears stay on meta
-    layers = partial.packed_layers()
-    if whole:  # the blocks in .partial are from before the whole-model training: write the trained states
-        layers = ((name, pack_layer(state, save_dtype)) for name, state in result.states.items())
-    stored_embedding = None
-    if parts.any:
-        # the head's inputs: the last block's outputs (kept in .partial), or after whole-model training a
-        # forward of the trained model
-        last = _last_block_outputs(model, calib_ids, dev) if whole else partial.block_outputs(blocks_total)
-        extra, stored_embedding, report["embeddings"] = _quantize_embeddings(
-            model, last, method_obj, config, parts, dev, save_dtype)
-        dims.update({name: (layer.in_features, layer.out_features) for name, layer in extra})
-        layers = itertools.chain(layers, extra)
-        summary["embeddings"] = report["embeddings"]
-    out = save_packed(model, tok, partial.quant_method(), dims, layers, out_dir, report=report,
-                      dtype=save_dtype, embedding=stored_embedding)
-    partial.remove()
+    def summary(self, result) -> dict:
+        summary = result.summary()
+        summary["resumed_from_block"] = self.point.blocks_done if self.point is not None else 0
+        summary["streaming"] = self.stream_note
+        if distributed.active():
+            summary["ranks"] = distributed.world_size()
+        return summary
+
+    def report(self, result) -> dict:
+        report = build_report(self.model_name, result, self.calib, self.device)
+        report["streaming"] = self.stream_note
+        report["resumed_from_block"] = self.point.blocks_done if self.point is not None else 0
+        return report
+
+
+def load_stage(job: _DirRun, stream: bool | str) -> None:
+    """The model and its calibration windows. Streamed where it can and may be: a model stored as safetensors is
+    built on the meta device and each block is read from disk when it is quantized and freed afterwards
+    (``models.open_streaming``), so the run holds about one block plus the calibration activations and the
+    non-block tensors; other sources (tiny models built in code, .bin checkpoints) are loaded whole in their own
+    dtype."""
+    if job.needs.whole_model:
+        stream, job.stream_note = False, f"off: {job.whole_model_reason(short=True)}"
+    if stream is not False:
+        try:
+            job.source = open_streaming(job.model_name)
+            job.stream_note = "on"
+        except NotStreamable as exc:
+            if stream is True:
+                raise ValueError(f"cannot stream {job.model_name!r} block by block: {exc}") from None
+            job.stream_note = f"off: {exc}"
+    if job.source is not None:
+        job.model, job.tok = job.source.model, job.source.tokenizer
+    else:
+        job.model, job.tok = load_model(job.model_name, dtype="auto")
+    # with distillation, its held-out check windows are drawn on top of the calibration windows (``with_heldout``)
+    calib = job.calib
+    job.calib_ids = calibration_windows(job.tok, calib.text, with_heldout(calib.samples, job.config), calib.seqlen,
+                                        calib.seed)
+
+
+def open_partial(job: _DirRun, resume: bool) -> None:
+    """The unfinished-run directory (``vptq_core.resume``): where to resume (``resume`` and a run there), else a
+    fresh start. A resume with a different model, method, settings, calibration, save dtype or device is refused
+    (ValueError saying what differs); ``resume=False`` discards an unfinished run. A run with a plan or
+    after-model hooks starts over: both work on the whole model again (distillation against the original,
+    loaded a second time)."""
+    blocks_total = len(decoder_blocks(job.model))
+    fingerprint = run_fingerprint(job.model_name, job.model, job.method, job.config, job.calib, job.calib_ids,
+                                  job.save_dtype, job.device)
+    job.partial = PartialRun(job.out_dir)
+    if resume and job.partial.exists() and not job.needs.after_model and not job.needs.plan:
+        job.point = job.partial.resume_point(fingerprint, blocks_total)
+    distributed.barrier()  # every rank has read the unfinished run before rank 0 may replace it
+    if job.point is None and distributed.is_main():  # with several ranks every rank computes, rank 0 alone writes
+        job.partial.start(fingerprint, blocks_total)
+
+
+@dataclass
+class _Layers:
+    """What the save stage writes: each layer's (in, out) dims, the packed layers (read lazily), and what
+    ``save_packed`` takes for the input embedding."""
+
+    dims: dict
+    packed: Iterable
+    embedding: object = None
+
+
+def collect_layers(job: _DirRun, result) -> _Layers:
+    """The packed block layers: read back from ``.partial`` block by block, or after whole-model training the
+    trained states (the blocks in ``.partial`` are from before it)."""
+    dims = job.partial.layer_dims()
+    if job.source is not None:
+        job.source.fill_remaining(skip=tuple(dims))  # block norms for the writer; quantized linears stay on meta
+    packed = job.partial.packed_layers()
+    if job.needs.reference:
+        packed = ((name, pack_layer(state, job.save_dtype)) for name, state in result.states.items())
+    return _Layers(dims, packed)
+
+
+def embeddings_stage(job: _DirRun, layers: _Layers) -> dict:
+    """Quantize the LM head and / or input embedding into ``layers`` (``quant.embedding``); returns the report's
+    entry. The head's Hessian comes from the final-norm outputs of the quantized blocks: the last block's outputs
+    (kept in ``.partial``), or after whole-model training a forward of the trained model. With tied weights either
+    one quantizes the shared matrix, and ``embedding`` makes the input embedding read its rows; such checkpoints
+    load with ``load_quantized``."""
+    if job.needs.reference:
+        last = _last_block_outputs(job.model, job.calib_ids, job.device)
+    else:
+        last = job.partial.block_outputs(len(decoder_blocks(job.model)))
+    extra, layers.embedding, entry = _quantize_embeddings(job.model, last, job.method, job.config, job.parts,
+                                                          job.device, job.save_dtype)
+    layers.dims.update({name: (layer.in_features, layer.out_features) for name, layer in extra})
+    layers.packed = itertools.chain(layers.packed, extra)
+    return entry
+
+
+def save_stage(job: _DirRun, layers: _Layers, report: dict) -> Path:
+    """Write the packed checkpoint (rank 0; it equals a single-process run's bit for bit), then remove
+    ``.partial`` and let the model go."""
+    out = save_packed(job.model, job.tok, job.partial.quant_method(), layers.dims, layers.packed, job.out_dir,
+                      report=report, dtype=job.save_dtype, embedding=layers.embedding)
+    job.partial.remove()
     distributed.barrier()
-    del model, source
-    if evaluate_after:
-        ev = evaluate_model(str(out), reference=model_name, seqlen=calib.seqlen, max_windows=16)
-        report["eval"] = ev.to_dict()
-        summary["eval"] = ev.to_dict()
-        _merge_report(out, {"eval": report["eval"]})
-    return out, summary
+    job.model = job.source = None
+    return out
+
+
+def evaluate_stage(out: Path, model_name: str, seqlen: int) -> dict:
+    """Evaluate the written checkpoint against the original; the result is added to its report too."""
+    ev = evaluate_model(str(out), reference=model_name, seqlen=seqlen, max_windows=16).to_dict()
+    _merge_report(out, {"eval": ev})
+    return ev
 
 
 def _last_block_outputs(model, calib_ids: torch.Tensor, device, batch: int = 4) -> torch.Tensor:

@@ -30,7 +30,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .quant.bits import BitsInfo
-from .quant.pipeline import BlockDone, LayerReport, ResumePoint
+from .quant.results import BlockDone, LayerReport, ResumePoint
 from .storage.checkpoint import PackedLayer
 
 PARTIAL_DIR = ".partial"

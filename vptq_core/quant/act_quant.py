@@ -1,6 +1,6 @@
 """Fake quantization of input activations: integers per token (dynamic) or per tensor (static).
 
-Used by LRQ during block reconstruction (METHODS.md section 2: W8A8 with per-tensor static activations, W4A8
+Used by LRQ during block reconstruction (docs/methods.md#lrq: W8A8 with per-tensor static activations, W4A8
 with per-token activations) and by the quantized linear modules at run time. Granularities:
 
 - "token": symmetric, one dynamic scale per token; the grid for ``bits`` b is
@@ -165,8 +165,8 @@ def calibrate_static_scales(
 
     ``clip`` "absmax": absmax / qmax, nothing is clipped. "mse": among ``CLIP_RATIOS`` of the absmax, the one
     whose fake-quantized inputs give the smallest output error ``||(q(x) - x) Wᵀ||²`` of that linear on
-    ``MSE_TOKENS`` calibration tokens: with a few massive activations (100-1400x the rest on SmolLM2) the
-    absmax step wipes out every other channel, and clipping the rare outliers costs less.
+    ``MSE_TOKENS`` calibration tokens: with a few massive activations (attention sinks, orders of magnitude over
+    the rest) the absmax step wipes out every other channel, and clipping the rare outliers costs less.
     """
     if clip not in ("absmax", "mse"):
         raise ValueError(f"clip must be 'absmax' or 'mse', got {clip!r}")

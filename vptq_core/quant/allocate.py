@@ -1,13 +1,12 @@
 """Bits to a total-bits budget: the loosest per-layer cap (``VPTQConfig.layer_bits_cap``) whose model total,
 codebooks, outliers and permutations included, stays within a budget.
 
-A per-layer cap steps a layer whose codebooks are expensive next to its weights (SmolLM2's 192x576 k/v
-projections pay 3.8 bits per weight for a v6 k4096 codebook) down to a shorter vector length at the same
-index bits, so the budget's bits go to the large layers, where a long vector's codebook is cheap. The cap
-equal to the budget always meets it (no layer exceeds it); a looser cap can too, when small layers leave
-room under the budget for large ones just above it (SmolLM2 at 2.5: cap 2.5 gives 2.37 total bits, cap
-2.51 keeps down_proj at v6 k4096 and gives 2.46). ``cap_for_budget`` tries every cap at which some
-layer's choice changes and keeps the one that spends most of the budget. Everything is computed from the
+A per-layer cap steps a layer whose codebooks are expensive next to its weights (a small k/v projection
+with a v6 k4096 codebook) down to a shorter vector length at the same index bits, so the budget's bits go
+to the large layers, where a long vector's codebook is cheap. The cap equal to the budget always meets it
+(no layer exceeds it); a looser cap can too, when small layers leave room under the budget for large ones
+just above it. ``cap_for_budget`` tries every cap at which some layer's choice changes and keeps the one
+that spends most of the budget. Everything is computed from the
 layer shapes alone, so the bits shown before a run are exact.
 """
 
@@ -18,7 +17,7 @@ from collections.abc import Iterable
 
 from .bits import BitsInfo
 from .config import VPTQConfig
-from .vptq import _shape_bits, config_bits
+from .vptq_layers import config_bits, shape_bits
 
 
 def model_bits(config: VPTQConfig, shapes: Iterable[tuple[int, int]]) -> BitsInfo:
@@ -40,7 +39,7 @@ def candidate_caps(config: VPTQConfig, shapes: Iterable[tuple[int, int]]) -> lis
             k = 2 ** min(16, max(1, round(bits * v)))
             k_res = 2 ** min(16, max(1, round(res_bits * v))) if base.num_res_centroids else 0
             step = dataclasses.replace(base, vector_len=v, num_centroids=k, num_res_centroids=min(k_res, k))
-            caps.add(_shape_bits(step, out_features, in_features).total_bits_per_weight)
+            caps.add(shape_bits(step, out_features, in_features).total_bits_per_weight)
     return sorted(caps)
 
 
@@ -82,3 +81,18 @@ def resolve_budget(config: VPTQConfig, shapes: Iterable[tuple[int, int]]) -> VPT
         raise ValueError(f"bits_budget {budget:g} and layer_bits_cap {config.layer_bits_cap:g} are both set: set "
                          f"one of them (for this model the budget means layer_bits_cap {cap:.6g})")
     return dataclasses.replace(config, layer_bits_cap=cap)
+
+
+def budget_for_model(config: VPTQConfig, shapes: Iterable[tuple[int, int]]) -> VPTQConfig:
+    """The config a VPTQ run on a model with these layer shapes uses (``Method.for_model``): with
+    ``bits_budget``, ``resolve_budget``'s cap; the config itself without a budget, or with allocation
+    "sensitivity" when no cap meets the budget (the per-layer plan's ladder reaches lower, and says so itself
+    when it cannot either). ValueError when the budget cannot be met or a different cap is set too."""
+    if not config.bits_budget:
+        return config
+    try:
+        return resolve_budget(config, shapes)
+    except ValueError:
+        if config.allocation != "sensitivity":
+            raise
+        return config

@@ -81,3 +81,11 @@ def check_linear_shapes(
             if seen[shape] is not None:
                 raise ValueError(f"cannot quantize {full} (out_features={shape[0]}, in_features={shape[1]}) with "
                                  f"{what}: {seen[shape]}")
+
+
+def total_linear_shapes(model: nn.Module) -> list[tuple[int, int]]:
+    """(out, in) of every block linear: what the app uses to show bits and size before a run."""
+    shapes = []
+    for block in decoder_blocks(model):
+        shapes.extend((m.out_features, m.in_features) for m in block_linears(block).values())
+    return shapes

@@ -11,6 +11,7 @@ into exit code 2 and the app into a visible error.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, fields
 
@@ -128,7 +129,7 @@ class DistillSettings(ConfigBase):
                                 "(the rest: one bucket)")
     distill_holdout: float = setting(0.125, lo=0.0, hi=0.5, help="share of the calibration windows held out")
     # Activation checkpointing of the decoder blocks during distillation: "auto" = off when the saved
-    # activations of one step fit a quarter of the free memory of the device (distill.use_checkpointing).
+    # activations of one step fit a quarter of the free memory of the device (student.use_checkpointing).
     distill_checkpointing: bool | str = setting("auto", choices=(True, False, "auto"),
                                                 help="activation checkpointing during distillation")
     # Calibration of the block-by-block stage itself: this share of the windows it sees (the last ones,
@@ -141,7 +142,7 @@ class DistillSettings(ConfigBase):
                                          help="share (0..1) of the calibration windows the blocks see that the "
                                          "original model writes itself (sampled at temperature 1) instead of the "
                                          "calibration text")
-    # The dtype windows are written in (calibration and distillation samples; distill.sampling_dtype).
+    # The dtype windows are written in (calibration and distillation samples; sampling.sampling_dtype).
     sample_dtype: str = setting("auto", choices=("auto", "bfloat16", "model"),
                                 help="dtype the windows are written in: auto = bf16 copies of a float32 model's "
                                 "weights where the hardware multiplies bf16 natively, else the model as it is; "
@@ -264,29 +265,16 @@ class VPTQConfig(DistillSettings):
 
     def for_model(self, shapes) -> VPTQConfig:
         """With ``bits_budget``: the same config with the ``layer_bits_cap`` that budget means for these shapes
-        (allocate.resolve_budget; ValueError when the budget cannot be met or a different cap is set too)."""
-        if not self.bits_budget:
-            return self
-        from .allocate import resolve_budget
+        (the VPTQ method resolves it: ``Method.for_model``, allocate.budget_for_model)."""
+        from .methods import get
 
-        try:
-            return resolve_budget(self, shapes)
-        except ValueError:
-            if self.allocation != "sensitivity":
-                raise
-            return self  # the per-layer plan's ladder reaches lower; it says so itself when it cannot either
+        return get("vptq").for_model(self, shapes)
 
     def for_layer(self, name: str) -> VPTQConfig:
         """The settings layer ``name`` (full module name) is quantized with: its entry of ``layer_plan``, or
         this config (its cap applies by shape, ``vptq.layer_config``)."""
-        if not self.layer_plan:
-            return self
         plan = {entry: (v, k) for entry, v, k in self.layer_plan}
-        if name not in plan:
-            return self
-        from .sensitivity import layer_settings
-
-        return layer_settings(self, *plan[name])
+        return layer_settings(self, *plan[name]) if name in plan else self
 
     @property
     def res_bits(self) -> int:
@@ -297,10 +285,14 @@ class VPTQConfig(DistillSettings):
         return (self.index_bits + self.res_bits) / self.vector_len
 
 
+def layer_settings(config: VPTQConfig, vector_len: int, num_centroids: int) -> VPTQConfig:
+    """``config`` for one layer of a plan: these vector settings, no cap, budget or plan of its own."""
+    return dataclasses.replace(config, vector_len=vector_len, num_centroids=num_centroids, num_res_centroids=0,
+                               layer_bits_cap=0.0, bits_budget=0.0, allocation="cap", layer_plan=())
+
+
 def check_allocation(config) -> None:
     """``allocation`` and ``layer_plan`` of a VPTQConfig (a plan as JSON gives lists: turned into tuples)."""
-    if config.allocation not in ALLOCATIONS:
-        raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {config.allocation!r}")
     if config.allocation == "sensitivity" and not config.bits_budget:
         raise ValueError("allocation 'sensitivity' spends a bits_budget: set bits_budget (total bits per weight)")
     if config.allocation == "sensitivity" and config.num_res_centroids:

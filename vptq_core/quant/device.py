@@ -46,10 +46,8 @@ def cpu_flags() -> frozenset[str]:
 
 def native_bf16(device: str | torch.device = "cpu") -> bool:
     """Whether ``device`` multiplies bf16 in hardware: CUDA with bf16 support, or a CPU with AVX-512 BF16 or AMX.
-    Elsewhere (AVX2-only CPUs, e.g. AMD Zen 3 or most laptops) torch emulates bf16 matmuls by widening every
-    operand, and float32 is the faster dtype: on an AMD Zen 3 (AVX2 only, 2 threads) one SmolLM2-135M
-    distillation step (512 tokens, forward + backward + Adam; ``bench/distill_step.py``) took 135 s with bf16
-    autocast against 12.6 s in float32."""
+    Elsewhere (AVX2-only CPUs, e.g. most laptops) torch emulates bf16 matmuls by widening every operand, and
+    float32 is much the faster dtype (``bench/distill_step.py`` compares them)."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()

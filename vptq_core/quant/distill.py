@@ -41,10 +41,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .calib_windows import distill_settings, holdout_count
+from .calib_windows import holdout_count
 from .config import DistillSettings
 from .device import compute_dtype
-from .methods import ModelHook
 from .sampling import SAMPLE_BATCH, sample_windows
 from .states import ScalarLayerState, VQLayerState
 from .student import Student, check_head, checkpointed_blocks, use_checkpointing
@@ -358,37 +357,3 @@ def sized_preset(settings: dict, params: int) -> tuple[dict, str]:
             f"(presets do these for models up to {PRESET_DISTILL_MAX_PARAMS / 1e9:g}B: they hold the whole model in "
             "memory); set them to have them anyway")
     return kept, note
-
-
-def _distill_hook(ctx) -> dict | None:
-    plan = [ctx.config.distill_iters]  # the progress shows the planned total (a time budget may shrink it)
-    return distill(ctx.model, ctx.reference, ctx.states, ctx.calib_ids, ctx.config,
-                   on_step=lambda step, kl: ctx.on_step("distill", step, plan[0], kl), should_stop=ctx.should_stop,
-                   known_teacher=ctx.teacher, deadline=ctx.deadline, on_plan=lambda n: plan.__setitem__(0, n))
-
-
-# Every built-in method's after-model step (its config's ``distill_iters`` > 0).
-DISTILL_HOOK = ModelHook("distill", lambda config: distill_settings(config).distill_iters > 0, _distill_hook)
-
-
-# ------------------------------------------------------------------------------------------- moved names
-# Names that lived here before the split, still importable from here for their callers (the pipeline, the
-# studio's estimate, bench scripts; ``SAMPLE_BATCH``, ``sample_windows`` and ``use_checkpointing`` are imported
-# above); new code imports them from their modules.
-from .calib_windows import sampled_count as sampled_count  # noqa: E402
-from .calib_windows import written_rows as written_rows  # noqa: E402
-from .sampling import SAMPLE_DTYPES as SAMPLE_DTYPES  # noqa: E402
-from .sampling import SAMPLING_BUDGET_SHARE as SAMPLING_BUDGET_SHARE  # noqa: E402
-from .sampling import WritingProjection as WritingProjection  # noqa: E402
-from .sampling import sampled_calibration as sampled_calibration  # noqa: E402
-from .sampling import sampling_dtype as sampling_dtype  # noqa: E402
-
-
-def __getattr__(name: str):
-    # ``LeanDecoder`` was importable from here (bench/sampling.py patches it); the decode loop is loaded only when
-    # asked for, so that importing this module (every method does, for DISTILL_HOOK) does not load it.
-    if name == "LeanDecoder":
-        from .lean_decoder import LeanDecoder
-
-        return LeanDecoder
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

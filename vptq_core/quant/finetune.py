@@ -105,10 +105,3 @@ def finetune_block_centroids(
     return {"finetune_loss_before": result.before, "finetune_loss_after": result.best,
             "finetune_rel_before": rel_errors[0], "finetune_rel_after": rel_errors[result.best_index],
             "finetune_best_step": result.best_step, "finetune_heldout": n_val, "finetune_curve": result.step_losses}
-
-
-# ------------------------------------------------------------------------------------------- moved names
-# Names that lived here before the split, still importable from here for their callers (the pipeline, the API,
-# the studio's estimate, bench scripts); new code imports them from their modules.
-from .calib_windows import layerwise_count as layerwise_count  # noqa: E402
-from .calib_windows import with_heldout as with_heldout  # noqa: E402

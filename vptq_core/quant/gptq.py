@@ -6,7 +6,8 @@ import torch
 
 from .act_quant import ACTIVATION_HOOK
 from .config import ScalarConfig
-from .distill import DISTILL_HOOK
+from .cost import sweep_seconds
+from .distill_hook import DISTILL_HOOK, settings_needs
 from .hessian import inverse_hessian_cholesky, prepare_hessian
 from .methods import Method, QuantResult, register
 from .rtn import SCALAR_PRESETS, describe_scalar, effective_group_size, grid_params, scalar_config_bits, scalar_result
@@ -65,5 +66,5 @@ METHOD = register(Method(
     name="gptq", label="GPTQ", config_class=ScalarConfig, bits=scalar_config_bits, describe=describe_scalar,
     presets=SCALAR_PRESETS, description="scalar grids with GPTQ's second-order error feedback",
     quantize_linear=lambda W, H, config, bias, cache: gptq_layer(W, H, config, bias, hessian_cache=cache),
-    after_block=(ACTIVATION_HOOK,), after_model=(DISTILL_HOOK,),
+    after_block=(ACTIVATION_HOOK,), after_model=(DISTILL_HOOK,), config_needs=settings_needs, cost=sweep_seconds,
 ))

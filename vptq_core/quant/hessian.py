@@ -18,7 +18,7 @@ _FACTORS = "inverse_hessian_cholesky"  # the key of ``inverse_hessian_cholesky``
 @contextlib.contextmanager
 def single_thread_torch():
     """Run per-column loops with one torch thread: their small ops lose more to thread hand-offs on a
-    busy 2-core machine than they gain (measured: the VPTQ sweep ran 2-3x faster with 1 thread)."""
+    busy few-core machine than they gain."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -67,10 +67,9 @@ def _native_search():
 
 
 def _native_wins(d: int, k: int) -> bool:
-    """Where the native brute force beats scipy's k-d tree (1 thread, Gaussian points and centroids, Zen 3 AVX2):
-    0.11-0.38x its time for d = 2 at k <= 1024 and for d >= 6 at k <= 16384 (d = 6, k = 4096: 0.27-0.32x), 0.61x at
-    d = 2, k = 4096; the tree wins at d <= 4 from k = 16384 (1.8x) and d <= 6 at k = 65536 (1.9x). The kernel takes
-    vectors of up to 16 dimensions."""
+    """Where the native brute force beats scipy's k-d tree (1 thread, Gaussian points and centroids, bench/search.py):
+    everywhere but short vectors with large codebooks (d <= 4 from k = 16384, d <= 6 at k = 65536), where the
+    tree's pruning wins. The kernel takes vectors of up to 16 dimensions."""
     return d <= 16 and not ((d <= 4 and k >= 16384) or (d <= 6 and k >= 65536))
 
 
@@ -83,9 +82,9 @@ def cpu_auto_backend(d: int, k: int, native_usable: Callable[[], bool]) -> str:
 
 
 def _use_kdtree(d: int, k: int) -> bool:
-    """Where a k-d tree (scipy's cKDTree) beats the brute-force kernel on CPU. Measured on 1 thread with
-    16k Gaussian points: 3.6x faster at d=6 k=4096, 1.8x at d=8 k=4096, 1.5x at d=4 k=256. Brute force
-    wins for small codebooks (k <= 64) and long vectors (d >= 12)."""
+    """Where a k-d tree (scipy's cKDTree) beats the brute-force kernel on CPU (1 thread, Gaussian points): short
+    vectors with large codebooks. Brute force wins for small codebooks and long vectors, where the tree prunes
+    little."""
     return (d <= 8 and k >= 1024) or (d <= 4 and k >= 256)
 
 

@@ -29,7 +29,8 @@ from torch import nn
 
 from .act_quant import ACTIVATION_HOOK, calibrate_static_scales, quantize_activations
 from .config import SCALAR_PRESET_OFF, LRQConfig
-from .distill import DISTILL_HOOK
+from .cost import lrq_seconds
+from .distill_hook import DISTILL_HOOK, settings_needs
 from .hessian import proxy_loss, single_thread_torch
 from .methods import BlockContext, Cancelled, Method, QuantResult, register
 from .rtn import describe_scalar, effective_group_size, rtn_quantize, scalar_config_bits
@@ -470,5 +471,6 @@ METHOD = register(Method(
     name="lrq", label="LRQ", config_class=LRQConfig, bits=scalar_config_bits, describe=describe_scalar,
     presets=PRESETS, description="scalar grids with a learned low-rank weight scaling, trained per block",
     quantize_block=_quantize_block, block_phase="lrq_train", after_block=(ACTIVATION_HOOK,),
-    after_model=(DISTILL_HOOK,),
+    after_model=(DISTILL_HOOK,), cost=lrq_seconds,
+    config_needs=lambda config: settings_needs(config, target_chain=config.target_chain),
 ))

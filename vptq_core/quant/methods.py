@@ -4,19 +4,21 @@ A ``Method`` bundles everything the pipeline, the CLI, the app, the bits account
 need to know about one method: its name and config class, presets named by bits, how it quantizes a block
 (one linear at a time with ``quantize_linear``, or the whole block with ``quantize_block``), what runs after
 each block (``after_block`` hooks: fine-tuning, activation calibration) and after the last one
-(``after_model`` hooks: end-to-end distillation), how many bits a layer will take,
-and how to describe its settings in one line. Nobody branches on a method's name.
+(``after_model`` hooks: end-to-end distillation), how many bits a layer will take, what a run with its
+config needs (``needs``: the whole model in memory, the original beside it, self-written calibration, a time
+budget, the target chain), how long a run takes (``estimate_seconds``, or the stage costs it is summed from),
+and how to describe its settings in one line. Nobody branches on a method's name or sniffs its config's fields.
 
 The built-in methods register themselves in their own modules (``vptq``, ``gptq``, ``rtn``, ``lrq``); they
 are imported the first time the registry is read. A new method is one module that calls ``register`` (see
-README.md, "Adding a method").
+docs/contributing.md#adding-a-method).
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -25,7 +27,7 @@ from torch import nn
 from .bits import BitsInfo
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .pipeline import LayerReport, QuantizeResult
+    from .results import LayerReport, QuantizeResult
 
 BUILTIN_MODULES = ("vptq", "gptq", "rtn", "lrq")  # modules of this package that register the built-in methods
 
@@ -109,23 +111,68 @@ class ModelContext:
     deadline: float | None = None  # time.perf_counter() by which the run should end (config.time_budget)
 
 
+Cost = Callable[[Any, Any], float]  # (quant.cost.RunSize, config) -> seconds on the reference machine
+
+
 class ModelHook(NamedTuple):
     """A step after every block is quantized (e.g. end-to-end distillation), for configs where
-    ``applies(config)``; ``run(ctx)`` returns metrics (``QuantizeResult.model_metrics[phase]``)."""
+    ``applies(config)``; ``run(ctx)`` returns metrics (``QuantizeResult.model_metrics[phase]``); ``cost``: its
+    seconds before the run (``quant.cost``; None: not priced)."""
 
     phase: str
     applies: Callable[[Any], bool]
     run: Callable[[ModelContext], dict | None]
+    cost: Cost | None = None
 
 
 class PlanHook(NamedTuple):
     """A step before the first block, on the whole original model, for configs where ``applies(config)``:
     ``run(model, calib_ids, config, device, should_stop)`` returns (the config the run goes on with, metrics for
-    ``QuantizeResult.model_metrics[phase]``); e.g. VPTQ's per-layer bit allocation from measured sensitivity."""
+    ``QuantizeResult.model_metrics[phase]``); e.g. VPTQ's per-layer bit allocation from measured sensitivity.
+    ``cost``: its seconds before the run; ``bits_bound(config)``: the total bits per weight the plan stays within
+    (the bits are known only once it has run)."""
 
     phase: str
     applies: Callable[[Any], bool]
     run: Callable[..., tuple[Any, dict]]
+    cost: Cost | None = None
+    bits_bound: Callable[[Any], float] | None = None
+
+
+@dataclass(frozen=True)
+class RunNeeds:
+    """What a run with one config needs beyond quantizing blocks: ``Method.needs(config)``.
+
+    ``plan``: phases of the plan hooks that apply (on the whole original model, before the first block);
+    ``after_model``: phases of the after-model hooks that apply (the whole quantized model trained against the
+    original); ``sampled_share``: the share of the block stage's calibration windows the original model writes
+    itself (docs/methods.md#self-written-calibration); ``time_budget``: seconds the whole run may take (0: no
+    limit; docs/methods.md#time-budget); ``target_chain``: what after-block steps fit, "quantized" (the original
+    block on the quantized chain's inputs) or "fp" (the original model's own block outputs); ``teacher_topk``: how
+    many of the original's top next tokens on the windows it writes itself to keep from that writing for the
+    after-model step (0: none)."""
+
+    plan: tuple[str, ...] = ()
+    after_model: tuple[str, ...] = ()
+    sampled_share: float = 0.0
+    time_budget: float = 0.0
+    target_chain: str = "quantized"
+    teacher_topk: int = 0
+
+    @property
+    def whole_model(self) -> bool:
+        """The whole model must be in memory (no block streaming): a plan, an after-model step or self-written
+        calibration works on it."""
+        return bool(self.plan or self.after_model or self.sampled_share > 0)
+
+    @property
+    def reference(self) -> bool:
+        """The original model is needed beside the quantized one after the last block."""
+        return bool(self.after_model)
+
+    @property
+    def fp_chain(self) -> bool:
+        return self.target_chain == "fp"
 
 
 @dataclass(frozen=True)
@@ -136,7 +183,15 @@ class Method:
         ``cache`` shared by the linears of one block (e.g. inverse-Hessian factors of shared inputs);
     quantize_block(ctx) quantizes every linear of ``ctx.linears`` and calls ``ctx.publish`` for each;
     bits(config, out_features, in_features) -> BitsInfo of one layer of that shape;
-    describe(settings dict) -> a short label of the settings (runs table, archive names).
+    describe(settings dict) -> a short label of the settings (runs table, archive names);
+    config_needs(config) -> RunNeeds: what the config's own settings ask of the run (self-written calibration,
+        time budget, target chain); the hooks' part is added by ``needs``. None: as the registered method that
+        owns the config's class says (a method reusing VPTQConfig reads its settings as VPTQ does), else nothing;
+    resolve(config, shapes) -> the config a run on a model with these block-linear shapes uses (settings that
+        depend on the whole model, e.g. a total-bits budget, resolved); None: ``config.for_model(shapes)``;
+    cost(RunSize, config) -> seconds of the method's own block work on the reference machine, on top of the
+        block forwards every method runs (``quant.cost``); None: rounding every weight once;
+    estimate_seconds(RunSize, config) -> seconds of the whole run, replacing the stage-by-stage sum.
     """
 
     name: str
@@ -152,6 +207,10 @@ class Method:
     after_block: tuple[BlockHook, ...] = ()
     after_model: tuple[ModelHook, ...] = ()  # need the original model (``quantize_model(reference=...)``)
     block_phase: str = "quantize"  # the timing phase of ``quantize_block``
+    config_needs: Callable[[Any], RunNeeds] | None = None
+    resolve: Callable[[Any, list[tuple[int, int]]], Any] | None = None
+    cost: Cost | None = None
+    estimate_seconds: Cost | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier() or self.name != self.name.lower():
@@ -182,10 +241,34 @@ class Method:
             raise ValueError(f"method {self.name!r} has no preset {name!r}; presets: {', '.join(self.presets)}")
         return dict(self.presets[name])
 
+    def needs(self, config) -> RunNeeds:
+        """What a run with ``config`` needs: its own settings' needs and the phases of the hooks that apply."""
+        return replace(self._settings_needs(config),
+                       plan=tuple(hook.phase for hook in self.before_blocks if hook.applies(config)),
+                       after_model=tuple(hook.phase for hook in self.after_model if hook.applies(config)))
+
+    def _settings_needs(self, config) -> RunNeeds:
+        if self.config_needs is not None:
+            return self.config_needs(config)
+        owner = next((m for m in all_methods() if m.config_needs is not None and type(config) is m.config_class), None)
+        return owner.config_needs(config) if owner is not None else RunNeeds()
+
+    def for_model(self, config, shapes):
+        """The config a run on a model with these block-linear shapes [(out, in), ...] uses: the pipeline, the
+        bits shown before a run and the time estimate all go through it."""
+        return self.resolve(config, list(shapes)) if self.resolve is not None else config.for_model(shapes)
+
+    def planned_bits(self, config) -> float | None:
+        """The total bits per weight a plan that applies stays within (its layers' bits are known only once it
+        has run), or None when the bits are known before the run."""
+        bounds = [hook.bits_bound(config) for hook in self.before_blocks
+                  if hook.bits_bound is not None and hook.applies(config)]
+        return min(bounds) if bounds else None
+
     def model_bits(self, config, shapes) -> BitsInfo:
         """Sum of ``bits`` over linear shapes [(out, in), ...] (the config resolved for them: ``for_model``)."""
         shapes = list(shapes)
-        config = config.for_model(shapes)
+        config = self.for_model(config, shapes)
         total = BitsInfo(0, 0, 0)
         for out_features, in_features in shapes:
             total = total + self.bits(config, out_features, in_features)

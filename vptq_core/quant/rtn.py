@@ -11,7 +11,8 @@ import torch
 from .act_quant import ACTIVATION_HOOK
 from .bits import BitsInfo, scalar_bits
 from .config import SCALAR_PRESET_OFF, ScalarConfig
-from .distill import DISTILL_HOOK, distill_label
+from .cost import rounding_seconds
+from .distill_hook import DISTILL_HOOK, settings_needs
 from .hessian import proxy_loss
 from .methods import Method, QuantResult, register
 from .states import ScalarLayerState
@@ -131,6 +132,8 @@ def describe_scalar(settings) -> str:
     if (settings.get("act_bits") or 16) < 16:
         kind = {"token": "", "token_asym": " asym"}.get(settings.get("act_granularity"), " static")
         text += f" A{settings['act_bits']}{kind}"
+    from .distill import distill_label  # the training module, loaded when a label is asked for
+
     return text + distill_label(settings)
 
 
@@ -145,5 +148,5 @@ METHOD = register(Method(
     name="rtn", label="RTN", config_class=ScalarConfig, bits=scalar_config_bits, describe=describe_scalar,
     presets=SCALAR_PRESETS, description="round-to-nearest on per-channel or per-group grids (the baseline)",
     quantize_linear=lambda W, H, config, bias, cache: rtn_layer(W, H, config, bias),
-    after_block=(ACTIVATION_HOOK,), after_model=(DISTILL_HOOK,),
+    after_block=(ACTIVATION_HOOK,), after_model=(DISTILL_HOOK,), config_needs=settings_needs, cost=rounding_seconds,
 ))

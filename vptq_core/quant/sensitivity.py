@@ -17,7 +17,7 @@ expensive next to their layer. This one spends the budget where the model's loss
 
 ``allocate`` then solves the multiple-choice knapsack "least Σ ΔL_l within the budget's bits" greedily over each
 layer's lower convex hull of (bits, ΔL): every step up a layer's ladder is taken in order of loss saved per bit,
-while it fits. Bits are exact (``vptq.config_bits``: codebooks, outliers and permutation included), so the
+while it fits. Bits are exact (``vptq_layers.config_bits``: codebooks, outliers and permutation included), so the
 plan never exceeds the budget.
 """
 
@@ -32,18 +32,20 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .allocate import resolve_budget
 from .blocks import block_linears, blocks_prefix, decoder_blocks
-from .config import VPTQConfig
+from .config import VPTQConfig, layer_settings
 from .hessian import SharedInputs, inverse_hessian_cholesky, prepare_hessian
 from .kmeans import nearest, weighted_kmeans
 from .methods import Cancelled
+from .vptq_layers import layer_config
 
-SENSITIVITY_WINDOWS = 4  # calibration windows of the backward pass (a 512-token window: ~4 s on 2 CPU cores)
+SENSITIVITY_WINDOWS = 4  # calibration windows of the backward pass
 SENSITIVITY_LABELS = "sampled"  # the next tokens whose loss is differentiated (``measure``)
 MIN_INDEX_BITS, MAX_INDEX_BITS = 1.0, 4.0  # index bits per weight the ladder spans at least
 LADDER_SPAN = 1.5  # ... and this far over the budget
-# No layer below the budget's index bits minus this: on Gemma-3-270M a plan down to 1 index bit (21 of 126 layers
-# at v8 k256) ended worse than the cap allocation after distillation, wiki 1.93x / pydocs 2.54x against 1.69x / 1.93x.
+# No layer below the budget's index bits minus this: a plan that let layers go much lower ended worse than the cap
+# allocation after distillation (docs/methods.md#bit-plan-by-sensitivity).
 LADDER_FLOOR = 1.0
 DISTORTION_ITERS = 3  # Lloyd iterations of the distortion table's fits
 SHARED_INPUT_LOOKBACK = 8  # linear inputs ``measure`` holds while finding the linears that read the same one
@@ -75,12 +77,6 @@ def ladder(config: VPTQConfig) -> list[tuple[int, int]]:
             if lo <= b / v <= hi:
                 steps.append((v, 2**b))
     return sorted(steps)
-
-
-def layer_settings(config: VPTQConfig, vector_len: int, num_centroids: int) -> VPTQConfig:
-    """``config`` for one layer of a plan: these vector settings, no cap, budget or plan of its own."""
-    return dataclasses.replace(config, vector_len=vector_len, num_centroids=num_centroids, num_res_centroids=0,
-                               layer_bits_cap=0.0, bits_budget=0.0, allocation="cap", layer_plan=())
 
 
 def measure(model: nn.Module, windows: torch.Tensor, damp_percent: float, device: torch.device,
@@ -289,9 +285,6 @@ def plan_config(model: nn.Module, windows: torch.Tensor, config: VPTQConfig, dev
     """``config`` with its ``layer_plan`` for ``model`` (measured on ``measured_windows(windows)``), and metrics
     for the run's report: the plan's bits, how many layers got which settings, and
     the predicted loss increase of the plan and of the cap allocator's settings for the same budget."""
-    from .allocate import resolve_budget
-    from .vptq import layer_config  # imports this module
-
     t0 = time.perf_counter()
     sens = measure(model, measured_windows(windows), config.damp_percent, device, should_stop, seed=config.seed)
     t1 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""VPTQ for one linear layer (METHODS.md section 1).
+"""VPTQ for one linear layer (docs/methods.md#vptq).
 
 Vectors run along the output dimension inside one input column: column ``j`` of ``W`` [out, in] is cut
 into ``out / v`` vectors of ``v`` consecutive output channels. Codebooks come from Hessian-weighted
@@ -9,24 +9,30 @@ Hessian's Cholesky factor (GPTQ-style, lazy block updates).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .bits import BitsInfo, vq_bits
+from .allocate import budget_for_model
 from .config import DISTILL_LR, PRESET_OFF, VPTQConfig
-from .distill import DISTILL_HOOK, distill_label
-from .finetune import finetune_block_centroids
+from .distill_hook import DISTILL_HOOK, settings_needs
 from .hessian import inverse_hessian_cholesky, prepare_hessian, proxy_loss
 from .kmeans import CodebookSearch, weighted_kmeans
-from .methods import BlockHook, Method, PlanHook, QuantResult, register
+from .methods import BlockHook, Method, PlanHook, QuantResult, RunNeeds, register
 from .refit import CodebookUse, refit_codebooks
 from .states import VQLayerState
 from .sweep import error_feedback_sweep
 from .timing import Timings
+from .vptq_cost import allocation_seconds, vptq_seconds
+from .vptq_layers import (  # noqa: F401 - shape_bits / layer_config are imported from here by callers
+    config_bits,
+    fit_sample,
+    layer_config,
+    outlier_columns,
+    shape_bits,
+)
 
 
 @dataclass
@@ -45,16 +51,6 @@ class _Segment:
         """[out] -> [rows, v], zero-padding the last vector."""
         pad = (-column.shape[0]) % self.vector_len
         return F.pad(column, (0, pad)).view(-1, self.vector_len)
-
-
-def outlier_columns(in_features: int, percent: float, group_num: int) -> int:
-    """How many input columns the outlier codebook serves, so the rest splits evenly into groups."""
-    size = math.ceil(in_features * percent / 100.0) if percent > 0 else 0
-    while (in_features - size) % group_num:
-        size += 1
-    if size >= in_features:
-        raise ValueError(f"outlier_percent {percent} leaves no columns for the main codebook")
-    return size
 
 
 def _column_vectors(W: torch.Tensor, v: int) -> torch.Tensor:
@@ -110,12 +106,6 @@ def _sweep(
     return Q, residuals
 
 
-def _fit_sample(config: VPTQConfig, k: int) -> int:
-    """Vectors k-means fits on: at most ``kmeans_sample``, and at most 64 per centroid (more barely moves
-    the centroids, and the fit's cost grows with it)."""
-    return min(config.kmeans_sample, 64 * k)
-
-
 @dataclass
 class ColumnLayout:
     """Stored column order of a layer: ``perm[i]`` is the original column stored at ``i`` (None = natural
@@ -133,7 +123,7 @@ class ColumnLayout:
 
 
 def column_layout(diag: torch.Tensor, config: VPTQConfig) -> ColumnLayout:
-    """Column order and codebook segments from the Hessian diagonal ``diag`` [in] (METHODS.md 1.5-1.7)."""
+    """Column order and codebook segments from the Hessian diagonal ``diag`` [in] (docs/methods.md#vptq)."""
     in_features = diag.shape[0]
     outlier_size = outlier_columns(in_features, config.outlier_percent, config.group_num)
     by_importance = torch.argsort(diag, descending=True, stable=True)
@@ -168,7 +158,7 @@ def fit_codebooks(W: torch.Tensor, diag: torch.Tensor, layout: ColumnLayout, con
         vectors = _column_vectors(W[:, seg.start : seg.end], seg.vector_len)
         seg.centroids = weighted_kmeans(
             vectors, _segment_weights(diag, seg, vectors), k, config.kmeans_iters, seed=config.seed + s,
-            sample=_fit_sample(config, k),
+            sample=fit_sample(config, k),
         ).centroids
 
 
@@ -180,7 +170,7 @@ def fit_residual_codebooks(residuals: dict[int, list[torch.Tensor]], diag: torch
         vectors = torch.cat(residuals[s])
         seg.res_centroids = weighted_kmeans(
             vectors, _segment_weights(diag, seg, vectors), config.num_res_centroids, config.kmeans_iters,
-            seed=config.seed + 1000 + s, sample=_fit_sample(config, config.num_res_centroids),
+            seed=config.seed + 1000 + s, sample=fit_sample(config, config.num_res_centroids),
         ).centroids
 
 
@@ -268,43 +258,6 @@ def vptq_quantize(
                        timings=dict(timings))
 
 
-def config_bits(config: VPTQConfig, out_features: int, in_features: int) -> BitsInfo:
-    """Bits a layer of this shape will take under ``config`` (what the app shows before a run)."""
-    return _shape_bits(layer_config(config, out_features, in_features), out_features, in_features)
-
-
-def layer_config(config: VPTQConfig, out_features: int, in_features: int) -> VPTQConfig:
-    """The settings a layer of this shape is quantized with: ``config`` itself, or with ``layer_bits_cap``
-    set and the layer's total bits above it, the same index bits per weight at the longest shorter vector
-    length that fits (k = 2^round(bits * v), residual likewise; v6 k4096 -> v5 k1024 -> v4 k256 -> ...).
-    ValueError when not even vector length 1 fits."""
-    cap = config.layer_bits_cap
-    if not cap or _shape_bits(config, out_features, in_features).total_bits_per_weight <= cap:
-        return config
-    bits = config.index_bits / config.vector_len
-    res_bits = config.res_bits / config.vector_len
-    tried = []
-    for v in range(config.vector_len - 1, 0, -1):
-        k = 2 ** min(16, max(1, round(bits * v)))
-        k_res = 2 ** min(16, max(1, round(res_bits * v))) if config.num_res_centroids else 0
-        candidate = dataclasses.replace(config, vector_len=v, num_centroids=k, num_res_centroids=min(k_res, k))
-        total = _shape_bits(candidate, out_features, in_features).total_bits_per_weight
-        if total <= cap:
-            return candidate
-        tried.append(f"v{v} k{k}: {total:.3f}")
-    raise ValueError(f"layer_bits_cap {cap}: no vector length fits a {out_features}x{in_features} layer "
-                     f"({'; '.join(tried[-2:])} total bits per weight)")
-
-
-def _shape_bits(config: VPTQConfig, out_features: int, in_features: int) -> BitsInfo:
-    outliers = outlier_columns(in_features, config.outlier_percent, config.group_num)
-    return vq_bits(
-        out_features, in_features, config.vector_len, config.num_centroids, config.num_res_centroids, outliers,
-        config.outlier_vector_len, config.outlier_centroids, config.group_num, config.enable_norm,
-        config.enable_perm or outliers > 0,
-    )
-
-
 def describe(settings) -> str:
     """Short label of VPTQ settings, e.g. ``v6 k4096 +res256 out0.5%``."""
     text = f"v{settings.get('vector_len')} k{settings.get('num_centroids')}"
@@ -322,60 +275,46 @@ def describe(settings) -> str:
         text += f" cap{settings['layer_bits_cap']:g}"
     if settings.get("finetune_iters"):
         text += f" ft{settings['finetune_iters']}"
+    from .distill import distill_label  # the training module, loaded when a label is asked for
+
     return text + distill_label(settings)
 
 
 def _finetune_hook(ctx) -> dict | None:
+    from .finetune import finetune_block_centroids  # the training is loaded when a block is fine-tuned
+
     return finetune_block_centroids(ctx.block, ctx.states, ctx.inputs, ctx.targets, ctx.forward, ctx.config,
                                     should_stop=ctx.should_stop)
 
 
+def _plans(config: VPTQConfig) -> bool:
+    return config.allocation == "sensitivity" and not config.layer_plan
+
+
 def _plan_hook(model, calib_ids, config, device, should_stop):
-    from .sensitivity import plan_config  # imports this module
+    from .sensitivity import plan_config  # the measurement is loaded when a plan is made
 
     return plan_config(model, calib_ids, config, device, config_bits, should_stop)
 
 
-# Presets are named by TOTAL bits per weight (codebooks, outliers, permutation included) and hold on any model. "2.5
-# bits" and "3.5 bits" are budgets for the whole model, spent where the loss feels the error (``allocation``
-# "sensitivity", quant/sensitivity.py: each layer its own vector length and codebook size, measured before the first
-# block). SmolLM2, CLI, 16 windows, Zen 4 machine with AVX-512 BF16: "2.5 bits" (2.4999 total) wiki / pydocs 1.94x /
-# 1.92x against 2.42x / 2.26x with the cap allocation below, 6:27 wall; "3.5 bits" (3.4998 total) 1.236x / 1.225x
-# against 1.366x / 1.330x with the per-layer cap of 3.5 (3.31 total) it had; a 3.6 budget 1.213x / 1.192x (README,
-# "Bits where the loss feels them"). Since: "2.5 bits" takes 80 steps (1.891x / 1.889x in 8:21) and "3.5 bits" half the
-# distillation step (DISTILL_LR_3BIT: 1.233x / 1.213x in 6:37; a 3.6 budget 1.219x / 1.188x; README, "The step size at
-# 3.5 bits"); 80 steps at 3.5 bits gave nothing (1.247x / 1.235x), nor did the codebook refit after distillation.
-# "3.5 bits" with seed 1: 1.235x / 1.202x. Outlier codebooks of 64 entries instead of 256 cost 9% there, 512 gain
-# nothing, unsorted columns cost 3% (README, "What else was tried at 3.5 bits").
-# Before that, "2.5 bits" was a budget for the whole model (``bits_budget``: the loosest per-layer cap whose model
-# total stays within it, found for each model before its run; SmolLM2-135M: cap 3.014, 2.496 total bits, k/v and
-# q/o at v5 k1024, gate/up/down at v6 k4096). On the Zen 3 machine, CLI, same 10 minutes: wiki / pydocs 2.43x /
-# 2.63x bf16 against 2.69x / 2.90x with the per-layer cap of 2.5 it had before (2.37 total bits; README, "Spending
-# the whole budget").
-# "3.5 bits" and "4.5 bits" cap every layer (3.31 and 4.11 total on SmolLM2): "3.5 bits" at its budget's cap (3.44
-# total) was mixed, wiki 1.398x against 1.368x, pydocs 1.339x against 1.362x; where a layer's codebook is expensive it
-# gets a shorter vector at the same index bits. With the faster distillation step of the same round, "2.5 bits" ran 36
-# steps instead of 18: 2.33x / 2.47x. In "2.5 bits" and "3.5 bits" a share of the calibration windows is written by
-# the original model itself (``calib_sampled_share``) and the run ends with end-to-end distillation on those
-# calibration windows, as many steps as fit 10 minutes on 2 cores for SmolLM2 (AMD machine, CLI, wiki / pydocs x bf16
-# perplexity; README, "Calibrating on text the model writes itself"): with 3/4 self-written windows "2.5 bits" went
-# from 2.57x / 2.62x with 32 steps to 2.46x / 2.48x with 48 (64, checked every 16: 2.43x / 2.51x), "3.5 bits" from
-# 1.40x / 1.41x with 16 steps (half self-written) to 1.37x / 1.33x with 48.
-# Where writing those windows would take more than 20% of the time budget (distill.SAMPLING_BUDGET_SHARE; Gemma-3-270M
-# on the AVX2 machine) they stay text: 1.70x / 1.93x there against 6.26x / 4.17x with them.
-# (distill_samples is named so that picking the preset resets every distillation field of the form)
-# The run's pipeline must end within this many seconds (loading and writing the checkpoint take ~10-20 s more): on a
-# slower machine distillation runs fewer steps instead of running late (an AVX2-only Zen 3 took 1076 s for the
-# "2.5 bits" recipe without it).
+def _needs(config: VPTQConfig) -> RunNeeds:
+    return settings_needs(config, target_chain=config.target_chain)
+
+
+# Presets are named by total bits per weight (codebooks, outliers, permutation included) and hold on any model. Why
+# each value: docs/usage.md#presets.
+# "2.5 bits" and "3.5 bits" spend a budget for the whole model where the loss feels the error (allocation
+# "sensitivity"), have the original write three quarters of the calibration windows itself and end with
+# end-to-end distillation on them, as many steps as fit the time budget; "4.5 bits" caps every layer.
+# The pipeline must end within this many seconds (loading and writing the checkpoint take a little more): on a
+# slower machine distillation runs fewer steps instead of running late (docs/methods.md#time-budget).
 PRESET_TIME_BUDGET = 570.0
-# At 3.5 bits the step that suits 2.5 bits overshoots: from one cached "3.5 bits" quantization (SmolLM2, 48 steps,
-# bench/distill_variants.py --row preset-3.5, 16 windows per text) lr 5e-3 never improved the held-out check (step 0
-# kept: 1.33x / 1.28x), 2.5e-3 gave 1.236x / 1.226x, 1.25e-3 1.234x / 1.212x (KL 0.268 / 0.225 against 0.279 /
-# 0.239) and 6.25e-4 1.247x / 1.218x.
+# At 3.5 bits the distillation step that suits 2.5 bits overshoots: half of it scored best on held-out text.
 DISTILL_LR_3BIT = 1.25e-3
+# distill_samples is named so that picking the preset resets every distillation field of the form
 _PRESET_DISTILL = {"distill_data": "calibration", "distill_samples": 16, "distill_eval_every": 8,
                    "time_budget": PRESET_TIME_BUDGET}
-_PRESET_NO_REFIT = {"refit_iters": 0}  # every VPTQ preset leaves the codebook refit off (README, "The step size ...")
+_PRESET_NO_REFIT = {"refit_iters": 0}  # every VPTQ preset leaves the codebook refit off: it did not help them
 PRESETS = {
     "2.5 bits": {"vector_len": 6, "num_centroids": 4096, "num_res_centroids": 0, "bits_budget": 2.5,
                  "layer_bits_cap": 0.0, "allocation": "sensitivity", "distill_iters": 80, "distill_lr": DISTILL_LR,
@@ -391,8 +330,9 @@ METHOD = register(Method(
     name="vptq", label="VPTQ", config_class=VPTQConfig, bits=config_bits, describe=describe, presets=PRESETS,
     description="vector quantization: Hessian-weighted k-means codebooks with second-order error feedback",
     quantize_linear=lambda W, H, config, bias, cache: vptq_quantize(W, H, config, bias, hessian_cache=cache),
-    before_blocks=(PlanHook("allocation", lambda config: config.allocation == "sensitivity" and not config.layer_plan,
-                            _plan_hook),),
+    before_blocks=(PlanHook("allocation", _plans, _plan_hook, cost=allocation_seconds,
+                            bits_bound=lambda config: config.bits_budget),),
     after_block=(BlockHook("finetune", lambda config: config.finetune_iters > 0, _finetune_hook),),
     after_model=(DISTILL_HOOK,),
+    config_needs=_needs, resolve=budget_for_model, cost=vptq_seconds,
 ))

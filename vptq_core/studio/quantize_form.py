@@ -93,7 +93,7 @@ class QuantizeForm:
         """(seconds a run should take here, what that rests on): ``estimate.time_estimate`` (a 2-core CPU) times
         what this server's last finished run of the method took against its own estimate; None on another
         device until a run there has finished."""
-        rough = time_estimate(info, config, samples, seqlen)
+        rough = time_estimate(info, config, samples, seqlen, method)
         with self._lock:
             factor = self._speed.get((self.shared.settings.device, method))
         if factor is not None:

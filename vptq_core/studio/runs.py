@@ -75,7 +75,7 @@ class Runs:
                 "reserve_bytes": p.reserve,
                 "calib": {**p.calib.to_dict(), **({"text": "uploaded file"} if uploaded else {})},
                 "calib_uploaded": uploaded,
-                "rough_seconds": time_estimate(p.info, p.config, p.calib.samples, p.calib.seqlen)})
+                "rough_seconds": time_estimate(p.info, p.config, p.calib.samples, p.calib.seqlen, method)})
         except ValueError as exc:
             raise self.shared.error(exc) from None
         return self._watch(snap, p.info.num_blocks, p.info.modules, owner)

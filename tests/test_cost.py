@@ -1,0 +1,93 @@
+"""The time estimate asks the method: its own whole-run estimate, or the stage costs it and its hooks declare."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vptq_core.quant import cost, methods
+from vptq_core.quant.bits import scalar_bits
+from vptq_core.quant.config import ScalarConfig, VPTQConfig
+from vptq_core.quant.methods import Method, ModelHook, PlanHook
+from vptq_core.quant.rtn import rtn_layer
+from vptq_core.studio.estimate import estimate, method_for, model_info, time_estimate
+
+TINY = "tiny-random-llama"
+
+
+def _toy(name: str, **fields) -> Method:
+    return Method(name=name, label=name, description="a toy", config_class=ScalarConfig,
+                  bits=lambda config, out_f, in_f: scalar_bits(out_f, in_f, config.bits, 0),
+                  describe=lambda settings: name, quantize_linear=lambda W, H, c, b, cache: rtn_layer(W, H, c, b),
+                  **fields)
+
+
+@pytest.fixture
+def registered():
+    added = []
+
+    def register(method: Method) -> Method:
+        added.append(methods.register(method).name)
+        return method
+
+    yield register
+    for name in added:
+        methods.unregister(name)
+
+
+def test_a_method_with_its_own_estimate_is_priced_by_it(registered):
+    info = model_info(TINY)
+    toy = registered(_toy("priced", estimate_seconds=lambda size, config: 42.0 + size.samples))
+    assert time_estimate(info, ScalarConfig(), 4, 64, method="priced") == 42.0 + 4
+    assert time_estimate(info, ScalarConfig(), 8, 64, method=toy) == 42.0 + 8
+
+
+def test_a_method_is_priced_by_its_own_block_cost_and_its_hooks(registered):
+    info = model_info(TINY)
+    config = ScalarConfig()
+    plain = registered(_toy("plain"))
+    costly = registered(_toy("costly", cost=lambda size, config: 100.0))
+    base = time_estimate(info, config, 4, 64, method=plain)
+    # without a cost of its own a method rounds every weight once
+    assert base - time_estimate(info, config, 4, 64, method=costly) == pytest.approx(
+        cost.ROUND_S * info.linear_weights - 100.0)
+    planned = registered(_toy("planned", before_blocks=(PlanHook("measure", lambda c: True, None,
+                                                                 cost=lambda size, c: 7.0),)))
+    assert time_estimate(info, config, 4, 64, method=planned) == pytest.approx(base + 7.0)
+    # the after-model hooks get what a time budget leaves of the run, never more
+    polish = ModelHook("polish", lambda c: True, None, cost=lambda size, c: 1000.0)
+    polished = registered(_toy("polished", after_model=(polish,),
+                               config_needs=lambda c: methods.RunNeeds(time_budget=c.time_budget)))
+    assert time_estimate(info, config, 4, 64, method=polished) == pytest.approx(base + 1000.0)
+    budget = ScalarConfig(time_budget=base + 10.0)
+    assert time_estimate(info, budget, 4, 64, method=polished) == pytest.approx(base + 10.0)
+
+
+def test_rtn_and_gptq_are_each_priced_as_themselves():
+    info = model_info(TINY)
+    config = ScalarConfig()
+    rtn, gptq = time_estimate(info, config, 4, 64, method="rtn"), time_estimate(info, config, 4, 64, method="gptq")
+    assert gptq - rtn == pytest.approx((cost.GPTQ_SWEEP_S - cost.ROUND_S) * info.linear_weights)
+    # a caller that names no method gets the first registered method taking the config's class
+    assert method_for(config).name == "gptq" and time_estimate(info, config, 4, 64) == gptq
+    assert method_for(VPTQConfig()).name == "vptq"
+    with pytest.raises(ValueError, match="no registered method takes a dict; name the method"):
+        method_for({})
+
+
+def test_the_bits_before_a_run_are_a_plans_bound_when_the_method_plans(registered):
+    info = model_info(TINY)
+    bound = PlanHook("measure", lambda c: c.bits == 3, None, bits_bound=lambda c: 3.25)
+    registered(_toy("bounded", before_blocks=(bound,)))
+    planned = estimate(info, "bounded", ScalarConfig(bits=3))
+    assert planned.planned and planned.total_bits_per_weight == 3.25
+    assert planned.quantized_bytes == math.ceil(3.25 * info.linear_weights / 8)
+    exact = estimate(info, "bounded", ScalarConfig(bits=4))
+    assert not exact.planned and exact.index_bits_per_weight == 4.0 < exact.total_bits_per_weight
+
+
+def test_run_size_counts_what_the_cost_models_use():
+    size = cost.RunSize(((8, 4), (2, 4)), other_params=10, samples=0, seqlen=16)
+    assert size.linear_weights == 40 and size.params == 50 and size.linear_outputs == 10
+    assert size.tokens == 16 and size.self_written  # at least one window

@@ -1,0 +1,135 @@
+"""What a run costs, known before it starts: seconds on the reference machine (a 2-core CPU, idle).
+
+A run's seconds are the sum of its stages' (``run_seconds``): starting, loading and saving; the block forwards
+every method runs (half a pass more with FP-chain targets); the method's own block work (``Method.cost``); its
+plan hooks' (``PlanHook.cost``); the calibration windows the original writes itself; and its after-model
+hooks' (``ModelHook.cost``), capped by what a time budget leaves of the run. A method may replace the whole
+sum with its own ``Method.estimate_seconds``. The constants are fitted to measured runs (bench/quant_cost.py,
+bench/results/, docs/results.md); layer-wise fine-tuning is not priced.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .methods import Method
+
+# Block forwards, per linear weight per calibration token, both passes (Hessians and targets, then the quantized
+# outputs): fitted to SmolLM2-135M's 106 M linear weights over 32 windows of 512 tokens.
+_REF_TOKENS = 32 * 512
+FORWARD_S = 69.0 / 106.2e6 / _REF_TOKENS
+IO_S = 9.0 / 135e6  # loading and saving, per parameter
+START_S = 5.0  # starting a job whatever its size (imports, tokenizer, calibration text)
+FP_CHAIN_FORWARDS = 1.5  # FP-chain targets: the original blocks run on the original chain's inputs too
+GPTQ_SWEEP_S = 0.3e-6  # per weight, a column sweep with one rounding per weight (rough)
+ROUND_S = 0.02e-6  # per weight, rounding to a grid
+# LRQ's training in block forwards: per training token, and passes over the calibration whatever the steps.
+LRQ_STEP = 2.3
+LRQ_FIXED = 2.75
+# Whole-model passes per model parameter (embedding and head included) per token of a window, fitted to SmolLM2-
+# 135M (134.5 M parameters, 511 predicted tokens per window): a distillation training step (forward,
+# recomputation, backward), a held-out check, the teacher's pass, and writing windows (one token at a time,
+# up to sampling.SAMPLE_BATCH windows at once: a cost per batched pass and one per window).
+KD_TOKENS = 134.5e6 * 511
+KD_STEP_S = 3.0 / KD_TOKENS
+KD_NO_CHECKPOINT = 0.76  # a step without activation checkpointing, against one with it
+KD_CHECK_S = 1.5 / KD_TOKENS
+KD_TEACHER_S = 1.1 / KD_TOKENS
+KD_SAMPLE_S = 1.5 / KD_TOKENS
+KD_SAMPLE_PASS_S = 50.0 / KD_TOKENS
+
+
+class RunSize(NamedTuple):
+    """What the estimate knows of a run before it starts: the model's block-linear shapes and its other
+    parameters, the calibration windows and their length. ``self_written``: the windows the original would
+    write itself are kept (False once they are priced out, as over their share of a time budget)."""
+
+    linear_shapes: tuple[tuple[int, int], ...]
+    other_params: int
+    samples: int
+    seqlen: int
+    self_written: bool = True
+
+    @property
+    def linear_weights(self) -> int:
+        return sum(o * i for o, i in self.linear_shapes)
+
+    @property
+    def params(self) -> int:
+        return self.linear_weights + self.other_params
+
+    @property
+    def tokens(self) -> int:
+        return max(int(self.samples), 1) * max(int(self.seqlen), 1)
+
+    @property
+    def linear_outputs(self) -> int:
+        """The quantized linears' out_features, summed."""
+        return sum(o for o, _ in self.linear_shapes)
+
+
+def estimate_seconds(method: Method, size: RunSize, config) -> float:
+    """Rough seconds of a run of ``method`` / ``config``: the method's own estimate, else ``run_seconds``."""
+    if method.estimate_seconds is not None:
+        return float(method.estimate_seconds(size, config))
+    return run_seconds(method, size, config)
+
+
+def run_seconds(method: Method, size: RunSize, config) -> float:
+    """The stages' seconds, summed (see the module's docstring); a time budget caps the after-model hooks at what
+    the rest leaves of it, never the block stage, and leaves the self-written windows out when they would take
+    more than ``sampling.SAMPLING_BUDGET_SHARE`` of it, as the run does."""
+    from .sampling import SAMPLING_BUDGET_SHARE
+
+    config = method.for_model(config, size.linear_shapes)
+    needs = method.needs(config)
+    forwards = FP_CHAIN_FORWARDS if needs.fp_chain else 1.0
+    seconds = START_S + forwards * FORWARD_S * size.linear_weights * size.tokens + IO_S * size.params
+    seconds += (method.cost or rounding_seconds)(size, config)
+    seconds += sum(hook.cost(size, config) for hook in method.before_blocks if hook.cost and hook.phase in needs.plan)
+    writing = writing_seconds(size, config) if needs.sampled_share else 0.0
+    budget = needs.time_budget
+    if budget > 0 and writing > SAMPLING_BUDGET_SHARE * budget:
+        writing, size = 0.0, size._replace(self_written=False)
+    seconds += writing
+    after = sum(hook.cost(size, config) for hook in method.after_model if hook.cost and hook.phase in needs.after_model)
+    if budget > 0:
+        after = min(after, max(0.0, budget - seconds))
+    return seconds + after
+
+
+def rounding_seconds(size: RunSize, _config: Any) -> float:
+    """A method's block work when it rounds every weight once (RTN; the default of ``Method.cost``)."""
+    return ROUND_S * size.linear_weights
+
+
+def sweep_seconds(size: RunSize, _config: Any) -> float:
+    """GPTQ's block work: a column sweep with error feedback over every weight."""
+    return GPTQ_SWEEP_S * size.linear_weights
+
+
+def lrq_seconds(size: RunSize, config) -> float:
+    """LRQ's block work: ``iters`` training steps of ``batch_size`` windows per block, ``LRQ_STEP`` block
+    forwards per training token, plus ``LRQ_FIXED`` passes over the calibration."""
+    steps = config.iters * config.batch_size * max(int(size.seqlen), 1)
+    return FORWARD_S * size.linear_weights * (LRQ_STEP * steps + LRQ_FIXED * size.tokens)
+
+
+def writing_seconds(size: RunSize, config) -> float:
+    """The calibration windows of the block stage the original writes itself (``calib_windows.sampled_count``)."""
+    from .calib_windows import sampled_count
+
+    return sampling_seconds(size.params, sampled_count(max(int(size.samples), 1), config), size.seqlen)
+
+
+def sampling_seconds(params: int, windows: int, seqlen: int) -> float:
+    """Rough seconds for the original model of ``params`` parameters to write ``windows`` windows of ``seqlen``
+    tokens (``sampling.sample_windows``, up to ``SAMPLE_BATCH`` at once)."""
+    if windows <= 0:
+        return 0.0
+    from .sampling import SAMPLE_BATCH
+
+    passes = math.ceil(windows / SAMPLE_BATCH)
+    return params * max(int(seqlen) - 1, 1) * (KD_SAMPLE_S * windows + KD_SAMPLE_PASS_S * passes)

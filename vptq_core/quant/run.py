@@ -1,0 +1,53 @@
+"""What one ``quantize_model`` call holds while it goes through its stages (quant/pipeline.py lists them):
+the model and its calibration windows, the method and its config, what the run needs, where it works, the
+caller's callbacks, and the result each stage adds to."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .methods import Method, RunNeeds
+from .results import BlockDone, OnLayer, OnStep, QuantizeResult, ResumePoint, ShouldStop
+from .source import BlockWeights
+
+
+@dataclass
+class Run:
+    """The state of one run. Stages read it and leave what the next stage needs (``calib_ids`` after the
+    self-written calibration, ``config`` after the plan, ``earlier_seconds`` once a resume is applied)."""
+
+    model: nn.Module
+    calib_ids: torch.Tensor  # [n, seq]
+    method: Method
+    config: Any
+    needs: RunNeeds
+    device: torch.device
+    result: QuantizeResult
+    on_layer: OnLayer
+    should_stop: ShouldStop
+    on_step: OnStep | None = None
+    on_block: Callable[[BlockDone], None] | None = None
+    skip: Callable[[str], bool] | None = None
+    weights: BlockWeights | None = None  # streamed blocks (``models.open_streaming``)
+    capture_dtype: torch.dtype | None = None
+    resume: ResumePoint | None = None
+    keep_states: bool = True
+    reference: nn.Module | None = None  # the original, for the after-model hooks
+    teacher: dict | None = None  # the original's top-k on the windows it wrote itself (``sampled_calibration``)
+    start: float = field(default_factory=time.perf_counter)
+    earlier_seconds: float = 0.0  # seconds the interrupted run had spent before this one resumed it
+
+    @property
+    def resumed(self) -> bool:
+        """The run continues an interrupted one from saved activations (at least one finished block)."""
+        return self.resume is not None and self.resume.blocks_done > 0
+
+    def seconds(self) -> float:
+        """Seconds of the whole run so far, the interrupted run's included."""
+        return self.earlier_seconds + time.perf_counter() - self.start
