@@ -21,7 +21,7 @@ def pytest_sessionstart(session):
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    # Imported here, not at the top: vptq_core imports triton, and tests/test_triton_kernels.py must be able to
+    # Imported here, not at the top: vptq_core imports triton, and tests/kernels/test_triton_kernels.py must be able to
     # set TRITON_INTERPRET=1 before triton's first import (conftest is imported before every test module).
     from vptq_core.models import tiny_random_llama
 

@@ -265,6 +265,9 @@ TEST_HOMES = {
     "test_head_bits.py": "storage",
     "test_vptq_compat.py": "storage",
     "test_eval_bos.py": "core",
+    "test_app_chat.py": "studio",
+    "test_app_runs.py": "studio",
+    "test_app_uploads.py": "studio",
 }
 # Tests that exercise several packages together (a model family or a model source end to end, the embedding from
 # quantization to checkpoint, streaming, the project's layout, docs and benchmarks): they live directly in tests/.

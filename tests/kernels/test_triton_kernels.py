@@ -135,7 +135,7 @@ def test_triton_backend_through_public_api_bf16() -> None:
 @pytest.mark.skipif(IN_PROCESS or DEVICE != "cpu", reason="kernel tests already run in this process")
 def test_interpreter_suite_in_subprocess() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", VPTQ_TRITON_DEVICE="cpu")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
         cwd=root, env=env, capture_output=True, text=True, timeout=600,

@@ -18,7 +18,7 @@ import torch
 
 from kernels import VQSpec, native, reference, synthetic
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKENS = (1, 2, 3, 8, 9, 128)
 DTYPES = (torch.float32, torch.bfloat16)
 

@@ -19,7 +19,7 @@ from vptq_core.models import tiny_random_model
 from vptq_core.quant.config import CalibConfig, LRQConfig, ScalarConfig, VPTQConfig
 from vptq_core.resume import PartialRun
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY_VQ = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=2, outlier_percent=0.0, finetune_iters=2)
 CASES = [
     ("vptq", TINY_VQ),

@@ -202,7 +202,7 @@ def test_torchrun_cli_writes_the_single_process_checkpoint(tmp_path: Path):
     args = ["-m", "vptq_core", "quantize", "--model", str(model_dir), "--method", "gptq", "--bits", "3",
             "--group-size", "32", "--calib-text", str(text), "--calib-samples", "4", "--seqlen", "32",
             "--threads", "1", "--device", "cpu", "--quiet"]
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
