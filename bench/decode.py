@@ -50,8 +50,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels import VQSpec, available_backends  # noqa: E402
-from kernels.synthetic import random_scalar_layer, random_vq_layer  # noqa: E402
+from vptq_core.kernels import VQSpec, available_backends  # noqa: E402
+from vptq_core.kernels.synthetic import random_scalar_layer, random_vq_layer  # noqa: E402
 from vptq_core.models import byte_tokenizer, load_model  # noqa: E402
 from vptq_core.quant.blocks import block_linears, decoder_blocks  # noqa: E402
 from vptq_core.quant.embedding import module_name  # noqa: E402
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     def run(name: str, steps: int) -> tuple[list[int], float, float]:
         if name != untouched:
             return loop(models[name], prompt_ids, steps)
-        from kernels import native
+        from vptq_core.kernels import native
 
         native._ext().set_touch(0)
         try:

@@ -32,8 +32,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import VQSpec, native, reference  # noqa: E402
-from kernels.synthetic import random_scalar_layer, random_vq_layer  # noqa: E402
+from vptq_core.kernels import VQSpec, native, reference  # noqa: E402
+from vptq_core.kernels.synthetic import random_scalar_layer, random_vq_layer  # noqa: E402
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (4096, 4096), (11008, 4096)]  # (out, in)
 SMOL = SHAPES[:4]
@@ -75,7 +75,7 @@ def fmt_us(seconds: float) -> str:
 
 def build(config: str, out_f: int, in_f: int):  # noqa: ANN201
     """(dense bf16 weight, reference fn(x), numba fn(x, tokens), native layer)."""
-    from kernels import cpu
+    from vptq_core.kernels import cpu
 
     if config.startswith("scalar"):
         spec, weights = random_scalar_layer(out_f, in_f, 4, 128, seed=0, dtype=torch.bfloat16)
@@ -109,7 +109,7 @@ def main() -> None:
         raise SystemExit(reason)
     native.set_isa(args.isa)
     t0 = time.perf_counter()
-    from kernels import cpu
+    from vptq_core.kernels import cpu
 
     cpu.warm_up()
     numba_s = time.perf_counter() - t0
@@ -157,7 +157,7 @@ def main() -> None:
 def overhead_table(shapes: list[tuple[int, int]], rounds: int) -> None:
     from torch import nn
 
-    from kernels import bind_scalar, bind_vq, scalar_linear, vq_linear
+    from vptq_core.kernels import bind_scalar, bind_vq, scalar_linear, vq_linear
     from vptq_core.storage.modules import ScalarQLinear, VQLinear
 
     print("\nPer-call overhead at 1 token (us per call; x [1, 1, in] bf16; module = forward under "

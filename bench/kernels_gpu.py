@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import VQSpec, VQWeights, vq_dequantize, vq_linear  # noqa: E402
-from kernels.synthetic import random_vq_layer  # noqa: E402
+from vptq_core.kernels import VQSpec, VQWeights, vq_dequantize, vq_linear  # noqa: E402
+from vptq_core.kernels.synthetic import random_vq_layer  # noqa: E402
 
 SHAPES = [(4096, 4096), (11008, 4096)]  # (out, in)
 CONFIGS = {"2-bit v6 k4096": (6, 4096, -1), "3-bit v4 k4096": (4, 4096, -1), "v8 k256+res256": (8, 256, 256)}
@@ -51,7 +51,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels_gpu.py needs a CUDA device: torch.cuda.is_available() is False")
-    from kernels import triton_kernels
+    from vptq_core.kernels import triton_kernels
 
     device = torch.device("cuda")
     print(f"Protocol: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, fp16 activations and "

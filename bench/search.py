@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import native  # noqa: E402
+from vptq_core.kernels import native  # noqa: E402
 from vptq_core.quant.config import VPTQConfig  # noqa: E402
 from vptq_core.quant.kmeans import CodebookSearch  # noqa: E402
 from vptq_core.quant.vptq import vptq_quantize  # noqa: E402

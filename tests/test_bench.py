@@ -191,7 +191,7 @@ def _cuda_available() -> bool:
 def _native_reason(name: str) -> str | None:
     """Why a script that needs the native CPU kernels or oneDNN cannot run here (None: it can)."""
     if name in ("bench/kernels.py", "bench/search.py"):
-        from kernels import native
+        from vptq_core.kernels import native
 
         usable, reason = native.status()
         return None if usable else f"native kernels unusable: {reason}"

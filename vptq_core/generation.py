@@ -36,7 +36,7 @@ CACHES = ("auto", "lean", "dynamic", "static")
 def warm_up_kernels(background: bool = True) -> tuple[bool, str]:
     """Start building (or loading the cached build of) the native CPU kernels now, in a background thread by
     default, so that the first forward does not wait for the compiler. (usable now, reason); never raises."""
-    from kernels import native
+    from vptq_core.kernels import native
 
     return native.warm_up(background=background)
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-import kernels
-import kernels.ops
-from kernels import (
+import vptq_core.kernels.ops  # noqa: F401 (makes kernels.ops an attribute)
+from vptq_core import kernels
+from vptq_core.kernels import (
     ScalarSpec,
     VQSpec,
     VQWeights,
@@ -21,7 +21,7 @@ from kernels import (
     vq_dequantize,
     vq_linear,
 )
-from kernels.synthetic import random_scalar_layer, random_vq_layer
+from vptq_core.kernels.synthetic import random_scalar_layer, random_vq_layer
 from vptq_core.quant.states import VQLayerState
 
 CPU_OK, CPU_REASON = available_backends()["cpu"]
@@ -184,7 +184,7 @@ def test_cpu_matches_reference_fp32(spec: VQSpec, extras: bool) -> None:
 @pytest.mark.parametrize("spec", CPU_SPECS, ids=lambda s: f"v{s.vector_len}k{s.num_centroids}r{s.num_res_centroids}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cpu_dequantize_matmul_path(spec: VQSpec, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    import kernels.cpu as cpu
+    import vptq_core.kernels.cpu as cpu
 
     monkeypatch.setattr(cpu, "_TILE_BYTES", 64 * spec.in_features)  # several tiles even for tiny layers
     layer = random_vq_layer(spec, seed=15, dtype=dtype, perm=True, norm=True, bias=True)
@@ -292,7 +292,7 @@ def test_backend_argument_and_env_override(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(ValueError, match="'nonsense'"):
         vq_linear(x, spec, layer)
     calls: list[str] = []
-    import kernels.ops as ops
+    import vptq_core.kernels.ops as ops
 
     real = ops.reference.vq_linear
     monkeypatch.setattr(ops.reference, "vq_linear", lambda *a, **k: calls.append("reference") or real(*a, **k))
@@ -306,8 +306,8 @@ def test_backend_argument_and_env_override(monkeypatch: pytest.MonkeyPatch) -> N
 
 @needs_cpu
 def test_auto_without_native_uses_numba_gemv_for_decode_and_matmul_for_prefill(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kernels.cpu as cpu
-    import kernels.ops as ops
+    import vptq_core.kernels.cpu as cpu
+    import vptq_core.kernels.ops as ops
 
     monkeypatch.delenv("VPTQ_KERNEL_BACKEND", raising=False)
     real_status = ops.backend_status
@@ -336,7 +336,7 @@ def test_auto_without_native_uses_numba_gemv_for_decode_and_matmul_for_prefill(m
 
 
 def test_cpu_compile_failure_is_reported_and_auto_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kernels.cpu as cpu
+    import vptq_core.kernels.cpu as cpu
 
     monkeypatch.delenv("VPTQ_KERNEL_BACKEND", raising=False)
     reason = "cpu backend unavailable: compiling the numba kernels failed: LoweringError: test"
@@ -430,7 +430,7 @@ def test_fake_tensor_shapes() -> None:
 
 
 def test_auto_prefers_native_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    import kernels.ops as ops
+    import vptq_core.kernels.ops as ops
 
     monkeypatch.delenv("VPTQ_KERNEL_BACKEND", raising=False)
     native_ok = available_backends()["native"][0]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import VQSpec, native, reference, synthetic
+from vptq_core.kernels import VQSpec, native, reference, synthetic
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS = (1, 2, 3, 8, 9, 128)
@@ -364,8 +364,8 @@ def test_disabled_by_environment(monkeypatch):
 # "fallback: <reason> | backend <name> | close" (or "usable ...").
 _FALLBACK_CODE = """
 import torch
-import kernels.native as n
-from kernels import VQSpec, bind_vq, reference, synthetic
+import vptq_core.kernels.native as n
+from vptq_core.kernels import VQSpec, bind_vq, reference, synthetic
 spec = VQSpec(48, 40, 4, 16, num_res_centroids=4, outlier_vector_len=2, num_outlier_centroids=8, outlier_size=6)
 w = synthetic.random_vq_layer(spec, seed=0, dtype=torch.float32, perm=True, norm=True, bias=True)
 k = bind_vq(spec, w)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kernels.packing import pack_codes, pack_indices, unpack_codes, unpack_indices
+from vptq_core.kernels.packing import pack_codes, pack_indices, unpack_codes, unpack_indices
 
 
 def python_bitstream(entries: list[int], width: int) -> list[int]:

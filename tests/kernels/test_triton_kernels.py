@@ -23,10 +23,10 @@ if DEVICE == "cpu" and "triton" not in sys.modules:
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
-from kernels import VQSpec, VQWeights, scalar_linear, vq_linear  # noqa: E402
-from kernels.reference import scalar_dequantize as ref_scalar_dequantize  # noqa: E402
-from kernels.reference import vq_dequantize as ref_vq_dequantize  # noqa: E402
-from kernels.synthetic import random_scalar_layer, random_vq_layer  # noqa: E402
+from vptq_core.kernels import VQSpec, VQWeights, scalar_linear, vq_linear  # noqa: E402
+from vptq_core.kernels.reference import scalar_dequantize as ref_scalar_dequantize  # noqa: E402
+from vptq_core.kernels.reference import vq_dequantize as ref_vq_dequantize  # noqa: E402
+from vptq_core.kernels.synthetic import random_scalar_layer, random_vq_layer  # noqa: E402
 
 
 def _interpreter_works() -> bool:
@@ -35,7 +35,7 @@ def _interpreter_works() -> bool:
         return torch.cuda.is_available()
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return False
-    from kernels import triton_kernels
+    from vptq_core.kernels import triton_kernels
 
     spec = VQSpec(8, 4, 2, 2)
     layer = random_vq_layer(spec)
@@ -75,7 +75,7 @@ def _layer(spec: VQSpec, seed: int, extras: bool) -> VQWeights:
 @pytest.mark.parametrize("extras", [False, True], ids=["plain", "perm+norm+bias"])
 @pytest.mark.parametrize("fused", [True, False], ids=["gemv", "dequant+matmul"])
 def test_triton_vq_linear_matches_reference(spec: VQSpec, extras: bool, fused: bool) -> None:
-    from kernels import triton_kernels
+    from vptq_core.kernels import triton_kernels
 
     layer = _layer(spec, seed=spec.vector_len, extras=extras)
     x = torch.randn(3, spec.in_features, generator=torch.Generator().manual_seed(0)).to(DEVICE)
@@ -97,7 +97,7 @@ def test_triton_every_vector_length(v: int) -> None:
 @needs_kernels
 @pytest.mark.parametrize("index_bits", [1, 3, 7, 12, 13, 16])
 def test_triton_dequantize_is_exact(index_bits: int) -> None:
-    from kernels import triton_kernels
+    from vptq_core.kernels import triton_kernels
 
     spec = VQSpec(37, 10, 4, 2**index_bits, num_res_centroids=8 if index_bits < 16 else -1, outlier_size=2,
                   outlier_vector_len=2, num_outlier_centroids=4)
@@ -110,7 +110,7 @@ def test_triton_dequantize_is_exact(index_bits: int) -> None:
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("fused", [True, False], ids=["gemv", "dequant+matmul"])
 def test_triton_scalar_matches_reference(bits: int, fused: bool) -> None:
-    from kernels import triton_kernels
+    from vptq_core.kernels import triton_kernels
 
     s = random_scalar_layer(21, 70, bits, 16, seed=bits, bias=True, device=DEVICE)  # (spec, weights)
     x = torch.randn(2, 70, generator=torch.Generator().manual_seed(bits)).to(DEVICE)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernels import native
+from vptq_core.kernels import native
 from vptq_core.quant.kmeans import (
     CodebookSearch,
     _native_wins,

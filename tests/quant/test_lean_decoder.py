@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kernels import VQSpec, native
-from kernels.synthetic import random_vq_layer
 from vptq_core import generation
+from vptq_core.kernels import VQSpec, native
+from vptq_core.kernels.synthetic import random_vq_layer
 from vptq_core.models import tiny_random_model
 from vptq_core.quant.blocks import block_linears, decoder_blocks
 from vptq_core.quant.lean_decoder import LeanDecoder, _TorchOps, unsupported_reason

@@ -60,7 +60,7 @@ def _numba_kernel():
 def _native_search():
     """The native kernels' nearest-centroid search (kernels/csrc/search_body.h), or None where they are not
     usable (no compiler, failed build, ``VPTQ_NATIVE=0``)."""
-    from kernels import native
+    from vptq_core.kernels import native
 
     usable, _ = native.status()
     return native._ext().nearest if usable else None
@@ -116,7 +116,7 @@ class CodebookSearch:
             choice = cpu_auto_backend(d, k, lambda: _native_search() is not None) if cpu32 else "torch"
         self._native = _native_search() if choice == "native" else None
         if choice == "native" and self._native is None:
-            from kernels import native
+            from vptq_core.kernels import native
 
             raise RuntimeError(f"the native search is unavailable: {native.status()[1]}")
         if choice == "numba" and _numba_kernel() is None:  # pragma: no cover - numba is a declared dependency

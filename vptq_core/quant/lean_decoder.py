@@ -121,7 +121,7 @@ class _TorchOps:
 
 def _native_ops():  # noqa: ANN202
     try:
-        from kernels import native
+        from vptq_core.kernels import native
 
         return native.decoder_ops()
     except Exception:  # noqa: BLE001 - no compiler / build failed / disabled: the torch ops

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import VQSpec
-from kernels.reference import scalar_expand, vq_expand
+from vptq_core.kernels import VQSpec
+from vptq_core.kernels.reference import scalar_expand, vq_expand
 
 from .bits import BitsInfo, scalar_bits, vq_bits
 

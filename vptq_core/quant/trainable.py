@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.reference import as_index
+from vptq_core.kernels.reference import as_index
 
 from .act_quant import quantize_activations
 from .states import ScalarLayerState, VQLayerState

@@ -46,7 +46,7 @@ SENS_WINDOW_S = KD_STEP_S
 def search_backend(d: int, k: int) -> str:
     """The search ``kmeans.CodebookSearch`` will pick for a CPU float32 codebook of k d-vectors, without building
     or waiting for the native kernels."""
-    from kernels import native
+    from vptq_core.kernels import native
 
     choice = nearest_backend()
     return cpu_auto_backend(d, k, native.expected) if choice == "auto" else choice

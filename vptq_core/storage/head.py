@@ -54,7 +54,7 @@ def resolve_head_bits(model: nn.Module, head_bits: object) -> int:
         return 0
     if head_bits != "auto":
         return int(head_bits)
-    from kernels import native
+    from vptq_core.kernels import native
 
     if head.weight.device.type != "cpu" or head.weight.numel() < AUTO_MIN_WEIGHTS or not native.expected():
         return 0

@@ -27,7 +27,7 @@ import math
 import torch
 from torch import nn
 
-from kernels import (
+from vptq_core.kernels import (
     ScalarSpec,
     ScalarWeights,
     VQSpec,
@@ -41,7 +41,7 @@ from kernels import (
     vq_dequantize,
     vq_linear,
 )
-from kernels.ops import backend_module
+from vptq_core.kernels.ops import backend_module
 
 from ..quant.act_quant import _EPS as _ACT_EPS
 from ..quant.act_quant import asym_token_grid, quantize_activations
