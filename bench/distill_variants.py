@@ -39,8 +39,9 @@ from vptq_core.eval import evaluate  # noqa: E402
 from vptq_core.models import load_model  # noqa: E402
 from vptq_core.quant.act_quant import install_activation_quant  # noqa: E402
 from vptq_core.quant.calib_windows import with_heldout  # noqa: E402
-from vptq_core.quant.distill import distill, sampled_calibration  # noqa: E402
+from vptq_core.quant.distill import distill  # noqa: E402
 from vptq_core.quant.pipeline import quantize_model  # noqa: E402
+from vptq_core.quant.sampling import sampled_calibration  # noqa: E402
 from vptq_core.quant.states import ScalarLayerState, VQLayerState  # noqa: E402
 
 STATE_CLASSES = {cls.__name__: cls for cls in (VQLayerState, ScalarLayerState)}

@@ -32,8 +32,9 @@ from vptq_core.models import load_model  # noqa: E402
 from vptq_core.quant.allocate import cap_for_budget  # noqa: E402
 from vptq_core.quant.calib_windows import with_heldout  # noqa: E402
 from vptq_core.quant.config import LRQConfig, ScalarConfig, VPTQConfig  # noqa: E402
-from vptq_core.quant.distill import distill, sampled_calibration  # noqa: E402
+from vptq_core.quant.distill import distill  # noqa: E402
 from vptq_core.quant.pipeline import quantize_model  # noqa: E402
+from vptq_core.quant.sampling import sampled_calibration  # noqa: E402
 from vptq_core.quant.vptq import PRESETS  # noqa: E402
 
 # SmolLM2-135M's block linears (out, in), 30 blocks: q, k, v, o, gate, up, down

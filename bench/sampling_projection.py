@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vptq_core.data import calibration_windows  # noqa: E402
 from vptq_core.models import load_model  # noqa: E402
-from vptq_core.quant import distill as D  # noqa: E402
+from vptq_core.quant import calib_windows, sampling  # noqa: E402
 from vptq_core.quant.config import VPTQConfig  # noqa: E402
 from vptq_core.quant.vptq import PRESETS  # noqa: E402
 
@@ -41,7 +41,7 @@ def main() -> None:
     calib = calibration_windows(tok, "wiki", 32, args.seqlen, seed=0)
     config = VPTQConfig(**{**PRESETS["2.5 bits"], "time_budget": args.budget})
     times, decisions = [], []
-    poll = D.WritingProjection.poll
+    poll = sampling.WritingProjection.poll
 
     def recording(self, now):
         times.append(now - self.start)
@@ -50,13 +50,13 @@ def main() -> None:
             decisions.append((len(times), now - self.start, got))
         return got
 
-    D.WritingProjection.poll = recording
+    sampling.WritingProjection.poll = recording
     info: dict = {}
     t0 = time.perf_counter()
-    D.sampled_calibration(model, calib, config, topk=config.distill_topk, info=info)
+    sampling.sampled_calibration(model, calib, config, topk=config.distill_topk, info=info)
     seconds = time.perf_counter() - t0
-    limit = D.SAMPLING_BUDGET_SHARE * args.budget
-    print(f"{args.model}: {D.written_rows(32, config).numel()} windows, time budget {args.budget:g} s "
+    limit = sampling.SAMPLING_BUDGET_SHARE * args.budget
+    print(f"{args.model}: {calib_windows.written_rows(32, config).numel()} windows, time budget {args.budget:g} s "
           f"(writing limit {limit:g} s), {args.threads} threads")
     print("| poll | seconds so far | projected total s | decision |")
     print("|---|---|---|---|")

@@ -20,14 +20,7 @@ from vptq_core import _repo_kernels
 tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
 
 
-def _repo_root() -> Path:
-    for folder in Path(__file__).resolve().parents:
-        if (folder / "pyproject.toml").is_file():
-            return folder
-    raise FileNotFoundError(f"no pyproject.toml above {__file__}")
-
-
-ROOT = _repo_root()
+from test_architecture import ROOT  # noqa: E402 (the checkout's root, found the same way)
 
 
 def _run_python(*code: str) -> str:
