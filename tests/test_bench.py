@@ -35,7 +35,6 @@ class Smoke:
     after: str | None = None
     log: str | None = None
     gpu: bool = False  # needs CUDA: without a GPU it must exit with ``returncode`` and a one-line reason
-    optional: bool = False  # may be absent from the tree (written on another branch)
 
 
 QUALITY_ROW = "vptq-2-v6k4096-kd32"  # quantization then distillation: both paths of bench/quality.py
@@ -83,8 +82,8 @@ SMOKES: dict[str, Smoke] = {
         ("--model", TINY, "--block", "1", "--calib", "2", "--held", "1", "--seqlen", "32", "--grid", "2:auto",
          "2:full"),
         ("| steps | scale | calib error | held-out error | seconds |", "| 2 | full (FlexRound-style) |")),
-    # make_results.py comes from the docs branch; until its own smoke run is written here, its --help
-    "bench/make_results.py": Smoke(("--help",), ("usage:",), optional=True),
+    # reads every file in bench/results/ and compares the page it would write with docs/results.md
+    "bench/make_results.py": Smoke(("--check",), ("docs/results.md is up to date",)),
     "bench/memory.py": Smoke(
         ("--shape", "tiny", "--layers", "1", "--samples", "2", "--seqlen", "16", "--threads", "1",
          "--workdir", "{root}/memory"),
@@ -134,7 +133,7 @@ def bench_scripts() -> set[str]:
 def test_every_bench_script_is_smoke_run():
     on_disk = bench_scripts()
     assert sorted(on_disk - set(SMOKES)) == [], "add a smoke run of each new bench script to SMOKES"
-    stale = {name for name in set(SMOKES) - on_disk if not SMOKES[name].optional}
+    stale = set(SMOKES) - on_disk
     assert sorted(stale) == [], "SMOKES names scripts that are not in bench/"
     for name, smoke in SMOKES.items():
         assert smoke.after is None or smoke.after in SMOKES, name
@@ -206,8 +205,6 @@ def _native_reason(name: str) -> str | None:
 @pytest.mark.parametrize("name", sorted(SMOKES))
 def test_bench_script_runs(name, bench_run):
     smoke = SMOKES[name]
-    if smoke.optional and not (ROOT / name).is_file():
-        pytest.skip(f"{name} is not in this tree")
     if smoke.gpu and _cuda_available():
         pytest.skip("a GPU is present: run bash bench/gpu.sh on it (this test checks the refusal without one)")
     reason = _native_reason(name)
