@@ -244,18 +244,21 @@ class _Layers:
     dims: dict
     packed: Iterable
     embedding: object = None
+    dense: dict | None = None  # full name -> the trained 1-D tensors (float32) that replace the model's own
 
 
 def collect_layers(job: _DirRun, result) -> _Layers:
     """The packed block layers: read back from ``.partial`` block by block, or after whole-model training the
-    trained states (the blocks in ``.partial`` are from before it)."""
+    trained states (the blocks in ``.partial`` are from before it); and the blocks' 1-D tensors (norms, biases)
+    as training left them (``result.dense``: a resumed run's earlier blocks come from ``.partial``), which the
+    checkpoint stores instead of the model's (a streamed model's are the original's, read from disk)."""
     dims = job.partial.layer_dims()
     if job.source is not None:
         job.source.fill_remaining(skip=tuple(dims))  # block norms for the writer; quantized linears stay on meta
     packed = job.partial.packed_layers()
     if job.needs.reference:
         packed = ((name, pack_layer(state, job.save_dtype)) for name, state in result.states.items())
-    return _Layers(dims, packed)
+    return _Layers(dims, packed, dense=result.dense)
 
 
 def embeddings_stage(job: _DirRun, layers: _Layers) -> dict:
@@ -278,8 +281,10 @@ def embeddings_stage(job: _DirRun, layers: _Layers) -> dict:
 def save_stage(job: _DirRun, layers: _Layers, report: dict) -> Path:
     """Write the packed checkpoint (rank 0; it equals a single-process run's bit for bit), then remove
     ``.partial`` and let the model go."""
+    quantized = tuple(f"{name}." for name in layers.dims)  # e.g. a head quantized after distillation trained it
+    dense = {name: t for name, t in (layers.dense or {}).items() if not name.startswith(quantized)}
     out = save_packed(job.model, job.tok, job.partial.quant_method(), layers.dims, layers.packed, job.out_dir,
-                      report=report, dtype=job.save_dtype, embedding=layers.embedding)
+                      report=report, dtype=job.save_dtype, embedding=layers.embedding, tensors=dense)
     job.partial.remove()
     distributed.barrier()
     job.model = job.source = None

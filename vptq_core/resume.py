@@ -5,7 +5,9 @@ renamed into place, so a kill leaves either the old or the new file)::
 
     run.json                   the run's fingerprint (model, method, settings, calibration, ...), the number of
                                finished blocks, timings, seconds and bits so far: written last, the commit point
-    block-00003.safetensors    block 3's quantized layers, packed as the checkpoint stores them
+    block-00003.safetensors    block 3's quantized layers, packed as the checkpoint stores them, and its other
+                               1-D float tensors (norm weights, biases) as training left them, float32, under
+                               ``dense::<full tensor name>``
     block-00003.json           their config_for_layers entries and LayerReports
     inputs-00004.safetensors   the calibration activations entering block 4 (float32), the CPU random state and,
                                with target_chain "fp", the original model's activations there ("fp_hidden")
@@ -35,8 +37,9 @@ from .storage.checkpoint import PackedLayer
 
 PARTIAL_DIR = ".partial"
 RUN_NAME = "run.json"
-FORMAT = 1
+FORMAT = 2  # 2: blocks keep their trained 1-D tensors (an older run would come back with the original norms)
 _SEP = "::"  # safetensors key = f"{module name}{_SEP}{tensor name}"
+_DENSE = "dense"  # safetensors key = f"{_DENSE}{_SEP}{full tensor name}" for a block's trained 1-D tensors
 
 
 def partial_dir(out_dir: str | os.PathLike) -> Path:
@@ -154,7 +157,7 @@ class PartialRun:
                              f"{self.dir} to start over") from None
         bits = BitsInfo(**data["bits"])
         return ResumePoint(done, inputs, reports, dict(data["timings"]), float(data["seconds"]), bits, rng_state,
-                           fp_inputs)
+                           fp_inputs, self.dense_tensors(done))
 
     def _block_json(self, b: int) -> dict:
         path = self.dir / f"block-{b:05d}.json"
@@ -175,17 +178,29 @@ class PartialRun:
         """(name, PackedLayer) of every finished layer, read one block at a time."""
         for b in range(self.manifest()["blocks_done"]):
             layers = self._block_json(b)["layers"]
-            path = self.dir / f"block-{b:05d}.safetensors"
             tensors: dict[str, dict[str, torch.Tensor]] = {name: {} for name in layers}
-            try:
-                with safe_open(str(path), framework="pt", device="cpu") as f:
-                    for key in f.keys():  # noqa: SIM118
-                        name, _, tensor_name = key.partition(_SEP)
-                        tensors.setdefault(name, {})[tensor_name] = f.get_tensor(key)
-            except (SafetensorError, OSError, RuntimeError) as exc:
-                raise ValueError(f"{path}: cannot read ({exc}); remove {self.dir} to start over") from None
+            for name, tensor_name, tensor in self._block_tensors(b, lambda name: name != _DENSE):
+                tensors.setdefault(name, {})[tensor_name] = tensor
             for name, layer_config in layers.items():
                 yield name, PackedLayer(layer_config, tensors[name])
+
+    def dense_tensors(self, blocks_done: int | None = None) -> dict[str, torch.Tensor]:
+        """Full tensor name -> the trained 1-D tensors (float32) of the first ``blocks_done`` blocks (default:
+        every finished block)."""
+        done = self.manifest()["blocks_done"] if blocks_done is None else blocks_done
+        return {tensor_name: tensor for b in range(done)
+                for _name, tensor_name, tensor in self._block_tensors(b, lambda name: name == _DENSE)}
+
+    def _block_tensors(self, b: int, wanted) -> Iterator[tuple[str, str, torch.Tensor]]:
+        """(module name or ``_DENSE``, tensor name, tensor) of block ``b``'s file, for the names ``wanted(name)``."""
+        path = self.dir / f"block-{b:05d}.safetensors"
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                found = [(*key.partition(_SEP)[::2], key) for key in f.keys()]  # noqa: SIM118
+                found = [(name, tensor_name, f.get_tensor(key)) for name, tensor_name, key in found if wanted(name)]
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise ValueError(f"{path}: cannot read ({exc}); remove {self.dir} to start over") from None
+        yield from found
 
     def block_outputs(self, b: int) -> torch.Tensor:
         """The calibration activations leaving block ``b - 1`` (entering block ``b``; ``b`` = the number of
@@ -222,6 +237,8 @@ class PartialRun:
         b = done.index
         tensors = {f"{name}{_SEP}{key}": t.detach().cpu().contiguous().clone()
                    for name, layer in packed.items() for key, t in layer.tensors.items()}
+        tensors.update({f"{_DENSE}{_SEP}{name}": t.detach().to("cpu", torch.float32).contiguous().clone()
+                        for name, t in done.dense.items()})
         _atomic_save(tensors, self.dir / f"block-{b:05d}.safetensors")
         _atomic_write_text(self.dir / f"block-{b:05d}.json", json.dumps({
             "layers": {name: layer.layer_config for name, layer in packed.items()},

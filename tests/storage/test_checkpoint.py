@@ -104,6 +104,8 @@ def test_vq_checkpoint_layout(vq_checkpoint):
         assert f.get_slice("model.layers.0.self_attn.q_proj.perm").get_dtype() == "I16"
         assert f.get_slice("model.layers.1.mlp.gate_proj.centroids.weight").get_dtype() == "BF16"
         assert f.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"
+        assert f.get_slice("model.norm.weight").get_dtype() == "F32"  # 1-D tensors keep every trained bit
+        assert f.get_slice("model.layers.0.input_layernorm.weight").get_dtype() == "F32"
     assert "lm_head.weight" not in keys  # tied to the embeddings
     assert not any(k.endswith("proj.weight") for k in keys)
 
@@ -129,6 +131,33 @@ def test_load_quantized_dtype_override(vq_checkpoint):
     assert fp32.model.layers[0].self_attn.k_proj.res_centroids.weight.dtype == torch.float32
     assert fp32.model.layers[0].self_attn.q_proj.indices.dtype == torch.int32
     torch.testing.assert_close(logits(fp32), logits(bf16), rtol=0.05, atol=0.05)
+
+
+def test_a_trained_norm_survives_save_and_load_exactly(tmp_path):
+    model, tok = tiny_random_llama()
+    states = vq_states(model)
+    trained = 1 + 2**-12  # between two bf16 neighbours (1 and 1 + 2**-7): bf16 would round it to 1
+    assert torch.tensor(trained).to(torch.bfloat16).item() != trained
+    norm = "model.layers.1.post_attention_layernorm.weight"
+    with torch.no_grad():
+        model.get_parameter(norm)[3] = trained
+        model.model.norm.weight[0] = -trained
+    path = save_quantized(model, tok, states, tmp_path / "ckpt", dtype=torch.bfloat16)
+    stored = load_file(str(path / "model.safetensors"))
+    assert stored[norm].dtype == torch.float32 and stored[norm][3].item() == trained
+    assert torch.equal(stored[norm], model.get_parameter(norm).detach())
+    assert torch.equal(stored["model.norm.weight"], model.model.norm.weight.detach())
+    assert stored["model.embed_tokens.weight"].dtype == torch.bfloat16  # matrices stay in the checkpoint dtype
+
+    exact, _ = load_quantized(path, dtype=torch.float32)
+    assert exact.get_parameter(norm)[3].item() == trained
+    assert torch.equal(exact.get_parameter(norm), model.get_parameter(norm).detach())
+    assert torch.equal(exact.model.norm.weight, model.model.norm.weight.detach())
+    # in the stored bf16 the norms run in the model's dtype, as the next layer expects its inputs
+    bf16, _ = load_quantized(path)
+    assert bf16.get_parameter(norm).dtype == torch.bfloat16
+    assert bf16.get_parameter(norm)[3].item() == torch.tensor(trained).to(torch.bfloat16).item()
+    assert logits(bf16).dtype == torch.float32 and torch.isfinite(logits(bf16)).all()
 
 
 def test_from_pretrained_matches_load_quantized(vq_checkpoint):
@@ -297,8 +326,12 @@ def rewrite_tensors(path: Path, edit) -> None:
             r"tensor 'model.layers.0.self_attn.q_proj.indices' has dtype I64, expected I32",
         ),
         (
-            lambda t: t.update({"model.norm.weight": t["model.norm.weight"].float()}),
-            r"tensor 'model.norm.weight' has dtype F32, expected BF16",
+            lambda t: t.update({"model.embed_tokens.weight": t["model.embed_tokens.weight"].float()}),
+            r"tensor 'model.embed_tokens.weight' has dtype F32, expected BF16",
+        ),
+        (  # a 1-D tensor may be float32 (how the writer stores norms and biases) or the stored dtype, nothing else
+            lambda t: t.update({"model.norm.weight": t["model.norm.weight"].half()}),
+            r"tensor 'model.norm.weight' has dtype F16, expected BF16 or F32",
         ),
         (
             lambda t: t["model.layers.0.self_attn.v_proj.outlier_indices"].fill_(16),
@@ -306,7 +339,7 @@ def rewrite_tensors(path: Path, edit) -> None:
         ),
         (lambda t: t["model.layers.0.self_attn.q_proj.perm"].fill_(3), "not a permutation of range"),
     ],
-    ids=["missing", "unexpected", "shape", "int-dtype", "float-dtype", "outlier-range", "perm"],
+    ids=["missing", "unexpected", "shape", "int-dtype", "float-dtype", "float-dtype-1d", "outlier-range", "perm"],
 )
 def test_inconsistent_tensors(vq_checkpoint, tmp_path, edit, match):
     path = damaged_copy(vq_checkpoint[0], tmp_path / "ckpt")

@@ -22,6 +22,7 @@ from .forward import BlockKwargs, capture_block_inputs, hessians_and_targets, kw
 from .methods import BlockContext, Cancelled, QuantResult
 from .results import BlockDone, LayerReport, OnLayer, QuantizeResult, ResumePoint
 from .run import Run
+from .trainable import dense_tensors
 
 
 def quantize_blocks(run: Run) -> None:
@@ -98,6 +99,10 @@ def quantize_block(run: Run, b: int, block: nn.Module, prefix: str, inps: torch.
     for rep in ctx.reports:
         rep.rel_output_error = err
         result.bits = result.bits + result.states[rep.name].storage_bits()
+    # the norms and biases as the block's training left them (float32): a streamed block is freed below and a
+    # whole model's block goes back to its dtype, so the checkpoint takes them from here
+    dense = dense_tensors(block, name, packed=[rep.module for rep in ctx.reports])
+    result.dense.update(dense)
     if run.weights is not None:
         run.weights.release_block(block)
     else:
@@ -106,7 +111,7 @@ def quantize_block(run: Run, b: int, block: nn.Module, prefix: str, inps: torch.
     if run.on_block is not None:
         block_states = {rep.name: result.states[rep.name] for rep in ctx.reports}
         run.on_block(BlockDone(b, block_states, list(ctx.reports), outs, result, run.seconds(),
-                               torch.get_rng_state(), fp_inps))
+                               torch.get_rng_state(), fp_inps, dense))
     if not run.keep_states:
         for rep in ctx.reports:
             result.states.pop(rep.name, None)
@@ -202,6 +207,7 @@ def apply_resume(resume: ResumePoint, result: QuantizeResult, inps: torch.Tensor
     result.timings.merge(resume.timings)
     result.bits = resume.bits
     result.blocks_done = resume.blocks_done
+    result.dense.update(resume.dense)
     if resume.rng_state is not None:
         torch.set_rng_state(resume.rng_state)
     for report in resume.reports:

@@ -55,6 +55,7 @@ from .results import (  # noqa: F401 - the names callers import from here
 from .run import Run
 from .sampling import sampled_calibration
 from .source import BlockWeights
+from .trainable import dense_tensors
 
 
 class Stage(NamedTuple):
@@ -121,6 +122,8 @@ def distill_model(run: Run) -> None:
             if metrics.get("cancelled"):
                 run.result.cancelled = True
                 break
+        # what distillation trained, in float32 before the model goes back to its dtype (the checkpoint stores it)
+        run.result.dense.update(dense_tensors(model, packed=run.result.states))
     finally:
         model.to(orig_device, orig_dtype)
 

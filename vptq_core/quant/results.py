@@ -60,6 +60,9 @@ class QuantizeResult:
     timings: Timings = field(default_factory=Timings)
     # after-model hook phase -> its metrics (distillation); "calibration": why no window was self-written
     model_metrics: dict = field(default_factory=dict)
+    # full tensor name -> float32 CPU copy of each finished block's 1-D float tensors outside the packed linears
+    # (norm weights, other biases) as training left them: the checkpoint stores these, not the original's
+    dense: dict = field(default_factory=dict)
 
     def timed(self, phase: str):
         """``with result.timed(phase): ...`` adds the wall time to ``timings[phase]``."""
@@ -90,14 +93,15 @@ class BlockDone:
     seconds: float
     rng_state: torch.Tensor
     fp_outputs: torch.Tensor | None = None  # target_chain "fp": the original model's activations there
+    dense: dict = field(default_factory=dict)  # the block's entries of ``QuantizeResult.dense``
 
 
 @dataclass
 class ResumePoint:
     """Where an interrupted run stopped: ``blocks_done`` finished blocks, the activations entering block
-    ``blocks_done`` (float32 [n, seq, hidden]), the finished blocks' reports, and the run's timings, bits and
-    seconds so far. ``quantize_model(..., resume=point)`` continues from there; the states of the finished
-    blocks are not needed (they were handed to ``on_block`` by the interrupted run)."""
+    ``blocks_done`` (float32 [n, seq, hidden]), the finished blocks' reports and trained 1-D tensors, and the
+    run's timings, bits and seconds so far. ``quantize_model(..., resume=point)`` continues from there; the
+    states of the finished blocks are not needed (they were handed to ``on_block`` by the interrupted run)."""
 
     blocks_done: int
     inputs: torch.Tensor
@@ -107,3 +111,4 @@ class ResumePoint:
     bits: BitsInfo = field(default_factory=lambda: BitsInfo(0, 0, 0))
     rng_state: torch.Tensor | None = None
     fp_inputs: torch.Tensor | None = None  # target_chain "fp": the original model's activations entering the block
+    dense: dict = field(default_factory=dict)  # the finished blocks' ``QuantizeResult.dense`` entries

@@ -203,6 +203,17 @@ def dense_parameters(module: nn.Module) -> list[nn.Parameter]:
     return out
 
 
+def dense_tensors(module: nn.Module, prefix: str = "", packed: Iterable[str] = ()) -> dict[str, torch.Tensor]:
+    """Full name (``prefix`` + state-dict name) -> a float32 CPU copy of every 1-D float parameter of ``module``
+    outside the packed linears ``packed`` (names relative to ``module``; their biases live in the layer states):
+    the norm weights and biases training may have moved, as the checkpoint writer stores them."""
+    skip = tuple(f"{name}." for name in packed)
+    dot = f"{prefix}." if prefix else ""
+    return {f"{dot}{name}": p.detach().to("cpu", torch.float32).clone()
+            for name, p in module.named_parameters()
+            if p.is_floating_point() and p.dim() == 1 and not p.is_meta and not name.startswith(skip)}
+
+
 @contextlib.contextmanager
 def swapped_in(root: nn.Module, names: Iterable[str], make: Callable[[str, nn.Module], nn.Module]):
     """Replace the submodules ``names`` of ``root`` by ``make(name, module)`` inside the block; the

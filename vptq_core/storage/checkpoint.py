@@ -3,7 +3,8 @@
 Layout of a checkpoint directory::
 
     config.json          model config + quantization_config
-    model.safetensors    every non-quantized tensor in the model dtype + the packed quantized tensors
+    model.safetensors    every non-quantized tensor in the model dtype (1-D ones, norm weights and biases, in
+                         float32) + the packed quantized tensors
     generation_config.json, tokenizer files
     quant_report.json    the caller's report + sizes (quantized linears on disk vs their bf16 size)
 
@@ -341,11 +342,14 @@ def save_packed(
     report: dict | None = None,
     dtype: torch.dtype | None = None,
     embedding: PackedLayer | str | None = None,
+    tensors: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """``save_quantized`` for layers already packed: ``dims`` names every quantized linear with its (in, out)
     features (checked against ``model`` before anything is written), ``layers`` yields ``(name, PackedLayer)``
     for each of them, e.g. one block at a time from disk. Every other tensor of ``model`` is stored in
-    ``dtype`` and must be materialised (not on the meta device)."""
+    ``dtype`` (1-D float ones in float32: ``plain_tensor_dtype``) and must be materialised (not on the meta device);
+    ``tensors`` (state-dict name -> tensor) replace the model's own of those names, e.g. the norms a run
+    trained while the model kept the original's."""
     if quant_method not in QUANT_METHODS:
         raise ValueError(f"quant_method must be one of {QUANT_METHODS}, got {quant_method!r}")
     if not dims:
@@ -369,6 +373,7 @@ def save_packed(
     prefixes = tuple(f"{name}." for name in dims) + embedding_prefix
     plain = [(key, tensor) for key, tensor in model.state_dict().items()
              if key not in tied and not key.startswith(prefixes)]
+    plain = _replaced(plain, tensors or {})
     on_meta = [key for key, tensor in plain if tensor.is_meta]
     if on_meta:
         raise ValueError(f"model tensors {on_meta[:4]} are on the meta device (not loaded); load them before saving")
@@ -379,8 +384,7 @@ def save_packed(
     layer_configs = {}
     with SafetensorsWriter(out / WEIGHTS_NAME) as writer:
         for key, tensor in plain:
-            tensor = tensor.detach().to("cpu")
-            tensor = tensor.to(dtype) if tensor.is_floating_point() else tensor
+            tensor = tensor.detach().to("cpu", plain_tensor_dtype(tensor, dtype))
             sizes["other_tensor_bytes"] += tensor.numel() * tensor.element_size()
             writer.add(key, tensor)
         for name, layer in layers:
@@ -430,6 +434,29 @@ def save_packed(
     report_out["checkpoint"] = {"quant_method": quant_method, "dtype": _DTYPE_NAMES[dtype], "versions": _versions()}
     (out / REPORT_NAME).write_text(json.dumps(report_out, indent=2) + "\n", encoding="utf-8")
     return out
+
+
+def plain_tensor_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a non-quantized tensor is written in: a 1-D float tensor (norm weight, bias) in float32, so
+    trained values keep every bit (the bytes are negligible); any other float tensor in the checkpoint's
+    ``dtype``; an integer one as it is."""
+    if not tensor.is_floating_point():
+        return tensor.dtype
+    return torch.float32 if tensor.dim() == 1 else dtype
+
+
+def _replaced(plain: list[tuple[str, torch.Tensor]],
+              tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """``plain`` with the entries named in ``tensors`` replaced (same shape); ValueError for a name that is not
+    one of the tensors to store, or a shape that differs."""
+    names = dict(plain)
+    for name, tensor in tensors.items():
+        if name not in names:
+            raise ValueError(f"replacement tensor {name!r} is not one of the model's non-quantized tensors")
+        if tuple(tensor.shape) != tuple(names[name].shape):
+            raise ValueError(f"replacement tensor {name!r} has shape {tuple(tensor.shape)}, the model's "
+                             f"{tuple(names[name].shape)}")
+    return [(key, tensors.get(key, tensor)) for key, tensor in plain]
 
 
 def _embedding_entry(model: nn.Module, embedding, dims: Mapping, quant_method: str) -> tuple[dict | None, tuple]:
@@ -606,7 +633,9 @@ def load_quantized(
     """Read a checkpoint written by ``save_quantized`` (or a public VPTQ checkpoint with one safetensors file).
 
     Returns ``(model, tokenizer)``, the model in eval mode on ``device`` with float tensors in ``dtype``
-    (default: the stored dtype); ``tokenizer`` is None when the directory holds none. Raises ValueError
+    (default: the stored dtype; the 1-D ones stored in float32 are cast to it too, since a norm weight in float32
+    would turn a bf16 model's activations float32 for the next layer: ``dtype=torch.float32`` reads them exactly);
+    ``tokenizer`` is None when the directory holds none. Raises ValueError
     naming the file/tensor for anything missing, damaged or inconsistent.
 
     ``head_bits``: an LM head stored in the model dtype runs at 8 or 4 bits (round-to-nearest at load,
@@ -711,8 +740,10 @@ def _read_checked_tensors(
             want = _SAFETENSORS_DTYPES[stored_dtype if like.is_floating_point() else like.dtype]
             if shape != tuple(like.shape):
                 raise ValueError(f"{weights_path}: tensor {name!r} has shape {shape}, expected {tuple(like.shape)}")
-            if stored != want:
-                raise ValueError(f"{weights_path}: tensor {name!r} has dtype {stored}, expected {want}")
+            # 1-D float tensors (norms, biases) may be float32 beside the stored dtype (``plain_tensor_dtype``)
+            allowed = (want, "F32") if like.is_floating_point() and like.dim() == 1 else (want,)
+            if stored not in allowed:
+                raise ValueError(f"{weights_path}: tensor {name!r} has dtype {stored}, expected {' or '.join(allowed)}")
             try:
                 tensor = f.get_tensor(name)
             except (SafetensorError, RuntimeError, OSError) as exc:
