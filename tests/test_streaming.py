@@ -168,6 +168,37 @@ def test_bf16_checkpoint_streams_in_its_own_dtype(tmp_path, calib):
     assert_same_checkpoint(streamed, whole)
 
 
+FT_VQ = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=2, outlier_percent=0.0, finetune_iters=4,
+                   finetune_norm_lr=0.05, finetune_holdout=0.0)
+
+
+def test_fine_tuned_norms_are_saved_streamed_whole_and_resumed(tmp_path, calib):
+    """Layer-wise fine-tuning trains the blocks' norms: the checkpoint holds them whether the blocks were streamed
+    (each freed after its block), the model was whole, or the run was stopped and resumed from ``.partial``."""
+    directory = saved_model(tmp_path / "bf16", dtype=torch.bfloat16)
+    streamed, summary = quantize_to_dir(str(directory), "vptq", FT_VQ, calib, tmp_path / "s", stream=True)
+    assert summary["streaming"] == "on"
+    whole, summary = quantize_to_dir(str(directory), "vptq", FT_VQ, calib, tmp_path / "w", stream=False)
+    assert summary["streaming"] == "off"
+    seen: list = []  # stopped inside block 1 (fine-tuning polls too), resumed streamed from the end of block 0
+    cut, summary = quantize_to_dir(str(directory), "vptq", FT_VQ, calib, tmp_path / "r", stream=True,
+                                   on_layer=seen.append, should_stop=lambda: len(seen) >= 8)
+    assert summary["cancelled"] and summary["blocks_done"] == 1
+    resumed, summary = quantize_to_dir(str(directory), "vptq", FT_VQ, calib, cut, stream=True, resume=True)
+    assert summary["resumed_from_block"] == 1 and not summary["cancelled"]
+    assert_same_checkpoint(streamed, whole)
+    assert_same_checkpoint(streamed, resumed)
+
+    original, saved = load_file(str(directory / "model.safetensors")), checkpoint_tensors(streamed)
+    norms = [key for key in saved if key.endswith("layernorm.weight")]
+    assert len(norms) == 6
+    for key in norms:  # every block's two norms trained, kept in float32 (bf16 would round the steps away)
+        assert saved[key].dtype == torch.float32
+        assert not torch.equal(saved[key], original[key].float()), key
+    assert any(not torch.equal(saved[key], saved[key].to(torch.bfloat16).float()) for key in norms)
+    assert torch.equal(saved["model.norm.weight"], original["model.norm.weight"].float())  # outside the blocks
+
+
 def test_stream_true_refuses_a_model_built_in_code(tmp_path, calib):
     with pytest.raises(ValueError, match="cannot stream 'tiny-random-llama' block by block"):
         quantize_to_dir("tiny-random-llama", "rtn", TINY_RTN, calib, tmp_path / "x", stream=True)

@@ -298,13 +298,16 @@ def save_quantized(
     report: dict | None = None,
     dtype: torch.dtype | None = None,
     embedding: VQLayerState | ScalarLayerState | str | None = None,
+    tensors: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write a packed checkpoint directory and return its path.
 
     ``model``: the model the states belong to (its quantized linears may still be dense ``nn.Linear``,
     already swapped modules, or on the meta device: the ``states`` are the source of truth). ``states``: full
     module name -> layer state, all VPTQ or all scalar. ``tokenizer`` may be None. ``dtype`` (default: the
-    model's float dtype) is the storage dtype of every float tensor. ``report`` must be JSON-serialisable; it
+    model's float dtype) is the storage dtype of every float tensor but the 1-D ones (norms, biases: float32).
+    ``tensors`` (state-dict name -> tensor, e.g. ``QuantizeResult.dense``: the trained norms in float32) replace
+    the model's own of those names. ``report`` must be JSON-serialisable; it
     is written to ``quant_report.json`` with a ``sizes`` entry added. Tensors are written one at a time
     (``SafetensorsWriter``). The LM head may be one of the ``states`` (a tied head is untied); ``embedding``
     (optional) is the input embedding's layer state, or the head's module name when it reads the head's
@@ -329,7 +332,7 @@ def save_quantized(
                              f"{kinds.pop().__name__}: one checkpoint holds one kind")
         embedding = pack_layer(embedding, dtype)
     return save_packed(model, tokenizer, quant_method, dims, layers, out_dir, report=report, dtype=dtype,
-                       embedding=embedding)
+                       embedding=embedding, tensors=tensors)
 
 
 def save_packed(
