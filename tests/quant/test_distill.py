@@ -4,6 +4,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from vptq_core.quant.config import LRQConfig, ScalarConfig, VPTQConfig
 from vptq_core.quant.distill import distill
@@ -160,6 +161,10 @@ def test_pipeline_distillation_round_trips_through_the_packed_checkpoint(tmp_pat
     assert [a[:3] for a in seen] == [("distill", i, 8) for i in range(1, 9)]
     assert metrics["heldout_windows"] == 2 and metrics["kl_after"] <= metrics["kl_before"]
     assert "distill" in result.timings and result.summary()["model_metrics"]["distill"] is metrics
+    # the trained 1-D tensors as distillation left them (the final norm too), for the checkpoint writer
+    norms = {n: p for n, p in qmodel.named_parameters() if "norm" in n}
+    assert "model.norm.weight" in result.dense and set(norms) <= set(result.dense)
+    assert all(torch.equal(result.dense[n], p.detach().float()) for n, p in norms.items())
     save_quantized(qmodel, tok, result.states, tmp_path / "ckpt", dtype=torch.float32)
     loaded, _ = load_quantized(tmp_path / "ckpt", dtype=torch.float32)
     with torch.no_grad():
@@ -210,8 +215,11 @@ def test_quantize_to_dir_distils_and_writes_the_distilled_model(tmp_path, tiny_m
     loaded, _ = load_quantized(out, dtype=torch.float32)
     metrics = summary["model_metrics"]["distill"]
     assert metrics["best_step"] > 0 and metrics["kl_after"] < metrics["kl_before"]
-    # the distilled norm weights are what the checkpoint holds
+    # the distilled norm weights are what the checkpoint holds, in float32
     assert [n for n, p in loaded.named_parameters() if "norm" in n and not torch.equal(p, model.get_parameter(n))]
+    stored = load_file(str(out / "model.safetensors"))
+    assert all(stored[n].dtype == torch.float32 and torch.equal(stored[n], p)
+               for n, p in loaded.named_parameters() if "norm" in n)
     assert not (tmp_path / "ckpt" / ".partial").exists()
 
 
