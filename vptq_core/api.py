@@ -249,16 +249,16 @@ class _Layers:
 
 def collect_layers(job: _DirRun, result) -> _Layers:
     """The packed block layers: read back from ``.partial`` block by block, or after whole-model training the
-    trained states (the blocks in ``.partial`` are from before it); and the blocks' 1-D tensors (norms, biases)
-    as training left them (``result.dense``: a resumed run's earlier blocks come from ``.partial``), which the
-    checkpoint stores instead of the model's (a streamed model's are the original's, read from disk)."""
+    trained states (the blocks in ``.partial`` are from before it); and, from the same place, the 1-D tensors
+    (norms, biases) as training left them, which the checkpoint stores instead of the model's (a streamed
+    model's are the original's, read from disk at save)."""
     dims = job.partial.layer_dims()
     if job.source is not None:
         job.source.fill_remaining(skip=tuple(dims))  # block norms for the writer; quantized linears stay on meta
     packed = job.partial.packed_layers()
     if job.needs.reference:
         packed = ((name, pack_layer(state, job.save_dtype)) for name, state in result.states.items())
-    return _Layers(dims, packed, dense=result.dense)
+    return _Layers(dims, packed, dense=result.dense if job.needs.reference else job.partial.dense_tensors())
 
 
 def embeddings_stage(job: _DirRun, layers: _Layers) -> dict:

@@ -4,6 +4,7 @@ is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -12,6 +13,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from vptq_core.api import quantize_to_dir
 from vptq_core.cli import main
@@ -190,3 +194,22 @@ def test_partial_files_are_safetensors_and_json_only(tmp_path, calib):
     run = json.loads((tmp_path / "x" / ".partial" / "run.json").read_text())
     assert run["blocks_done"] == 1 and run["fingerprint"]["method"] == "rtn"
     assert os.path.getsize(tmp_path / "x" / ".partial" / "inputs-00001.safetensors") > 4 * 32 * 64 * 4
+
+
+def test_partial_keeps_each_blocks_trained_norms_in_float32(tmp_path, model_dir, calib):
+    """A finished block's norms as fine-tuning left them go to ``.partial`` with the block, so that a resumed
+    run saves them rather than the original's it reads from disk."""
+    config = dataclasses.replace(TINY_VQ, finetune_iters=4, finetune_norm_lr=0.05, finetune_holdout=0.0)
+    full, _ = quantize_to_dir(str(model_dir), "vptq", config, calib, tmp_path / "full")
+    on_layer, should_stop = stop_after(8)
+    out, summary = quantize_to_dir(str(model_dir), "vptq", config, calib, tmp_path / "cut", on_layer=on_layer,
+                                   should_stop=should_stop)
+    assert summary["blocks_done"] == 1
+    kept = PartialRun(out).dense_tensors()
+    assert sorted(kept) == ["model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"]
+    original, saved = load_file(str(model_dir / "model.safetensors")), load_file(str(full / "model.safetensors"))
+    for name, tensor in kept.items():
+        assert tensor.dtype == torch.float32 and not torch.equal(tensor, original[name].float())
+        assert torch.equal(tensor, saved[name])
+    with safe_open(str(out / ".partial" / "block-00000.safetensors"), "pt") as f:
+        assert {key for key in f.keys() if key.startswith("dense::")} == {f"dense::{name}" for name in kept}  # noqa: SIM118

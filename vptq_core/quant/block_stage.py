@@ -33,6 +33,8 @@ def quantize_blocks(run: Run) -> None:
     first = 0
     if run.resume is not None:
         first, inps, run.earlier_seconds = apply_resume(run.resume, run.result, inps, len(blocks), run.on_layer)
+        if run.keep_states:
+            run.result.dense.update(run.resume.dense)
         if fp_inps is not None and run.resume.blocks_done:
             fp_inps = run.resume.fp_inputs.to(inps.device, torch.float32)
     prefix, model_dtype = blocks_prefix(run.model), next(run.model.parameters()).dtype
@@ -102,7 +104,8 @@ def quantize_block(run: Run, b: int, block: nn.Module, prefix: str, inps: torch.
     # the norms and biases as the block's training left them (float32): a streamed block is freed below and a
     # whole model's block goes back to its dtype, so the checkpoint takes them from here
     dense = dense_tensors(block, name, packed=[rep.module for rep in ctx.reports])
-    result.dense.update(dense)
+    if run.keep_states:  # else, like the states, they live on only in what ``on_block`` does with them
+        result.dense.update(dense)
     if run.weights is not None:
         run.weights.release_block(block)
     else:
@@ -207,7 +210,6 @@ def apply_resume(resume: ResumePoint, result: QuantizeResult, inps: torch.Tensor
     result.timings.merge(resume.timings)
     result.bits = resume.bits
     result.blocks_done = resume.blocks_done
-    result.dense.update(resume.dense)
     if resume.rng_state is not None:
         torch.set_rng_state(resume.rng_state)
     for report in resume.reports:

@@ -61,7 +61,8 @@ class QuantizeResult:
     # after-model hook phase -> its metrics (distillation); "calibration": why no window was self-written
     model_metrics: dict = field(default_factory=dict)
     # full tensor name -> float32 CPU copy of each finished block's 1-D float tensors outside the packed linears
-    # (norm weights, other biases) as training left them: the checkpoint stores these, not the original's
+    # (norm weights, other biases) as training left them, kept like ``states`` (not with keep_states=False):
+    # the checkpoint stores these, not the original's
     dense: dict = field(default_factory=dict)
 
     def timed(self, phase: str):
