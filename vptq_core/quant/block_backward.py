@@ -52,7 +52,10 @@ def outside_blocks_on(model: nn.Module, device: torch.device) -> Iterator[None]:
     def move(to: torch.device) -> None:
         setattr(parent, attr, nn.ModuleList())  # out of the model while it moves
         try:
+            ties = _tied_parameters(model)
             model.to(to)
+            for module, key, first, first_key in ties:  # a move that makes new parameters makes one per module
+                setattr(module, key, getattr(first, first_key))
         finally:
             setattr(parent, attr, blocks)
 
@@ -62,6 +65,21 @@ def outside_blocks_on(model: nn.Module, device: torch.device) -> Iterator[None]:
         yield
     finally:
         move(home)
+
+
+def _tied_parameters(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """(module, name, first module, its name) for every parameter held by a module after the first that holds it
+    (a head tied to the embedding)."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    ties = []
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is not None:
+                if id(param) in first:
+                    ties.append((module, key, *first[id(param)]))
+                else:
+                    first[id(param)] = (module, key)
+    return ties
 
 
 def head_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:

@@ -163,7 +163,7 @@ def measure(model: nn.Module, windows: torch.Tensor, damp_percent: float, device
         return torch.nn.functional.cross_entropy(logits, targets)
 
     handles = [m.register_forward_hook(gauges.hook(n)) for n, m in gauges.linears.items()]
-    flags = {p: p.requires_grad for p in model.parameters()}
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}  # by name: a move may swap the objects
     was_training = model.training
     try:
         model.eval()
@@ -183,8 +183,8 @@ def measure(model: nn.Module, windows: torch.Tensor, damp_percent: float, device
         gauges.groups.release()
         for h in handles:
             h.remove()
-        for p, flag in flags.items():
-            p.requires_grad_(flag)
+        for n, p in model.named_parameters():
+            p.requires_grad_(flags[n])
         model.train(was_training)
     return {name: gauges.sensitivity(name, tokens) for name in gauges.linears}
 
