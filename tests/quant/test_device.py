@@ -221,6 +221,105 @@ def test_quantize_model_on_a_device_equals_the_cpu_run(method, monkeypatch):
     assert not [where for where in per_line if "sweep.py" in where]
 
 
+# ---------------------------------------------------------------------------------------- the bit plan
+def _tiny_eager():
+    from vptq_core.models import tiny_random_llama
+
+    model, tok = tiny_random_llama()
+    model.set_attn_implementation("eager")  # SDPA's C++ math fallback allocates where the emulator cannot see
+    return model, tok
+
+
+def test_the_sensitivity_plan_measures_a_model_left_on_the_cpu_one_block_at_a_time():
+    """The plan stage measures the original where it lies (the CPU) with a GPU to work on. Under the emulated
+    device any operation that mixes its tensors with CPU ones raises, as on CUDA: the measurement moves blocks and
+    activations, never mixes, holds one block on the device at a time, leaves the model where it was, and finds
+    the CPU's numbers bit for bit, so the same plan."""
+    from vptq_core.quant.blocks import decoder_blocks
+    from vptq_core.quant.sensitivity import measure, plan_config
+    from vptq_core.quant.vptq import config_bits
+
+    model, _ = _tiny_eager()
+    windows = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(0))
+    config = VPTQConfig(vector_len=4, num_centroids=64, kmeans_iters=2, outlier_percent=0.0, bits_budget=3.0,
+                        allocation="sensitivity")
+    ref_data = measure(model, windows, 0.1, torch.device("cpu"), labels="data")
+    ref_plan, ref_metrics = plan_config(model, windows, config, torch.device("cpu"), config_bits)
+    blocks = decoder_blocks(model)
+    on_device_at_once = []
+    handles = [b.register_forward_pre_hook(lambda *_: on_device_at_once.append(
+        sum(next(b.parameters()).device == DEVICE for b in blocks))) for b in blocks]
+    try:
+        with EmulatedDevice() as emu:
+            with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+                model(windows[:1].to(DEVICE))  # the guard: what the measurement did before it moved blocks
+            data = measure(model, windows, 0.1, DEVICE, labels="data")
+            planned, metrics = plan_config(model, windows, config, DEVICE, config_bits)
+    finally:
+        for h in handles:
+            h.remove()
+    assert data == ref_data  # every linear's gradient, weights and feedback, bit for bit
+    assert planned.layer_plan == ref_plan.layer_plan  # measured with the model's own labels
+    assert len({(v, k) for _, v, k in planned.layer_plan}) > 1  # a plan, not one setting for all
+    assert metrics["predicted_loss"] == ref_metrics["predicted_loss"]
+    assert max(on_device_at_once) == 1  # blocks came to the device one at a time
+    assert emu.to_device > 0 and emu.to_host > 0
+    assert all(p.device.type == "cpu" and p.grad is None and p.requires_grad for p in model.parameters())
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+
+
+@pytest.mark.slow
+def test_the_2_5_bits_preset_runs_whole_on_a_device_as_on_the_cpu(tmp_path, monkeypatch):
+    """The "2.5 bits" preset, shrunk for the tiny model (small codebooks, few windows and training steps, a budget
+    its small layers can meet): self-written calibration, the bit plan by sensitivity, the blocks with fine-tuning,
+    distillation, save and load, all on the emulated device; the same checkpoint as the CPU writes, bit for bit."""
+    from safetensors.torch import load_file
+
+    from vptq_core import api
+    from vptq_core.quant.config import CalibConfig
+    from vptq_core.quant.vptq import PRESETS
+    from vptq_core.storage.checkpoint import load_quantized
+    from vptq_core.studio.form import SMALL_MODEL_VALUES
+
+    load_model = api.load_model
+
+    def eager(*args, **kwargs):
+        model, tok = load_model(*args, **kwargs)
+        model.set_attn_implementation("eager")  # SDPA's C++ math fallback allocates where the emulator cannot see
+        return model, tok
+
+    monkeypatch.setattr(api, "load_model", eager)
+    monkeypatch.setenv("VPTQ_NEAREST", "torch")  # the search a device takes, on the CPU run too
+    # 64 centroids (not the form's 16) so that the ladder at this budget offers the plan a choice
+    shrunk = {**PRESETS["2.5 bits"], **SMALL_MODEL_VALUES, "num_centroids": 64, "bits_budget": 3.0,
+              "distill_iters": 3, "distill_samples": 4, "distill_eval_every": 2, "finetune_iters": 2,
+              **_FLOAT32_TRAINING}
+    config = VPTQConfig(**shrunk)
+    assert config.allocation == "sensitivity" and config.calib_sampled_share > 0
+    calib = CalibConfig(samples=8, seqlen=32)
+    cpu_dir, cpu = api.quantize_to_dir("tiny-random-llama", "vptq", config, calib, tmp_path / "cpu", device="cpu",
+                                       save_dtype=torch.float32)
+    with EmulatedDevice():
+        dev_dir, dev = api.quantize_to_dir("tiny-random-llama", "vptq", config, calib, tmp_path / "dev",
+                                           device=str(DEVICE), save_dtype=torch.float32)
+        loaded, _ = load_quantized(dev_dir, device=DEVICE, dtype=torch.float32)
+        loaded.set_attn_implementation("eager")
+        with torch.no_grad():
+            logits = to_host(loaded(torch.arange(16).unsqueeze(0).to(DEVICE), use_cache=False).logits)
+    assert not dev["cancelled"] and dev["blocks_done"] == 2
+    for phase in ("sample_calibration", "allocation", "finetune", "distill"):
+        assert dev["timings"][phase] > 0, phase
+    assert dev["model_metrics"]["distill"]["steps"] == 3
+    assert dev["config"]["layer_plan"] == cpu["config"]["layer_plan"]
+    assert len({(v, k) for _, v, k in dev["config"]["layer_plan"]}) > 1
+    assert dev["total_bits_per_weight"] <= 3.0
+    ours, theirs = load_file(dev_dir / "model.safetensors"), load_file(cpu_dir / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    on_cpu, _ = load_quantized(cpu_dir, dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, on_cpu(torch.arange(16).unsqueeze(0), use_cache=False).logits)
+
+
 # ---------------------------------------------------------------------------------------- real CUDA
 @cuda
 def test_cuda_sweep_and_layer_match_the_cpu():

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .allocate import resolve_budget
+from .block_backward import backward_by_block
 from .blocks import block_linears, blocks_prefix, decoder_blocks
 from .config import VPTQConfig, layer_settings
 from .hessian import SharedInputs, inverse_hessian_cholesky, prepare_hessian
@@ -79,87 +80,127 @@ def ladder(config: VPTQConfig) -> list[tuple[int, int]]:
     return sorted(steps)
 
 
+class _Gauges:
+    """What ``measure`` gathers while the model runs: per linear the summed squared gradient of its outputs, per
+    distinct linear input the Hessian Σ x xᵀ (``inputs``: the forward that sees each window's inputs once)."""
+
+    def __init__(self, linears: dict[str, nn.Linear]) -> None:
+        self.linears = linears
+        self.grad_sq = dict.fromkeys(linears, 0.0)
+        self.hessians: dict[str, torch.Tensor] = {}  # first linear reading an input -> Σ x xᵀ
+        # linears that share an input (q/k/v, gate/up) read it one after another: decided in the first window,
+        # holding only the last few inputs of the whole model's forward
+        self.groups = SharedInputs(SHARED_INPUT_LOOKBACK)
+        self.inputs = True
+        self.feedback: dict[str, float] = {}  # owner -> Σ_j 1/U_jj² per token, once its Hessian is complete
+
+    def hook(self, name: str):
+        def hook(_module, args, out):
+            x = args[0].detach()
+            if self.inputs and self.groups.owner_of(name, x) == name:
+                flat = x.reshape(-1, x.shape[-1]).float()
+                h = flat.T @ flat
+                self.hessians[name] = self.hessians[name] + h if name in self.hessians else h
+            if out.requires_grad:
+                out.register_hook(lambda g: self.grad_sq.__setitem__(name, self.grad_sq[name]
+                                                                     + float(g.float().pow(2).sum())))
+        return hook
+
+    def finish_feedback(self, names: list[str], damp_percent: float, tokens: int) -> None:
+        """The error feedback of the inputs of ``names`` (their Hessians complete), their Hessians then freed."""
+        for name in names:
+            key = self.groups.owner[name]
+            if key not in self.feedback:
+                W = self.linears[name].weight.detach().to(self.hessians[key].device, torch.float32)
+                _, Hd = prepare_hessian(W, self.hessians.pop(key), damp_percent)
+                perm = torch.argsort(torch.diag(Hd), descending=True, stable=True)
+                U = inverse_hessian_cholesky(Hd[perm][:, perm])
+                self.feedback[key] = float((1.0 / torch.diag(U).double() ** 2).sum()) / tokens
+
+    def sensitivity(self, name: str, tokens: int) -> LayerSensitivity:
+        linear, feedback = self.linears[name], self.feedback[self.groups.owner[name]]
+        g = self.grad_sq[name] / (tokens * linear.out_features)
+        ms = float(linear.weight.detach().float().double().pow(2).mean())
+        return LayerSensitivity(linear.out_features, linear.in_features, g, ms, feedback,
+                                0.5 * g * linear.out_features * ms * feedback)
+
+
+def _on(model: nn.Module, device: torch.device) -> bool:
+    """Every parameter of ``model`` is on ``device`` ("cuda" stands for the current CUDA device)."""
+    index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
+    return all(p.device.type == device.type and p.device.index == index for p in model.parameters())
+
+
 def measure(model: nn.Module, windows: torch.Tensor, damp_percent: float, device: torch.device,
             should_stop: Callable[[], bool] | None = None, labels: str | None = None,
             seed: int = 0) -> dict[str, LayerSensitivity]:
-    """One forward + backward of ``model`` (the original, float32 on ``device``) over each window of ``windows``
-    [n, seq], per block linear (full module name) its ``LayerSensitivity``. The loss: cross-entropy of each next
-    token (``labels`` "data", the gradient's Fisher is the empirical one) or of a token drawn from the model's own
+    """One forward + backward of ``model`` (the original) over each window of ``windows`` [n, seq] on ``device``,
+    per block linear (full module name) its ``LayerSensitivity``. The loss: cross-entropy of each next token
+    (``labels`` "data", the gradient's Fisher is the empirical one) or of a token drawn from the model's own
     next-token distribution at each position ("sampled", seeded: the Fisher of the model's own distribution, which
-    is what the KL to the original distillation minimises sees); default ``SENSITIVITY_LABELS``."""
+    is what the KL to the original distillation minimises sees); default ``SENSITIVITY_LABELS``.
+
+    A model elsewhere than ``device`` (the original on the CPU, a GPU to work on) stays there: its blocks come to
+    ``device`` one at a time, in float32, as in the block stage (``block_backward``)."""
     labels = labels or SENSITIVITY_LABELS
     if labels not in ("data", "sampled"):
         raise ValueError(f"labels must be 'data' or 'sampled', got {labels!r}")
+    device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     should_stop = should_stop or (lambda: False)
     prefix = blocks_prefix(model)
-    linears = {f"{prefix}.{b}.{n}": m for b, block in enumerate(decoder_blocks(model))
-               for n, m in block_linears(block).items()}
-    grad_sq = dict.fromkeys(linears, 0.0)
-    hessians: dict[str, torch.Tensor] = {}  # first linear reading an input -> Σ x xᵀ
-    # linears that share an input (q/k/v, gate/up) read it one after another: decided in the first window,
-    # holding only the last few inputs of the whole model's forward
-    groups = SharedInputs(SHARED_INPUT_LOOKBACK)
+    per_block = [[f"{prefix}.{b}.{n}" for n in block_linears(block)] for b, block in enumerate(decoder_blocks(model))]
+    gauges = _Gauges({name: model.get_submodule(name) for names in per_block for name in names})
+    tokens = windows.shape[0] * windows.shape[1]
 
-    def forward_hook(name: str):
-        def hook(_module, args, out):
-            x = args[0].detach()
-            if groups.owner_of(name, x) == name:
-                flat = x.reshape(-1, x.shape[-1]).float()
-                h = flat.T @ flat
-                hessians[name] = hessians[name] + h if name in hessians else h
-            if out.requires_grad:
-                out.register_hook(lambda g: grad_sq.__setitem__(name, grad_sq[name] + float(g.float().pow(2).sum())))
-        return hook
+    def loss_of(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if labels == "data":
+            targets = ids[0, 1:]
+        else:
+            with torch.no_grad():
+                probs = torch.softmax(logits, dim=-1).cpu()
+                targets = torch.multinomial(probs, 1, generator=gen).squeeze(1).to(logits.device)
+        return torch.nn.functional.cross_entropy(logits, targets)
 
-    handles = [m.register_forward_hook(forward_hook(n)) for n, m in linears.items()]
-    flags = {p: p.requires_grad for p in model.parameters()}
+    handles = [m.register_forward_hook(gauges.hook(n)) for n, m in gauges.linears.items()]
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}  # by name: a move may swap the objects
     was_training = model.training
-    tokens = 0
     try:
         model.eval()
         for p in model.parameters():
             p.requires_grad_(False)
-        embed = model.get_input_embeddings()
-        for i in range(windows.shape[0]):
-            if should_stop():
-                raise Cancelled
-            ids = windows[i : i + 1].to(device)
-            with torch.enable_grad():
-                hidden = embed(ids).detach().requires_grad_(True)
-                logits = model(inputs_embeds=hidden).logits[0, :-1].float()
-                if labels == "data":
-                    targets = ids[0, 1:]
-                else:
-                    with torch.no_grad():
-                        probs = torch.softmax(logits, dim=-1).cpu()
-                        targets = torch.multinomial(probs, 1, generator=gen).squeeze(1).to(logits.device)
-                loss = torch.nn.functional.cross_entropy(logits, targets)
-                loss.backward()
-            tokens += ids.shape[1]
-            groups.release()  # every linear's owner is known after the first window
+        if _on(model, device):
+            _forward_backward(model, windows, device, loss_of, gauges, should_stop)
+            gauges.finish_feedback(list(gauges.linears), damp_percent, tokens)
+        else:
+            def block_done(b: int) -> None:
+                gauges.groups.release()  # every linear of the block has its owner after the first window
+                gauges.finish_feedback(per_block[b], damp_percent, tokens)
+
+            backward_by_block(model, windows, device, loss_of, measuring=lambda on: setattr(gauges, "inputs", on),
+                              block_done=block_done, should_stop=should_stop)
     finally:
-        groups.release()
+        gauges.groups.release()
         for h in handles:
             h.remove()
-        for p, flag in flags.items():
-            p.requires_grad_(flag)
+        for n, p in model.named_parameters():
+            p.requires_grad_(flags[n])
         model.train(was_training)
-    feedback: dict[str, float] = {}
-    out = {}
-    for name, linear in linears.items():
-        key = groups.owner[name]
-        W = linear.weight.detach().float()
-        if key not in feedback:
-            _, Hd = prepare_hessian(W, hessians[key], damp_percent)
-            perm = torch.argsort(torch.diag(Hd), descending=True, stable=True)
-            U = inverse_hessian_cholesky(Hd[perm][:, perm])
-            feedback[key] = float((1.0 / torch.diag(U).double() ** 2).sum()) / tokens
-        g = grad_sq[name] / (tokens * linear.out_features)
-        ms = float(W.double().pow(2).mean())
-        out[name] = LayerSensitivity(linear.out_features, linear.in_features, g, ms, feedback[key],
-                                     0.5 * g * linear.out_features * ms * feedback[key])
-    return out
+    return {name: gauges.sensitivity(name, tokens) for name in gauges.linears}
+
+
+def _forward_backward(model: nn.Module, windows: torch.Tensor, device: torch.device, loss_of: Callable,
+                      gauges: _Gauges, should_stop: Callable[[], bool]) -> None:
+    """The model's forward and backward over each window, the whole model on ``device``."""
+    embed = model.get_input_embeddings()
+    for i in range(windows.shape[0]):
+        if should_stop():
+            raise Cancelled
+        ids = windows[i : i + 1].to(device)
+        with torch.enable_grad():
+            hidden = embed(ids).detach().requires_grad_(True)
+            loss_of(model(inputs_embeds=hidden).logits[0, :-1].float(), ids).backward()
+        gauges.groups.release()  # every linear's owner is known after the first window
 
 
 def distortion(model: nn.Module, steps: dict[tuple[int, int], list[tuple[int, int]]], names: list[str],

@@ -358,7 +358,7 @@ def _check_vq_state(state: VQLayerState) -> None:
         if tensor is not None and tuple(tensor.shape) != (expected,):
             raise ValueError(f"{name} shape {tuple(tensor.shape)} != expected ({expected},)")
     if state.perm is not None and not torch.equal(
-        torch.sort(state.perm.to(torch.int64)).values, torch.arange(state.in_features)
+        torch.sort(state.perm.to(torch.int64)).values, torch.arange(state.in_features, device=state.perm.device)
     ):
         raise ValueError("perm must be a permutation of range(in_features)")
 
