@@ -22,7 +22,7 @@ from gradio_client import Client  # noqa: E402
 import app as studio_app  # noqa: E402
 from vptq_core.models import TINY, load_model  # noqa: E402
 from vptq_core.quant.blocks import block_linears, decoder_blocks  # noqa: E402
-from vptq_core.quant.pipeline import LayerReport  # noqa: E402
+from vptq_core.quant.results import LayerReport  # noqa: E402
 from vptq_core.storage.checkpoint import save_quantized  # noqa: E402
 from vptq_core.studio import form, views  # noqa: E402
 from vptq_core.studio.estimate import model_info  # noqa: E402

@@ -13,7 +13,8 @@ from torch import nn
 from vptq_core.models import FAMILIES, tiny_random_model
 from vptq_core.quant.blocks import block_linears, decoder_blocks
 from vptq_core.quant.config import ScalarConfig, VPTQConfig
-from vptq_core.quant.pipeline import BlockKwargs, capture_block_inputs, quantize_model, run_block
+from vptq_core.quant.forward import BlockKwargs, capture_block_inputs, run_block
+from vptq_core.quant.pipeline import quantize_model
 from vptq_core.storage.checkpoint import load_quantized, save_quantized
 from vptq_core.storage.modules import ScalarQLinear, VQLinear
 

@@ -5,8 +5,9 @@ import torch
 
 from vptq_core.quant import methods
 from vptq_core.quant.allocate import budget_for_model, candidate_caps, cap_for_budget, model_bits
+from vptq_core.quant.blocks import total_linear_shapes
 from vptq_core.quant.config import VPTQConfig
-from vptq_core.quant.pipeline import quantize_model, total_linear_shapes
+from vptq_core.quant.pipeline import quantize_model
 from vptq_core.quant.vptq import config_bits, layer_config
 
 BASE = VPTQConfig(vector_len=4, num_centroids=256, kmeans_iters=2, outlier_percent=0.0)  # 2 index bits

@@ -5,7 +5,8 @@ import torch
 
 from vptq_core.quant.blocks import decoder_blocks
 from vptq_core.quant.config import ConfigBase, ScalarConfig, VPTQConfig
-from vptq_core.quant.pipeline import capture_block_inputs, quantize_model, run_block
+from vptq_core.quant.forward import capture_block_inputs, run_block
+from vptq_core.quant.pipeline import quantize_model
 
 TINY_VQ = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=3, outlier_percent=0.0)
 

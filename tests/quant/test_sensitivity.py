@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from vptq_core.quant import methods
-from vptq_core.quant.blocks import block_linears, decoder_blocks
+from vptq_core.quant.blocks import block_linears, decoder_blocks, total_linear_shapes
 from vptq_core.quant.config import VPTQConfig
 from vptq_core.quant.hessian import inverse_hessian_cholesky, prepare_hessian
-from vptq_core.quant.pipeline import quantize_model, total_linear_shapes
+from vptq_core.quant.pipeline import quantize_model
 from vptq_core.quant.sensitivity import LayerSensitivity, allocate, ladder, layer_settings, measure, measured_windows
 from vptq_core.quant.vptq import config_bits
 

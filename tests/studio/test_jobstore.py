@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from vptq_core.models import TINY
-from vptq_core.quant.pipeline import LayerReport
+from vptq_core.quant.results import LayerReport
 from vptq_core.resume import PartialRun
 from vptq_core.studio import views
 from vptq_core.studio.job import Job

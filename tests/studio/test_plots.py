@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from vptq_core.quant.pipeline import LayerReport
+from vptq_core.quant.results import LayerReport
 from vptq_core.studio.plots import (
     MODULE_ORDER,
     REPORT_COLUMNS,

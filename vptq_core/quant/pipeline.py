@@ -35,23 +35,8 @@ from .bits import BitsInfo
 from .block_stage import quantize_blocks
 from .blocks import check_linear_shapes, total_linear_shapes
 from .calib_windows import layerwise_count
-from .forward import (  # noqa: F401 - the names callers import from here
-    BlockKwargs,
-    capture_block_inputs,
-    hessians_and_targets,
-    run_batched,
-    run_block,
-)
 from .methods import Cancelled, Method, ModelContext, RunNeeds
-from .results import (  # noqa: F401 - the names callers import from here
-    BlockDone,
-    LayerReport,
-    OnLayer,
-    OnStep,
-    QuantizeResult,
-    ResumePoint,
-    ShouldStop,
-)
+from .results import BlockDone, OnLayer, OnStep, QuantizeResult, ResumePoint, ShouldStop
 from .run import Run
 from .sampling import sampled_calibration
 from .source import BlockWeights

@@ -22,7 +22,7 @@ import queue
 import threading
 from pathlib import Path
 
-from ..quant.pipeline import LayerReport
+from ..quant.results import LayerReport
 
 DURATION_ENV = "VPTQ_ZEROGPU_DURATION"
 MAX_DURATION_ENV = "VPTQ_ZEROGPU_MAX_DURATION"
