@@ -19,6 +19,7 @@ from vptq_core.models import TINY, load_model  # noqa: E402
 from vptq_core.storage.archive import pack_checkpoint  # noqa: E402
 from vptq_core.studio import views  # noqa: E402
 from vptq_core.studio.chat import ChatSession, GenerationStats  # noqa: E402
+from vptq_core.studio.run_models import Side  # noqa: E402
 
 served = pytest.fixture(scope="module", name="served")(serve_app)
 tiny_checkpoint = pytest.fixture(scope="module", name="tiny_checkpoint")(make_tiny_checkpoint)
@@ -39,7 +40,7 @@ class FakeSide:
     def check_prompt(self, prompt, max_new_tokens, max_prompt_tokens=None):
         return None
 
-    def stream(self, prompt, max_new_tokens=8, temperature=0.0, top_p=1.0, max_prompt_tokens=None):
+    def stream(self, prompt, max_new_tokens=8, temperature=0.0, top_p=1.0, seed=0, max_prompt_tokens=None):
         self.started.set()
         for _ in range(max_new_tokens):
             while not self.steps.acquire(timeout=0.01):
@@ -63,7 +64,8 @@ def test_both_chat_sides_stream_at_once_and_stop_on_their_own(served, monkeypatc
         return sides[model]
 
     monkeypatch.setattr(served.studio.chat, "make_chat", make_chat)
-    monkeypatch.setattr(served.studio.models, "run_models", lambda run_id, owner: (("Q", None), ("O", None), "", TINY))
+    monkeypatch.setattr(served.studio.models, "side_models", lambda run_id, picks, owner: [
+        Side("original", ("O", None), "", "original", TINY), Side("run", ("Q", None), "", "run run", TINY)])
     request = as_request(SimpleNamespace(session_hash="chat-test-session"))
     replies = served.studio.chat.reply("Hello", [], [], "run", 0.0, 1.0, 6, request)
     first = next(replies)  # the prompt on both sides, empty replies

@@ -1,5 +1,5 @@
-"""The Chat tab: pick a run or upload a packed checkpoint, evaluate it, and chat with the original and the
-quantized model side by side (each side with its own Stop); and its events."""
+"""The Chat tab: pick a run or upload a packed checkpoint, evaluate it, and chat with two models side by side (each
+side the original or any finished run, with its own Stop); and its events."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import gradio as gr
 from . import views
 from .ui_page import Page
 from .zerogpu import on_gpu
+
+SIDE_ORIGINAL = [("Original model (of the run picked above)", "original")]
 
 
 def chat_tab(page: Page, examples: list[list[str]]) -> None:
@@ -22,17 +24,18 @@ def chat_tab(page: Page, examples: list[list[str]]) -> None:
     gr.Markdown(views.CHAT_SPEED_NOTE, elem_classes="vq-note", elem_id="chat-speed-note")
     with gr.Row(equal_height=True):
         with gr.Column(elem_classes="vq-chat-col"):
-            gr.Markdown("#### Original model")
+            chat_left = gr.Dropdown(SIDE_ORIGINAL, value="original", label="Left side", elem_id="chat-left")
             chat_orig = gr.Chatbot(label="Original model", show_label=False, height=380, elem_id="chat-original",
                                    buttons=["copy"])
             stats_orig = gr.Markdown(elem_classes="vq-stats", elem_id="stats-original")
-            stop_orig_btn = gr.Button("Stop the original", size="sm", elem_id="chat-stop-original")
+            stop_orig_btn = gr.Button("Stop the left side", size="sm", elem_id="chat-stop-original")
         with gr.Column(elem_classes="vq-chat-col"):
-            gr.Markdown("#### Quantized model")
+            chat_right = gr.Dropdown(SIDE_ORIGINAL, value="", label="Right side (follows the run picked above)",
+                                     allow_custom_value=True, elem_id="chat-right")
             chat_quant = gr.Chatbot(label="Quantized model", show_label=False, height=380, elem_id="chat-quantized",
                                     buttons=["copy"])
             stats_quant = gr.Markdown(elem_classes="vq-stats", elem_id="stats-quantized")
-            stop_quant_btn = gr.Button("Stop the quantized", size="sm", elem_id="chat-stop-quantized")
+            stop_quant_btn = gr.Button("Stop the right side", size="sm", elem_id="chat-stop-quantized")
     with gr.Row(equal_height=True):
         prompt = gr.Textbox(placeholder=f"Ask both models something… (at most {settings.max_prompt_tokens} tokens "
                                         "with the conversation)",
@@ -46,12 +49,14 @@ def chat_tab(page: Page, examples: list[list[str]]) -> None:
             temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)")
             top_p = gr.Slider(0.05, 1.0, value=0.95, step=0.05, label="top-p")
             max_new_tokens = gr.Slider(1, 1024, value=64 if page.small else 160, step=1, label="max new tokens")
+            seed = gr.Number(0, precision=0, minimum=0, label="seed (both sides)", elem_id="chat-seed")
     if examples:
         gr.Examples(examples, inputs=[prompt], label="Example prompts")
     page.update(models_box=models_box, run_eval_btn=run_eval_btn, run_eval_box=run_eval_box, chat_orig=chat_orig,
                 stats_orig=stats_orig, stop_orig_btn=stop_orig_btn, chat_quant=chat_quant, stats_quant=stats_quant,
                 stop_quant_btn=stop_quant_btn, prompt=prompt, send_btn=send_btn, stop_btn=stop_btn,
-                clear_btn=clear_btn, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+                clear_btn=clear_btn, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                chat_left=chat_left, chat_right=chat_right, chat_seed=seed)
 
 
 def upload_row(page: Page) -> None:
@@ -84,12 +89,21 @@ def wire_chat(page: Page) -> None:
     p.run_eval_btn.click(on_gpu(studio.evaluation.evaluate_run, 300), inputs=[p.chat_run, p.eval_windows,
                          p.eval_seqlen], outputs=[p.run_eval_box, p.runs_table, p.runs_plot], api_name="evaluate_run",
                          concurrency_limit=1, concurrency_id="evaluate", show_progress_on=[p.run_eval_box])
-    p.chat_run.change(chat.load, inputs=p.chat_run,
-                      outputs=[p.models_box, p.chat_orig, p.chat_quant, p.stats_orig, p.stats_quant],
-                      api_name="chat_load", concurrency_limit=2)
-    chat_inputs = [p.prompt, p.chat_orig, p.chat_quant, p.chat_run, p.temperature, p.top_p, p.max_new_tokens]
+    sides, load_outputs = [p.chat_left, p.chat_right], [p.models_box, p.chat_orig, p.chat_quant, p.stats_orig,
+                                                         p.stats_quant]
+    # The right side follows the run picked above; either side can be set to the original or any finished run.
+    p.chat_run.change(chat.follow_run, inputs=[p.chat_run, *sides], outputs=sides, api_visibility="private",
+                      show_progress="hidden").then(
+        chat.load_sides, inputs=[p.chat_run, *sides], outputs=load_outputs, api_name="chat_load",
+        concurrency_limit=2)
+    gr.on([p.chat_left.input, p.chat_right.input], chat.load_sides, inputs=[p.chat_run, *sides],
+          outputs=load_outputs, api_visibility="private", concurrency_limit=2)
+    gr.on([p.runs_table.change, p.demo.load], chat.refresh_sides, inputs=sides, outputs=sides,
+          api_visibility="private", show_progress="hidden")
+    chat_inputs = [p.prompt, p.chat_orig, p.chat_quant, p.chat_run, p.temperature, p.top_p, p.max_new_tokens,
+                   *sides, p.chat_seed]
     chat_outputs = [p.chat_orig, p.chat_quant, p.stats_orig, p.stats_quant, p.prompt]
-    gr.on([p.send_btn.click, p.prompt.submit], on_gpu(chat.reply, 120), inputs=chat_inputs, outputs=chat_outputs,
+    gr.on([p.send_btn.click, p.prompt.submit], on_gpu(chat.reply_sides, 120), inputs=chat_inputs, outputs=chat_outputs,
           api_name="chat", concurrency_limit=p.settings.chat_concurrency, concurrency_id="chat",
           show_progress="hidden")
     p.stop_btn.click(chat.stop_both, api_name="chat_stop", concurrency_limit=None)

@@ -269,6 +269,22 @@ def models_md(source: str | None, original_bytes: int | None, why: str, quantize
     return f"{left}  \n{right}"
 
 
+def sides_md(sides: list[dict], dtype: str, device: str) -> str:
+    """The chat's two sides, left then right: each the original (``original``, ``source``; ``bytes`` None: not
+    available, ``why``) or a run (``label``, made from ``source``; ``head_bits``: its LM head's bits at run time)."""
+    lines = []
+    for where, side in zip(("Left", "Right"), sides, strict=False):
+        if side["original"]:
+            text = (f"**Original** `{side['source']}` ({dtype}, {device}): weights {mb(side['bytes'])}"
+                    if side["bytes"] is not None else f"**Original** not available: {side['why']}")
+        else:
+            head = f", LM head {side['head_bits']}-bit" if side["head_bits"] else ""
+            text = (f"**Quantized** {side['label']} of `{side['source'] or 'unknown'}` ({dtype} activations, lookup "
+                    f"kernels{head}, {device}): weights {mb(side['bytes'])}")
+        lines.append(f"{where} · {text}")
+    return "  \n".join(lines)
+
+
 def uploaded_md(file_name: str, run_id: str, source: str | None) -> str:
     return f"Loaded `{file_name}` as run `{run_id}` (made from `{source or 'unknown'}`)."
 
