@@ -71,6 +71,7 @@ def quantize_to_dir(
     head: bool = False,
     embedding: bool = False,
     on_stage: Callable[[str], None] | None = None,
+    on_metrics: Callable[[str, dict], None] | None = None,
 ) -> tuple[Path, dict]:
     """Load ``model_name``, quantize it with ``method``/``config`` on ``calib`` data, write the packed
     checkpoint to ``out_dir``. Returns (directory, summary). The stages, in order: load (``load_stage``), those of
@@ -83,7 +84,8 @@ def quantize_to_dir(
     Every finished block is written to ``<out_dir>/.partial``: a run that is interrupted (killed, or cancelled
     through ``should_stop``: ``summary["cancelled"]``, nothing else written) continues from its last finished block
     with ``resume=True`` and writes the same checkpoint as an uninterrupted run (``open_partial``);
-    ``on_step(phase, step, steps, loss)`` reports every step of after-model training. ``head`` / ``embedding``:
+    ``on_step(phase, step, steps, loss)`` reports every step of after-model training, ``on_metrics(phase, metrics)``
+    each plan as soon as it is made (``quantize_model``). ``head`` / ``embedding``:
     also quantize the LM head and / or the input embedding with the same method (``embeddings_stage``). Several
     ranks (``quant.distributed``, e.g. under torchrun) split each block's linears, every rank calling this with the
     same arguments (``device``: its own); rank 0 alone writes, to an ``out_dir`` every rank sees.
@@ -102,7 +104,7 @@ def quantize_to_dir(
         job.model, job.calib_ids, job.method, config, on_layer=on_layer, should_stop=should_stop, device=job.device,
         inplace=True, weights=job.source.weights if job.source is not None else None, capture_dtype=torch.float32,
         on_block=job.persist, resume=job.point, keep_states=job.needs.reference, on_step=on_step, on_stage=on_stage,
-        reference=load_model(model_name, dtype="auto")[0] if job.needs.reference else None,
+        reference=load_model(model_name, dtype="auto")[0] if job.needs.reference else None, on_metrics=on_metrics,
     )
     summary = job.summary(result)
     if result.cancelled:

@@ -83,6 +83,8 @@ def plan(run: Run) -> None:
                 run.result.cancelled = True
                 return
         run.result.model_metrics[hook.phase] = metrics
+        if run.on_metrics is not None:
+            run.on_metrics(hook.phase, metrics)
     run.result.config = run.config.to_dict()
 
 
@@ -142,6 +144,7 @@ def quantize_model(
     reference: nn.Module | None = None,
     on_step: OnStep | None = None,
     on_stage: Callable[[str], None] | None = None,
+    on_metrics: Callable[[str, dict], None] | None = None,
 ) -> tuple[nn.Module, QuantizeResult]:
     """Quantize every linear of every decoder block of ``model`` (a Hugging Face causal LM) on ``calib_ids``
     [n, seq] with ``method`` (a registered name or a ``Method``) and ``config`` (an instance of its config class),
@@ -150,7 +153,8 @@ def quantize_model(
     ``on_layer(LayerReport)`` as each linear finishes; ``should_stop()`` polled between linears (the result then
     has ``cancelled=True`` with the layers done so far); ``device``: where blocks are processed ("cuda" when
     available); ``inplace``: quantize ``model`` itself instead of a copy; ``skip(full name)``: leave a linear as it
-    is; ``on_stage(name)`` as each stage starts.
+    is; ``on_stage(name)`` as each stage starts; ``on_metrics(phase, metrics)`` as each plan hook ends (e.g. the bit
+    plan by sensitivity, before the first block).
 
     For long runs and models larger than memory (``api.quantize_to_dir``): ``weights`` materialises each block of a
     model kept on the meta device when it is reached and releases it after (implies ``inplace``; the quantized
@@ -169,7 +173,7 @@ def quantize_model(
     run = start_run(model, calib_ids, method, config, device, inplace, weights=weights, resume=resume,
                     keep_states=keep_states, reference=reference, on_layer=on_layer or (lambda _r: None),
                     should_stop=should_stop or (lambda: False), on_step=on_step, on_block=on_block, skip=skip,
-                    capture_dtype=capture_dtype)
+                    capture_dtype=capture_dtype, on_metrics=on_metrics)
     for stage in STAGES:
         if run.result.cancelled:
             break

@@ -32,6 +32,7 @@ class Run:
     on_layer: OnLayer
     should_stop: ShouldStop
     on_step: OnStep | None = None
+    on_metrics: Callable[[str, dict], None] | None = None  # a plan's metrics as soon as it is made
     on_block: Callable[[BlockDone], None] | None = None
     skip: Callable[[str], bool] | None = None
     weights: BlockWeights | None = None  # streamed blocks (``models.open_streaming``)

@@ -324,7 +324,7 @@ def measured_windows(windows: torch.Tensor) -> torch.Tensor:
 def plan_config(model: nn.Module, windows: torch.Tensor, config: VPTQConfig, device: torch.device,
                 bits_of: Callable, should_stop: Callable[[], bool] | None = None) -> tuple[VPTQConfig, dict]:
     """``config`` with its ``layer_plan`` for ``model`` (measured on ``measured_windows(windows)``), and metrics
-    for the run's report: the plan's bits, how many layers got which settings, and
+    for the run's report: the plan's bits, how many layers got which settings, each layer's settings and bits, and
     the predicted loss increase of the plan and of the cap allocator's settings for the same budget."""
     t0 = time.perf_counter()
     sens = measure(model, measured_windows(windows), config.damp_percent, device, should_stop, seed=config.seed)
@@ -341,8 +341,12 @@ def plan_config(model: nn.Module, windows: torch.Tensor, config: VPTQConfig, dev
     counts: dict[str, int] = {}
     for v, k in plan.layers.values():
         counts[f"v{v} k{k}"] = counts.get(f"v{v} k{k}", 0) + 1
+    # per layer [name, vector_len, num_centroids, total bits per weight]: the plan as the app and model card show it
+    layers = [[name, v, k, bits_of(layer_settings(config, v, k), sens[name].out_features,
+                                   sens[name].in_features).total_bits_per_weight]
+              for name, (v, k) in plan.layers.items()]
     metrics = {"total_bits": plan.total_bits, "index_bits": plan.index_bits, "predicted_loss": plan.predicted,
-               "predicted_loss_cap": cap_loss, "settings": counts,
+               "predicted_loss_cap": cap_loss, "settings": counts, "layers": layers,
                "windows": min(SENSITIVITY_WINDOWS, windows.shape[0]), "measure_seconds": t1 - t0,
                "distortion_seconds": t2 - t1}
     layer_plan = tuple((name, v, k) for name, (v, k) in plan.layers.items())

@@ -18,6 +18,7 @@ from pathlib import Path
 from .. import __version__
 from ..models import BUNDLED, GEMMA3, TINY_MODELS
 from ..quant import methods
+from .bit_plan import card_lines
 
 CARD_NAME = "README.md"
 REPORT_NAME = "quant_report.json"
@@ -155,6 +156,9 @@ def model_card(ckpt: str | Path, source: str | None = None, evaluation: Mapping 
     else:
         lines.append("Not evaluated yet (the app's *Evaluate vs the original* adds perplexity, KL and top-1 "
                      "agreement here).")
+    plan = card_lines(report)
+    if plan:
+        lines += ["", *plan[:-1]]
     if settings:
         lines += ["", "## All settings", "", "```json", json.dumps(settings, indent=2, sort_keys=True), "```"]
     lines += ["", "## How to load", "", "```python",

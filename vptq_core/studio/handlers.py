@@ -8,7 +8,9 @@ and runs of the calling browser only (``services``).
 - ``evaluation`` (``evaluation.Evaluation``): a run against its original model
 - ``hub`` (``hub.HubPush``): push a run to the user's own hub repo
 - ``uploads`` (``uploads.Uploads``): a packed checkpoint archive as a new run
-- ``chat`` (``chat_handlers.ChatHandlers``): both models side by side
+- ``chat`` (``chat_handlers.ChatHandlers``): two models side by side (the original or any finished run each)
+- ``compare`` (``compare.Compare``): two or more runs in one view
+- ``bit_plan`` (``bit_plan.BitPlanView``): the watched job's bit plan by sensitivity
 
 ``app.py`` lays the page out and wires these handlers to it; what they show is formatted by ``views``.
 """
@@ -19,8 +21,10 @@ from collections.abc import Callable
 from typing import Any
 
 from .app_settings import AppSettings
+from .bit_plan import BitPlanView
 from .chat import ChatSession
 from .chat_handlers import ChatHandlers
+from .compare import Compare
 from .downloads import Downloads
 from .evaluation import Evaluation
 from .hub import HubPush
@@ -57,6 +61,8 @@ class Studio:
         self.hub = HubPush(self.shared, hub_api)
         self.uploads = Uploads(self.shared, self.models)
         self.chat = ChatHandlers(self.shared, self.models, make_chat)
+        self.compare = Compare(self.shared)
+        self.bit_plan = BitPlanView(self.shared)
         self.pages = Pages(self.shared, self.chat.stop_page, janitor_interval_s)
 
     @property

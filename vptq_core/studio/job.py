@@ -157,6 +157,12 @@ class JobContext:
             else:
                 job.phase = "quantizing"
 
+    def on_metrics(self, phase: str, metrics: dict) -> None:
+        """A plan made before the first block (e.g. the bit plan by sensitivity): ``extras["model_metrics"]``."""
+        with self._job.lock:
+            self._job.extras = {**self._job.extras,
+                                "model_metrics": {**self._job.extras.get("model_metrics", {}), phase: metrics}}
+
     def should_stop(self) -> bool:
         return self._job.cancel_event.is_set()
 

@@ -20,6 +20,7 @@ def job_column(page: Page) -> None:
         progress = gr.HTML(views.progress_html(None), elem_id="job-progress")
         lines_plot = gr.Plot(plots.proxy_error_figure([]), show_label=False, elem_id="plot-lines")
         heat_plot = gr.Plot(plots.error_heatmap_figure([]), show_label=False, elem_id="plot-heatmap")
+        plan_section(page)
         table = gr.Dataframe(headers=plots.REPORT_COLUMNS, value=[], interactive=False, max_height=260,
                              label="Layer reports (newest first)", elem_id="layer-table")
         summary = gr.Markdown(elem_id="job-summary")
@@ -74,3 +75,17 @@ def wire_job(page: Page) -> None:
                      show_progress_on=[p.eval_box])
     p.push_btn.click(studio.hub.push, inputs=[p.job_id, p.push_repo, p.push_private, p.push_token],
                      outputs=[p.push_note, p.guard], api_name="push", concurrency_limit=2)
+
+
+def plan_section(page: Page) -> None:
+    """The bit plan of the watched job, shown once it is measured (runs that plan bits by sensitivity)."""
+    page.update(plan_plot=gr.Plot(visible=False, show_label=False, elem_id="plot-bit-plan"),
+                plan_shown=gr.State(""))
+
+
+def wire_plan(page: Page) -> None:
+    """The plan's plot follows the watched job: on every tick of the job's timer and when another job is shown."""
+    p = page
+    gr.on([p.timer.tick, p.job_id.change], p.studio.bit_plan.show, inputs=[p.job_id, p.plan_shown],
+          outputs=[p.plan_plot, p.plan_shown], api_visibility="private", show_progress="hidden",
+          concurrency_limit=None)
