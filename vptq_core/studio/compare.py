@@ -181,4 +181,4 @@ class Compare:
         """The picker with the browser's finished runs now (picks that are gone dropped)."""
         _rows, _fig, choices = self.shared.runs_view(self.shared.owner(request))
         ids = {value for _label, value in choices}
-        return gr.Dropdown(choices=choices, value=[p for p in (picked or []) if p in ids])
+        return gr.Dropdown(choices=choices, value=[p for p in (picked or []) if p in ids], multiselect=True)
