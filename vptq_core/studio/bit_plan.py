@@ -39,12 +39,12 @@ def plan_of(metrics: Mapping | None) -> list[dict]:
     return layers
 
 
-def snapshot_plan(snap) -> list[dict]:
-    """The plan of a job: from its extras while it runs, from its result once it is done."""
+def snapshot_metrics(snap) -> Mapping:
+    """The model metrics of a job holding its plan: its result's once it is done, its extras while it runs."""
     if snap is None:
-        return []
-    summary = (snap.result or {}).get("summary") or {}
-    return plan_of(summary.get("model_metrics")) or plan_of(snap.extras.get("model_metrics"))
+        return {}
+    done = ((snap.result or {}).get("summary") or {}).get("model_metrics") or {}
+    return done if plan_of(done) else snap.extras.get("model_metrics") or {}
 
 
 def report_plan(report: Mapping) -> list[dict]:
@@ -52,9 +52,10 @@ def report_plan(report: Mapping) -> list[dict]:
     return plan_of(((report or {}).get("summary") or {}).get("model_metrics"))
 
 
-def bit_plan_figure(layers: list[dict], title: str | None = None) -> go.Figure:
+def bit_plan_figure(layers: list[dict], total_bits: float | None = None, title: str | None = None) -> go.Figure:
     """Total bits per weight the plan gives each layer: projection (rows) × block (columns), each cell labelled
-    with its vector length and codebook size."""
+    with its vector length and codebook size (on the cells while they are wide enough, else on hover);
+    ``total_bits``: the plan's bits per weight over the whole model, for the title."""
     modules = plots.module_types(layers)
     blocks = max((r["block"] for r in layers), default=-1) + 1
     z = [[None] * blocks for _ in modules]
@@ -65,15 +66,22 @@ def bit_plan_figure(layers: list[dict], title: str | None = None) -> go.Figure:
         text[i][r["block"]] = f"v{r['vector_len']} k{r['num_centroids']}"
     fig = go.Figure(go.Heatmap(
         z=z, x=list(range(blocks)), y=[plots.short_module(m) for m in modules], text=text, colorscale="Cividis",
+        texttemplate="%{z:.2f} · %{text}" if blocks <= 8 else None, textfont=dict(size=11),
         hovertemplate="block %{x} · %{y}<br>%{z:.3f} bits/weight · %{text}<extra></extra>", hoverongaps=False,
         colorbar=dict(title=dict(text="bits", side="right"), thickness=12),
     ))
-    mean = (sum(r["total_bits"] for r in layers) / len(layers)) if layers else 0.0
-    fig.update_layout(title=title or f"Bit plan by sensitivity: total bits per weight of each layer "
-                                     f"(mean of layers {mean:.2f})", height=300,
-                      margin=dict(l=60, r=20, t=50, b=45), xaxis_title="block", template="plotly_white")
+    whole = f" ({total_bits:.3f} over the model)" if total_bits else ""
+    fig.update_layout(title=title or f"Bit plan by sensitivity: total bits per weight of each layer{whole}",
+                      height=300, margin=dict(l=60, r=20, t=50, b=45), xaxis_title="block", template="plotly_white")
+    fig.update_xaxes(tickmode="linear", dtick=1 if blocks <= 32 else 4)
     fig.update_yaxes(autorange="reversed")
     return fig
+
+
+def plan_total_bits(metrics: Mapping | None) -> float | None:
+    """The plan's total bits per weight over the whole model (weighted by each layer's size)."""
+    value = ((metrics or {}).get(PHASE) or {}).get("total_bits")
+    return float(value) if isinstance(value, int | float) else None
 
 
 def card_lines(report: Mapping) -> list[str]:
@@ -110,10 +118,11 @@ class BitPlanView:
                 snap = self.shared.manager.get(job_id, self.shared.owner(request), reports=False)
             except ValueError:
                 snap = None
-        layers = snapshot_plan(snap)
+        metrics = snapshot_metrics(snap)
+        layers = plan_of(metrics)
         key = f"{job_id}:{len(layers)}" if layers else ""
         if key == (shown or ""):
             return gr.skip(), shown
         if not layers:
             return gr.Plot(visible=False), ""
-        return gr.Plot(bit_plan_figure(layers), visible=True), key
+        return gr.Plot(bit_plan_figure(layers, plan_total_bits(metrics)), visible=True), key

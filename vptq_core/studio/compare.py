@@ -129,6 +129,7 @@ def figures(runs: Sequence[RunView]) -> list[go.Figure]:
     """One figure per ``LAYER_METRICS`` entry, one trace per run (a run without per-layer reports: an empty
     trace, so the legend still names it)."""
     out = []
+    blocks = max((r["block"] + 1 for run in runs for r in run.layers), default=0)
     for key, title, log in LAYER_METRICS:
         fig = go.Figure()
         for run in runs:
@@ -143,9 +144,10 @@ def figures(runs: Sequence[RunView]) -> list[go.Figure]:
                 x=xs, y=ys, mode="lines+markers", name=run.label, marker=dict(size=5),
                 text=[f"block {r['block']} · {r['module']}" for r in layers],
                 hovertemplate="%{text}<br>%{y:.4g}<extra>" + run.label + "</extra>"))
-        fig.update_layout(title=title + (" (log scale)" if log else ""), height=320,
-                          margin=dict(l=60, r=20, t=50, b=45), xaxis_title="block", template="plotly_white",
-                          legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0, font=dict(size=11)))
+        fig.update_layout(title=title + (" (log scale)" if log else ""), height=340,
+                          margin=dict(l=60, r=20, t=75, b=45), xaxis_title="block", template="plotly_white",
+                          legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0, font=dict(size=11)))
+        fig.update_xaxes(tickmode="linear", tick0=0, dtick=1 if blocks <= 32 else 4)
         if log:
             fig.update_yaxes(type="log", exponentformat="power")
         if not any(run.layers for run in runs):

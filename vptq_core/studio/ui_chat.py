@@ -46,7 +46,8 @@ def chat_tab(page: Page, examples: list[list[str]]) -> None:
         clear_btn = gr.Button("Clear", scale=1, elem_id="chat-clear")
     with gr.Accordion("Sampling", open=False):
         with gr.Row():
-            temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)")
+            temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)",
+                                    elem_id="chat-temperature")
             top_p = gr.Slider(0.05, 1.0, value=0.95, step=0.05, label="top-p")
             max_new_tokens = gr.Slider(1, 1024, value=64 if page.small else 160, step=1, label="max new tokens")
             seed = gr.Number(0, precision=0, minimum=0, label="seed (both sides)", elem_id="chat-seed")

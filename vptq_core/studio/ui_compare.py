@@ -15,12 +15,12 @@ def compare_tab(page: Page) -> None:
                 "per-layer errors overlaid. Evaluate a run (Quantize or Chat tab) to fill in its perplexity and KL; "
                 "chat with it to record its decode speed. A number a run does not have is shown as –.",
                 elem_classes="vq-note")
-    with gr.Row(equal_height=True):
+    with gr.Row(equal_height=False):
         pick = gr.Dropdown([], value=[], multiselect=True, label="Runs to compare", scale=5,
                            max_choices=compare.MAX_RUNS, elem_id="compare-pick")
-        button = gr.Button("Compare", variant="primary", scale=1, elem_id="compare-btn")
+        button = gr.Button("Compare", variant="primary", scale=0, min_width=160, elem_id="compare-btn")
     table = gr.Dataframe(value=[], headers=["", "pick runs above"], interactive=False, show_label=False,
-                         elem_id="compare-table")
+                         max_height=720, elem_id="compare-table")
     figures = compare.figures([])
     plots = []
     with gr.Row():
