@@ -65,6 +65,7 @@ def test_two_runs_answer_alike_with_the_same_seed_and_a_run_matches_itself(serve
     assert orig and quant == greedy[1]
     speed = served.studio.manager.get(b, request.session_hash).extras["chat_speed"]
     assert speed["tokens"] >= 2 and speed["decode_tokens_per_second"] > 0 and speed["alongside"]
+    assert not served.studio.manager.get(a, request.session_hash).extras["chat_speed"]["alongside"]  # sampled: alone
     # two models that do not fit: one clear message before anything loads
     served.studio.cache.drop(lambda key: True)
     served.studio.models.free_bytes = lambda: 1000
@@ -173,6 +174,8 @@ def test_bit_plan_shows_as_soon_as_measured_and_stays_in_the_report_and_card(ser
     assert snap.status == "done", snap.error
     assert events[0] == ("plan", "allocation") and len(events) == 1 + LAYERS  # the plan before the first layer
     live = bit_plan.plan_of(snap.extras["model_metrics"])
+    running = SimpleNamespace(result=None, extras=snap.extras)  # the job while it runs: the plan from its extras
+    assert bit_plan.plan_of(bit_plan.snapshot_metrics(running)) == live
     report = json.loads((served.studio.manager.checkpoint_dir(job, owner) / "quant_report.json").read_text())
     kept = bit_plan.report_plan(report)
     assert kept == live and len(kept) == LAYERS

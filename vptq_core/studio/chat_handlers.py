@@ -113,8 +113,9 @@ class ChatHandlers:
                         pending.discard(side)
                         stats[side] = views.chat_stats_md(payload, model_memory_bytes(sessions[side].model),
                                                           stops[side].is_set())
-                        self._record_speed(picked[side], payload, owner, alongside=len(sessions) > 1,
-                                           stopped=stops[side].is_set())
+                        # sampled replies take turns (chat.ChatSession.stream): each measured alone
+                        self._record_speed(picked[side], payload, owner, stopped=stops[side].is_set(),
+                                           alongside=len(sessions) > 1 and float(temperature) == 0)
                     else:
                         pending.discard(side)
                         message["content"] += f"\n(generation failed: {payload})"
