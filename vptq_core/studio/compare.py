@@ -139,7 +139,7 @@ def figures(runs: Sequence[RunView]) -> list[go.Figure]:
                 xs = [r["block"] for r in layers]
             else:
                 xs = layer_x(layers) if layers else []
-            ys = [plots._positive(r[key]) if log else r[key] for r in layers]
+            ys = [max(float(r[key]), 1e-12) if log else r[key] for r in layers]  # a log axis cannot show 0
             fig.add_trace(go.Scatter(
                 x=xs, y=ys, mode="lines+markers", name=run.label, marker=dict(size=5),
                 text=[f"block {r['block']} · {r['module']}" for r in layers],
@@ -151,7 +151,8 @@ def figures(runs: Sequence[RunView]) -> list[go.Figure]:
         if log:
             fig.update_yaxes(type="log", exponentformat="power")
         if not any(run.layers for run in runs):
-            plots._placeholder(fig, "pick two or more runs")
+            fig.add_annotation(text="pick two or more runs", showarrow=False, xref="paper", yref="paper", x=0.5,
+                               y=0.5, font=dict(size=14, color="gray"))
         out.append(fig)
     return out
 
