@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import gradio as gr
 
-from . import views
+from . import template_guard, views
 from .chat import ChatSession, check_sampling, model_memory_bytes
 from .run_models import RunModels
 from .services import Shared
@@ -57,7 +57,8 @@ class ChatHandlers:
             if not isinstance(prompt, str) or not prompt.strip():
                 raise ValueError("type a message first")
             quant, original, why, _source = self.models.run_models(run_id, owner)
-            sessions = self._open(dict(zip(SIDES, (original, quant))), histories, prompt, max_new_tokens)
+            with template_guard.stoppable(session_id):  # Stop both ends a template that is still rendering
+                sessions = self._open(dict(zip(SIDES, (original, quant))), histories, prompt, max_new_tokens)
         except ValueError as exc:
             raise self.shared.error(exc) from None
         stats = {"original": "", "quantized": ""}
@@ -133,6 +134,7 @@ class ChatHandlers:
     def stop_both(self, request: gr.Request) -> None:
         """Stop both sides."""
         self._stop_sides(getattr(request, "session_hash", None), SIDES)
+        template_guard.stop(getattr(request, "session_hash", None))
 
     def stop_original(self, request: gr.Request) -> None:
         self._stop_sides(getattr(request, "session_hash", None), ("original",))
@@ -144,6 +146,7 @@ class ChatHandlers:
         """The page of ``session`` went away: its chats stop and are forgotten."""
         with self._lock:
             chats = self._chats.pop(session, {})
+        template_guard.stop(session)
         for chat_session, event in chats.values():
             event.set()
             chat_session.stop()
