@@ -34,6 +34,6 @@ class AppSettings:
     eval_windows: int = 4
     eval_seqlen: int = 512
     cleanup_workdir: bool = False  # remove the work dir at exit (it was a fresh temporary one)
-    browser_secret: str | None = None  # encrypts the identity in the browser (None: random per process)
+    browser_secret: str | None = None  # encrypts the identity in the browser (None: one kept in the workdir)
 
 
