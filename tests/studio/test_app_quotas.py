@@ -132,13 +132,15 @@ def test_the_upload_folder_is_cleaned_at_start_and_on_schedule(tmp_path, monkeyp
     monkeypatch.setenv("GRADIO_TEMP_DIR", str(cache))
     old = _file(cache, "aaa/old.zip", 1000, 2 * HOUR)  # left by an earlier process
     fresh = _file(cache, "bbb/fresh.zip", 700, 60)
-    archive = _file(tmp_path / "work-elsewhere", "run.zip", 5000, 0)
-    os.link(archive, cache / "bbb" / "download.zip")  # a download copy: the run counts it already
+    archive = _file(tmp_path / "work-elsewhere", "run.zip", 5000, 3 * HOUR)  # a run finished hours ago
+    download = cache / "ccc" / "download.zip"
+    download.parent.mkdir()
+    os.link(archive, download)  # a fresh download copy of it: the run counts it already, and it is kept
     settings = studio_app.AppSettings(workdir=tmp_path / "work", default_model=TINY, upload_ttl_hours=1.0)
     studio = handlers.Studio(settings, janitor_interval_s=0.05)
     try:
         assert studio.shared.upload_folder.folder == cache
-        assert not old.exists() and not old.parent.exists() and fresh.exists()
+        assert not old.exists() and not old.parent.exists() and fresh.exists() and download.exists()
         assert studio.shared.upload_folder.usage() == 700
         when = time.time() - 2 * HOUR
         os.utime(fresh, (when, when))  # it grows old while the app runs: the janitor takes it

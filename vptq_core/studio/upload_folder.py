@@ -20,7 +20,7 @@ from pathlib import Path
 class _File:
     path: Path
     size: int
-    mtime: float
+    mtime: float  # when it arrived
     linked: bool  # another name (a run's archive) holds the same data
 
 
@@ -70,7 +70,9 @@ class UploadFolder:
                     continue
                 if path.is_symlink() or not path.is_file():
                     continue
-                found.append(_File(path, st.st_size, st.st_mtime, st.st_nlink > 1))
+                linked = st.st_nlink > 1
+                # A hard link to a run's archive carries the archive's mtime; when the link was made shows in its ctime.
+                found.append(_File(path, st.st_size, st.st_ctime if linked else st.st_mtime, linked))
         return found
 
     def _remove_empty_dirs(self, now: float, emptied: set[Path]) -> None:
