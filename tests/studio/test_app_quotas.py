@@ -31,14 +31,21 @@ def _request(host: str, forwarded: str | None = None) -> SimpleNamespace:
     return SimpleNamespace(client=SimpleNamespace(host=host), headers=headers, session_hash="s")
 
 
+# Public addresses (private ones at the right end of X-Forwarded-For are taken for internal proxies).
+A, B = "93.184.216.34", "151.101.1.69"
+
+
 def test_the_client_address_believes_only_the_trusted_proxies():
-    assert client_address(_request("10.0.0.1", "203.0.113.7"), proxy_hops=0) == "10.0.0.1"  # no proxy: ignored
-    assert client_address(_request("10.0.0.1", "203.0.113.7"), proxy_hops=1) == "203.0.113.7"
+    assert client_address(_request("10.0.0.1", A), proxy_hops=0) == "10.0.0.1"  # no proxy: the header is ignored
+    assert client_address(_request("10.0.0.1", A), proxy_hops=1) == A
     # What the client wrote itself (left of what the proxy appended) is not believed.
-    assert client_address(_request("10.0.0.1", "1.2.3.4, 5.6.7.8 ,203.0.113.7"), proxy_hops=1) == "203.0.113.7"
-    assert client_address(_request("10.0.0.1", "1.2.3.4, 203.0.113.7, 10.0.0.9"), proxy_hops=2) == "203.0.113.7"
+    assert client_address(_request("10.0.0.1", f"1.2.3.4, 5.6.7.8 ,{A}"), proxy_hops=1) == A
+    assert client_address(_request("10.0.0.1", f"1.2.3.4, {A}, {B}"), proxy_hops=2) == A
+    # An internal hop the operator did not count is passed over, not taken for everyone's address.
+    assert client_address(_request("10.0.0.1", f"1.2.3.4, {A}, 10.0.0.9, 127.0.0.1"), proxy_hops=1) == A
+    assert client_address(_request("10.0.0.1", "10.0.0.9"), proxy_hops=1) == "10.0.0.1"
     assert client_address(_request("10.0.0.1"), proxy_hops=1) == "10.0.0.1"  # no header: the peer
-    assert client_address(_request("10.0.0.1", "203.0.113.7"), proxy_hops=2) == "10.0.0.1"  # fewer than the hops
+    assert client_address(_request("10.0.0.1", A), proxy_hops=2) == "10.0.0.1"  # fewer entries than proxies
     # One IPv6 client holds a whole /64: its addresses count as one.
     assert client_address(_request("2001:db8:1:2::5"), 0) == client_address(_request("2001:db8:1:2:ffff::1"), 0)
     assert client_address(_request("2001:db8:1:2::5"), 0) != client_address(_request("2001:db8:1:3::5"), 0)
@@ -68,7 +75,7 @@ def served(tmp_path_factory):
 def test_eight_sessions_from_one_address_get_its_limit_and_another_address_a_slot(served):
     settings = served.studio.settings
     assert (settings.max_jobs_per_user, settings.max_jobs_per_address) == (2, 4)
-    sessions = [Client(served.url, verbose=False, headers={"X-Forwarded-For": "203.0.113.7"}) for _ in range(8)]
+    sessions = [Client(served.url, verbose=False, headers={"X-Forwarded-For": A}) for _ in range(8)]
     started, refused = [], []
     for client in sessions:
         for _ in range(2):
@@ -80,11 +87,11 @@ def test_eight_sessions_from_one_address_get_its_limit_and_another_address_a_slo
     assert all("4 jobs from your network address are queued or running (limit 4 per address, whatever the browser "
                "or session); wait for one to finish" in r for r in refused)
     # Writing another address in front of the one the proxy appends changes nothing.
-    spoofing = Client(served.url, verbose=False, headers={"X-Forwarded-For": "198.51.100.9, 203.0.113.7"})
+    spoofing = Client(served.url, verbose=False, headers={"X-Forwarded-For": f"{B}, {A}"})
     with pytest.raises(AppError, match="jobs from your network address"):
         spoofing.predict(**job_kwargs(), api_name="/start")
     # Another address still gets a slot in the queue.
-    other = Client(served.url, verbose=False, headers={"X-Forwarded-For": "198.51.100.9"})
+    other = Client(served.url, verbose=False, headers={"X-Forwarded-For": B})
     job = other.predict(**job_kwargs(), api_name="/start")[0]
     assert other.predict(job, api_name="/job_status")["status"] in ("queued", "running")
     # When one of the address's jobs ends, the address may queue one more.
