@@ -44,6 +44,10 @@ LIMITS = {
     "total_quota_bytes": ("VPTQ_APP_TOTAL_QUOTA_MB", "MB"),
     "max_runs_per_user": ("VPTQ_APP_MAX_RUNS", "int"),
     "max_jobs_per_user": ("VPTQ_APP_MAX_JOBS", "int"),
+    "max_jobs_per_address": ("VPTQ_APP_MAX_JOBS_PER_ADDRESS", "int"),
+    "proxy_hops": ("VPTQ_APP_PROXY_HOPS", "int"),
+    "upload_ttl_hours": ("VPTQ_APP_UPLOAD_TTL_HOURS", "hours"),
+    "upload_folder_bytes": ("VPTQ_APP_UPLOAD_FOLDER_MB", "MB"),
     "run_ttl_hours": ("VPTQ_APP_RUN_TTL_HOURS", "hours"),
     "max_prompt_tokens": ("VPTQ_APP_MAX_PROMPT_TOKENS", "int"),
     "chat_concurrency": ("VPTQ_APP_CHAT_CONCURRENCY", "int"),
@@ -112,7 +116,7 @@ def settings_from(args: argparse.Namespace) -> AppSettings:
     if not workdir:
         workdir, cleanup = tempfile.mkdtemp(prefix="vptq_app_"), True
     default_model = TINY if args.tiny else (args.default_model or os.environ.get("VPTQ_APP_DEFAULT_MODEL") or BUNDLED)
-    defaults = AppSettings(workdir=Path(workdir))
+    defaults = AppSettings(workdir=Path(workdir), proxy_hops=1 if os.environ.get("SPACE_ID") else 0)  # a Space's proxy
     limits = {key: _env_limit(env, kind, getattr(defaults, key)) for key, (env, kind) in LIMITS.items()}
     device = default_device()
     # Evaluating on a CPU is slow: fewer windows by default there.

@@ -270,6 +270,9 @@ TEST_HOMES = {
     "test_app_uploads.py": "studio",
     "test_app_compare.py": "studio",
     "test_browser_compare.py": "studio",
+    "test_app_quotas.py": "studio",
+    "test_app_restart.py": "studio",
+    "test_browser_restart.py": "studio",
 }
 # Tests that exercise several packages together (a model family or a model source end to end, the embedding from
 # quantization to checkpoint, streaming, the project's layout, docs and benchmarks): they live directly in tests/.

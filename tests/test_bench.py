@@ -45,6 +45,9 @@ SMOKES: dict[str, Smoke] = {
         ("--model", TINY, "--layers", "0:self_attn.q_proj", "1:mlp.down_proj", "--calib-samples", "2",
          "--seqlen", "32"),
         ("| layer | variant | rel. proxy loss | rel. weight error | seconds |", "2nd-order + outliers")),
+    "bench/app_load.py": Smoke(
+        ("--sessions", "1", "--chats", "1"),
+        ("| session | events | refused by a limit | failures |", " | 0 | - |", "| probes | unanswered |")),
     "bench/decode.py": Smoke(
         ("--shape", "tiny", "--tokens", "2", "--pairs", "1", "--loop", "lean", "--anatomy"),
         ("| model | decode tok/s (median) |", "speed ratio quantized / bf16", "| model | total | block linears |")),

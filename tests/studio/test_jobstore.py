@@ -106,7 +106,7 @@ def test_runs_come_back_after_a_restart_for_their_owner_only(tmp_path: Path):
     bad = [_leftover(jobs, "0123456789ad", finished=time.time() - 13 * 3600),  # expired
            _leftover(jobs, "0123456789ae", result={"checkpoint_dir": "../0123456789ab"}),  # outside its directory
            _leftover(jobs, "0123456789af", id="0123456789aa"),  # not its own directory
-           _leftover(jobs, "0123456789b0", state="started"),  # started, never finished a block
+           _leftover(jobs, "0123456789b0", state="started"),  # started, with no method or blocks to resume
            _leftover(jobs, "0123456789b1", owner_sha256="alice"),  # a raw id instead of a hash
            _leftover(jobs, "0123456789b2", reports=[{"block": "x"}])]
     kept = _leftover(jobs, "0123456789b3")

@@ -28,12 +28,17 @@ class AppSettings:
     total_quota_bytes: int = 20_000_000_000  # disk for every run of every browser
     max_runs_per_user: int = 6  # runs kept + jobs queued or running, per browser
     max_jobs_per_user: int = 2  # jobs queued or running, per browser
+    max_jobs_per_address: int = 4  # jobs queued or running from one network address, every browser there together
+    proxy_hops: int = 0  # trusted proxies in front of the app (a Space: 1); the client's address is then read
+    # from X-Forwarded-For (``client_address``)
+    upload_ttl_hours: float = 1.0  # files in Gradio's upload folder are deleted this long after they arrive
+    upload_folder_bytes: int = 4_000_000_000  # Gradio's upload folder is kept under this, oldest files first
     run_ttl_hours: float = 12.0  # finished runs are deleted this long after they finish
     max_prompt_tokens: int = 1024  # a chat prompt with the conversation so far
     max_calib_bytes: int = 32_000_000  # an uploaded calibration .txt
     eval_windows: int = 4
     eval_seqlen: int = 512
     cleanup_workdir: bool = False  # remove the work dir at exit (it was a fresh temporary one)
-    browser_secret: str | None = None  # encrypts the identity in the browser (None: random per process)
+    browser_secret: str | None = None  # encrypts the identity in the browser (None: one kept in the workdir)
 
 

@@ -13,6 +13,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStr
 
 from vptq_core import generation
 
+from . import template_guard
+
 _SAMPLING = threading.Lock()  # held by a sampled generation (see ChatSession.stream)
 
 @dataclass
@@ -93,8 +95,7 @@ class ChatSession:
     def prompt_ids(self, messages: list[dict]) -> torch.Tensor:
         msgs = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + messages
         if getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt",
-                                                     return_dict=True)["input_ids"]
+            ids = template_guard.chat_prompt_ids(self.tokenizer, msgs)  # out of process, within limits
         else:
             text = "\n".join(f"{m['role']}: {m['content']}" for m in msgs) + "\nassistant:"
             ids = self.tokenizer(text, return_tensors="pt")["input_ids"]

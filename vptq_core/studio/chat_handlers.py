@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import gradio as gr
 
-from . import views
+from . import template_guard, views
 from .chat import ChatSession, check_sampling, model_memory_bytes
 from .run_models import ORIGINAL, RunModels, Side
 from .services import Shared
@@ -70,7 +70,8 @@ class ChatHandlers:
             if not isinstance(prompt, str) or not prompt.strip():
                 raise ValueError("type a message first")
             picked = dict(zip(SIDES, self.models.side_models(run_id, (left or "", right or ""), owner), strict=True))
-            sessions = self._open(picked, histories, prompt, max_new_tokens)
+            with template_guard.stoppable(session_id):  # Stop both ends a template that is still rendering
+                sessions = self._open(picked, histories, prompt, max_new_tokens)
         except ValueError as exc:
             raise self.shared.error(exc) from None
         stats = {"original": "", "quantized": ""}
@@ -161,6 +162,7 @@ class ChatHandlers:
     def stop_both(self, request: gr.Request) -> None:
         """Stop both sides."""
         self._stop_sides(getattr(request, "session_hash", None), SIDES)
+        template_guard.stop(getattr(request, "session_hash", None))
 
     def stop_original(self, request: gr.Request) -> None:
         self._stop_sides(getattr(request, "session_hash", None), ("original",))
@@ -172,6 +174,7 @@ class ChatHandlers:
         """The page of ``session`` went away: its chats stop and are forgotten."""
         with self._lock:
             chats = self._chats.pop(session, {})
+        template_guard.stop(session)
         for chat_session, event in chats.values():
             event.set()
             chat_session.stop()

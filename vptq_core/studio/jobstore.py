@@ -4,9 +4,10 @@ A job that starts writes its description (``job.json``: the owner's identity as 
 identity itself, the title, kind, device, times and ``meta``) into its directory, and a finished one adds its
 result (paths relative to the job directory), extras and layer reports. ``restore`` reloads every job directory
 with a valid description: finished runs come back as they were, a run that was cut off (no result, but an
-unfinished run in ``<job dir>/checkpoint/.partial``, ``api.partial_status``) comes back as "interrupted" with the
-blocks it had finished. Reloaded jobs belong to nobody until a caller presents the identity whose hash they
-hold (``Job.owner_hash``). Anything else there (no or a malformed description, expired) is deleted.
+unfinished run in ``<job dir>/checkpoint/.partial``, ``api.partial_status``, or none yet) comes back as
+"interrupted" with the blocks it had finished (maybe none). Reloaded jobs belong to nobody until a caller
+presents the identity whose hash they hold (``Job.owner_hash``). Anything else there (no or a malformed
+description, expired) is deleted.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def read_job(path: Path, now: float, max_age_s: float | None) -> Job | None:
         _restore_finished(job, data)
     elif data["state"] == "started":
         if not _restore_interrupted(job):
-            return None  # cut off before it had written anything worth keeping
+            return None  # cut off, and nothing says how to start it again
     else:
         raise ValueError(f"state must be 'started' or 'done', got {data['state']!r}")
     if max_age_s is not None and now - job.finished > max_age_s:
@@ -152,12 +153,18 @@ def _restore_finished(job: Job, data: dict) -> None:
 
 
 def _restore_interrupted(job: Job) -> bool:
-    """A run the restart cut off: "interrupted" with the blocks it had finished (False: it had none)."""
+    """A run the restart cut off: "interrupted" with the blocks it had finished, none when it was cut off before
+    its first block (still loading the model or calibrating). False when it does not say how it was started
+    (nothing to resume)."""
     status = _partial_status(job.out_dir)
-    if status is None:
-        return False
-    run_file = Path(status["dir"]) / "run.json"
-    job.finished = run_file.stat().st_mtime  # when it last finished a block
+    if status is not None:
+        job.finished = (Path(status["dir"]) / "run.json").stat().st_mtime  # when it last finished a block
+    else:
+        total = job.meta.get("num_blocks")
+        if not (job.meta.get("method") and isinstance(total, int) and not isinstance(total, bool) and total > 0):
+            return False
+        status = {"blocks_done": 0, "blocks_total": total}
+        job.finished = (job.out_dir / DESCRIPTION).stat().st_mtime  # when it started
     job.status = "interrupted"
     job.phase = f"interrupted by a restart after {status['blocks_done']} of {status['blocks_total']} blocks"
     job.extras["interrupted"] = {"blocks_done": int(status["blocks_done"]),

@@ -68,11 +68,15 @@ class JobManager:
             no files and do not count; the newest ``keep_failed`` of them are listed.
         max_age_s: finished jobs older than this (since they finished) are deleted with their files (None: kept
             until deleted). ``prune()`` applies it; every submit and listing does too.
+        max_active_per_client: queued + running jobs from one client address, over every owner there (None: no
+            limit); ``submit``, ``check_submit`` and ``resume`` take the address as ``client`` (``client_address``).
+            Addresses are kept in memory only.
     """
 
     def __init__(self, workdir: str | os.PathLike, limits: dict[str, int] | None = None,
                  max_active_per_owner: int = 2, max_queued: int = 16, max_runs_per_owner: int = 6,
-                 max_age_s: float | None = 12 * 3600, keep_failed: int = 10) -> None:
+                 max_age_s: float | None = 12 * 3600, keep_failed: int = 10,
+                 max_active_per_client: int | None = None) -> None:
         limits = dict(DEFAULT_LIMITS if limits is None else limits)
         for device, limit in limits.items():
             if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
@@ -92,6 +96,8 @@ class JobManager:
         self.max_runs_per_owner = max_runs_per_owner
         self.max_age_s = max_age_s
         self.keep_failed = keep_failed
+        self.max_active_per_client = max_active_per_client
+        self._clients: dict[str, str] = {}  # job id -> the client address that queued it
         self._lock = threading.RLock()
         self._jobs: dict[str, Job] = {}
         self._queues: dict[str, deque[str]] = {d: deque() for d in limits}
@@ -116,16 +122,19 @@ class JobManager:
 
     # -------------------------------------------------------------------------------------- submit / run
     def submit(self, owner: str, task: Callable[[JobContext], dict], *, title: str = "", device: str = "cpu",
-               kind: str = "quantize", meta: dict | None = None) -> JobSnapshot:
-        """Queue ``task`` for ``owner`` on ``device``; it starts as soon as the device has a free slot."""
+               kind: str = "quantize", meta: dict | None = None, client: str | None = None) -> JobSnapshot:
+        """Queue ``task`` for ``owner`` (from the address ``client``) on ``device``; it starts as soon as the
+        device has a free slot."""
         _check_owner(owner)
         if device not in self.limits:
             raise ValueError(f"device must be one of {sorted(self.limits)}, got {device!r}")
         with self._lock:
-            self.check_submit(owner)
+            self.check_submit(owner, client)
             job_id = self._new_id()
             job = Job(job_id, owner, task, title, kind, device, meta or {}, self.jobs_dir / job_id)
             self._jobs[job_id] = job
+            if client:
+                self._clients[job_id] = client
             self._queues[device].append(job_id)
             self._dispatch_locked()
             return self._snapshot_locked(job)
@@ -267,15 +276,26 @@ class JobManager:
             job = self._owned(job_id, owner)
         return run_bytes(job.out_dir)
 
-    def check_submit(self, owner: str) -> None:
-        """Raise the ValueError ``submit`` would raise for ``owner`` now (limits per owner, a full queue)."""
+    def check_submit(self, owner: str, client: str | None = None) -> None:
+        """Raise the ValueError ``submit`` would raise for ``owner`` now (limits per owner and per client address,
+        a full queue)."""
         _check_owner(owner)
         with self._lock:
             self._prune_locked()
             self._adopt_locked(owner)
             self._check_active_locked(owner)
             self._check_runs_locked(owner)
+            self._check_client_locked(client)
             self._check_queue_locked()
+
+    def _check_client_locked(self, client: str | None) -> None:
+        if not client or self.max_active_per_client is None:
+            return
+        active = sum(1 for j in self._jobs.values() if j.status in ACTIVE and self._clients.get(j.id) == client)
+        if active >= self.max_active_per_client:
+            raise ValueError(f"{active} jobs from your network address are queued or running (limit "
+                             f"{self.max_active_per_client} per address, whatever the browser or session); wait for "
+                             "one to finish")
 
     def _check_active_locked(self, owner: str) -> None:
         mine = [j for j in self._jobs.values() if j.owner == owner and j.status in ACTIVE]
@@ -338,7 +358,7 @@ class JobManager:
             time.sleep(0.05)
 
     def resume(self, job_id: str, owner: str, task: Callable[[JobContext], dict],
-               device: str | None = None) -> JobSnapshot:
+               device: str | None = None, client: str | None = None) -> JobSnapshot:
         """Queue an interrupted job of ``owner`` again, in its own directory, with ``task`` (one that continues
         the unfinished run there). The limits on queued and running jobs apply as for ``submit``; the run already
         counts among those the owner keeps."""
@@ -353,7 +373,10 @@ class JobManager:
                 raise ValueError(f"job {job_id} was not interrupted, it cannot be resumed (status: {status})")
             self._prune_locked()
             self._check_active_locked(owner)
+            self._check_client_locked(client)
             self._check_queue_locked()
+            if client:
+                self._clients[job.id] = client
             with job.lock:
                 job.task, job.device, job.cancel_event = task, device, threading.Event()
                 job.status, job.phase, job.error, job.error_detail, job.result = (
@@ -420,6 +443,7 @@ class JobManager:
     def _delete_locked(self, job: Job) -> None:
         if self._jobs.pop(job.id, None) is None:
             return
+        self._clients.pop(job.id, None)
         shutil.rmtree(job.out_dir, ignore_errors=True)
         for listener in self._listeners:
             try:

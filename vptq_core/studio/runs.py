@@ -54,7 +54,7 @@ class Runs:
         message (no error marks on the job's outputs)."""
         try:
             self._prepare(self.shared.owner(request), model, custom_model, method, calib_source, calib_file,
-                          calib_samples, calib_seqlen, settings)
+                          calib_samples, calib_seqlen, settings, self.shared.client(request))
         except ValueError as exc:
             raise self.shared.error(exc) from None
 
@@ -65,11 +65,11 @@ class Runs:
         device = self.shared.settings.device
         try:
             p = self._prepare(owner, model, custom_model, method, calib_source, calib_file, calib_samples,
-                              calib_seqlen, settings)
+                              calib_seqlen, settings, self.shared.client(request))
             task = self.make_task(p.name, method, p.config, p.calib, device=device, calib_text=p.calib_text)
             uploaded = p.calib_text is not None
             snap = self.shared.manager.submit(owner, task, title=views.job_title(p.name, method, p.est),
-                                              device=device, meta={
+                                              device=device, client=self.shared.client(request), meta={
                 "model": p.name, "method": method, "settings": p.config.to_dict(),
                 "num_blocks": p.info.num_blocks, "modules": list(p.info.modules), "estimate": asdict(p.est),
                 "reserve_bytes": p.reserve,
@@ -109,13 +109,13 @@ class Runs:
             device = self.shared.settings.device
             task = self.make_task(meta["model"], meta["method"], config, calib, device=device,
                                   calib_text=calib_text, resume=True)
-            snap = manager.resume(snap.id, owner, task, device=device)
+            snap = manager.resume(snap.id, owner, task, device=device, client=self.shared.client(request))
         except ValueError as exc:
             raise self.shared.error(exc) from None
         return self._watch(snap, meta.get("num_blocks"), meta.get("modules"), owner)
 
     def _prepare(self, owner, model, custom_model, method, calib_source, calib_file, calib_samples, calib_seqlen,
-                 settings) -> _Prepared:
+                 settings, client: str | None = None) -> _Prepared:
         name = model_name(model, custom_model)
         try:
             config = form.config_from(method, settings)
@@ -127,7 +127,7 @@ class Runs:
             calib_text = read_calibration_file(calib_file, self.shared.settings.max_calib_bytes)
         info = model_info(name)
         est = estimate(info, method, config)
-        self.shared.manager.check_submit(owner)
+        self.shared.manager.check_submit(owner, client)
         reserve = 2 * est.checkpoint_bytes + len(calib_text or "")  # the checkpoint and its zip
         self.shared.check_disk(owner, reserve, "this run")
         return _Prepared(name, config, calib, calib_text, info, est, reserve)

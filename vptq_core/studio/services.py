@@ -20,8 +20,10 @@ from gradio.utils import get_upload_folder
 
 from . import form, plots, views
 from .app_settings import AppSettings
+from .client_address import client_address
 from .model_cache import ModelCache
 from .queue import JobManager
+from .upload_folder import UploadFolder
 
 
 def user_error(message) -> gr.Error:
@@ -33,7 +35,8 @@ def make_manager(settings: AppSettings) -> JobManager:
     """The job manager the settings ask for: one quantization at a time per device."""
     limits = {"cpu": 1, **({settings.device: 1} if settings.device != "cpu" else {})}
     return JobManager(settings.workdir, limits=limits, max_active_per_owner=settings.max_jobs_per_user,
-                      max_runs_per_owner=settings.max_runs_per_user, max_age_s=settings.run_ttl_hours * 3600)
+                      max_runs_per_owner=settings.max_runs_per_user, max_age_s=settings.run_ttl_hours * 3600,
+                      max_active_per_client=settings.max_jobs_per_address)
 
 
 class Identities:
@@ -95,12 +98,20 @@ class Shared:
         if Path(settings.workdir).resolve().is_relative_to(self.serve_dir.resolve()):
             raise ValueError(f"the work directory must not be inside Gradio's cache ({self.serve_dir}): files there "
                              "are served to anyone who knows their path")
+        # Files clients sent to Gradio count in the disk quota of all users; what an earlier process left goes.
+        self.upload_folder = UploadFolder(self.serve_dir, settings.upload_ttl_hours * 3600,
+                                          settings.upload_folder_bytes)
+        self.upload_folder.clean()
         self.roots = tuple(str(Path(r).resolve()) for r in (settings.workdir, self.serve_dir, tempfile.gettempdir()))
         # fp16 matmuls are very slow on CPU; bf16 is not
         self.dtype = "float16" if settings.device == "cuda" else "bfloat16"
 
     def owner(self, request: gr.Request | None) -> str:
         return self.identities.owner(request)
+
+    def client(self, request: gr.Request | None) -> str | None:
+        """The network address the request came from (``client_address``; for limits only, never shown)."""
+        return client_address(request, self.settings.proxy_hops)
 
     # ------------------------------------------------------------------------------ what users are shown
     def public(self, text) -> str:
@@ -137,7 +148,8 @@ class Shared:
         if used + need > s.user_quota_bytes:
             raise ValueError(f"{what} needs about {views.mb(need)}; your runs use {views.mb(used)} of your "
                              f"{views.mb(s.user_quota_bytes)} disk quota: delete a run under 'Your runs' first")
-        total = self.manager.disk_usage()
+        total = self.manager.disk_usage() + self.upload_folder.usage()
         if total + need > s.total_quota_bytes:
-            raise ValueError(f"{what} needs about {views.mb(need)}; the server's runs use {views.mb(total)} of "
-                             f"{views.mb(s.total_quota_bytes)} (the disk quota of all users): try again later")
+            raise ValueError(f"{what} needs about {views.mb(need)}; the server's runs and uploads use "
+                             f"{views.mb(total)} of {views.mb(s.total_quota_bytes)} (the disk quota of all users): "
+                             "try again later")

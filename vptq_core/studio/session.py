@@ -75,5 +75,6 @@ class Pages:
             try:
                 self.shared.manager.prune()
                 self.forget_pages(self.shared.settings.run_ttl_hours * 3600)
+                self.shared.upload_folder.clean()
             except Exception:  # noqa: BLE001 - the janitor must keep running
                 pass

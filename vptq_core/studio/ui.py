@@ -8,6 +8,7 @@ import gradio as gr
 from ..models import TINY
 from . import ui_chat, ui_compare, ui_job, ui_runs, ui_settings, views
 from .app_settings import AppSettings
+from .browser_secret import stored_secret
 from .handlers import Studio
 from .ui_page import Page
 
@@ -19,7 +20,8 @@ def build_blocks(settings: AppSettings, studio: Studio, examples: list[list[str]
     form's components by field. ``examples``: prompts offered in the Chat tab."""
     with gr.Blocks(title=TITLE, analytics_enabled=False, delete_cache=(1800, 3600)) as demo:
         page = Page(settings=settings, studio=studio, small=settings.default_model == TINY, demo=demo)
-        identity = gr.BrowserState(None, storage_key="vptq-studio-identity", secret=settings.browser_secret)
+        identity = gr.BrowserState(None, storage_key="vptq-studio-identity",
+                                   secret=settings.browser_secret or stored_secret(settings.workdir))
         header(settings)
         guard = gr.HTML(views.guard_html(False, False), elem_id="vq-guard", container=False)
         page.update(identity=identity, guard=guard)
