@@ -54,7 +54,8 @@ def _run(name: str, config=None, should_stop=None, on_step=None):
 def _outcome(result) -> dict:
     return {"states": {n: _tensors(s) for n, s in result.states.items()},
             "dense": {n: t.clone() for n, t in result.dense.items()}, "config": result.config,
-            "plan": result.config.get("layer_plan"), "cancelled": result.cancelled, "blocks": result.blocks_done}
+            "plan": result.config.get("layer_plan"), "cancelled": result.cancelled, "blocks": result.blocks_done,
+            "rng": torch.get_rng_state()}
 
 
 def _noise(module, args, output):
@@ -155,7 +156,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _assert_same(a: dict, b: dict, what: str) -> None:
+def _assert_same(a: dict, b: dict, what: str, rng: bool = False) -> None:
     assert a["config"] == b["config"] and a["plan"] == b["plan"], what
     assert list(a["states"]) == list(b["states"]) and a["dense"].keys() == b["dense"].keys(), what
     for layer, tensors in a["states"].items():
@@ -163,6 +164,8 @@ def _assert_same(a: dict, b: dict, what: str) -> None:
             assert torch.equal(tensor, b["states"][layer][key]), (what, layer, key)
     for key, tensor in a["dense"].items():
         assert torch.equal(tensor, b["dense"][key]), (what, key)
+    if rng:  # between ranks: the random generator too, as rank 0's computation left it
+        assert torch.equal(a["rng"], b["rng"]), what
 
 
 def test_without_ranks_once_and_the_shared_stop_call_straight_through():
@@ -206,6 +209,7 @@ def test_two_gloo_ranks_take_rank_0s_training_and_stop_together(tmp_path: Path):
     for name in CONFIGS:
         for r, report in enumerate(ranks):
             _assert_same(report[name], single[name], f"{name} rank {r}")
+        _assert_same(ranks[0][name], ranks[1][name], f"{name} ranks", rng=True)
     assert len({(v, k) for _, v, k in single["vptq"]["plan"]}) > 1  # a real plan, measured
     alone = ranks[1]["alone"]  # the perturbation alone changes the plan's measurement and the trained tensors
     assert any(not torch.equal(t, single["vptq"]["dense"][k]) for k, t in alone["dense"].items())

@@ -6,7 +6,8 @@ block, measured the same plan or distilled the same model would drift apart, and
 not be the quantized model the other ranks carried on with. So the calibration the model writes itself, the bit
 plan, every after-block step (layer-wise fine-tuning, activation scales), a block trained whole (LRQ) and every
 after-model step (distillation) run on rank 0 alone inside ``once``; the others wait, then receive the result (the
-block's or model's tensors in place, the layer states, the metrics) bit for bit.
+block's or model's tensors in place, the layer states, the metrics) bit for bit, and rank 0's random generators as
+its computation left them, so later draws agree on every rank as in one process.
 
 Stops: ``shared_stop`` wraps a rank's own ``should_stop`` so that a stop asked on any rank is written to the
 process group's key-value store (torchrun's rendezvous store, which every rank reaches without a collective) and
@@ -89,7 +90,7 @@ def once(tag: str, compute: Callable[[], T], should_stop: Callable[[], bool], de
             store.set(done, f"failed: {type(exc).__name__}")
             raise
         store.set(done, "ok")
-        share(value, device)
+        share((value, _rng_states()), device)
         for module in modules:
             share_module(module)
         return value
@@ -101,12 +102,26 @@ def once(tag: str, compute: Callable[[], T], should_stop: Callable[[], bool], de
         raise Cancelled
     if status != "ok":
         raise RuntimeError(f"rank 0 failed during {tag} ({status.removeprefix('failed: ')}); its output says why")
-    value = share(None, device)
+    value, rng = share(None, device)
+    _set_rng_states(rng)  # rank 0's generators as its computation left them: later draws agree on every rank
     if apply is not None:
         apply(value)
     for module in modules:  # after ``apply``: the modules end exactly as rank 0 left them
         share_module(module)
     return value
+
+
+def _rng_states() -> dict[str, torch.Tensor]:
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def _set_rng_states(states: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
 
 
 def share(value, device: str | torch.device, src: int = 0):
