@@ -284,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.threads < 1 or args.pairs < 1:
         parser.error("--tokens, --threads and --pairs must be >= 1")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"bench/decode.py --device {args.device} needs a CUDA device: torch.cuda.is_available() is "
+                         "False")
     torch.set_num_threads(args.threads)
 
     rss0 = rss_bytes()

@@ -218,11 +218,14 @@ class EmulatedDevice(TorchFunctionMode):
     def _wrap(self, out, inner_of: dict[int, DeviceTensor]):
         flat, spec = tree_flatten(out)
         wrapped = []
-        for o in flat:
-            if isinstance(o, torch.Tensor) and not isinstance(o, DeviceTensor):
-                same = inner_of.get(id(o))
-                o = DeviceTensor(o) if same is None else same
-            wrapped.append(o)
+        # Wrappers made under inference mode would be inference tensors, and a view of a normal tensor (e.g.
+        # ``buffer[:, i] = token`` into a buffer made before inference mode) then fails where CUDA does not.
+        with torch.inference_mode(False):
+            for o in flat:
+                if isinstance(o, torch.Tensor) and not isinstance(o, DeviceTensor):
+                    same = inner_of.get(id(o))
+                    o = DeviceTensor(o) if same is None else same
+                wrapped.append(o)
         return tree_unflatten(wrapped, spec)
 
 

@@ -35,6 +35,7 @@ class Smoke:
     after: str | None = None
     log: str | None = None
     gpu: bool = False  # needs CUDA: without a GPU it must exit with ``returncode`` and a one-line reason
+    gpu_table: bool = False  # the GPU checks: without a GPU every row must say "skipped: no CUDA" (skipped with one)
 
 
 QUALITY_ROW = "vptq-2-v6k4096-kd32"  # quantization then distillation: both paths of bench/quality.py
@@ -69,7 +70,16 @@ SMOKES: dict[str, Smoke] = {
         (f"{{root}}/quality/ckpt/{QUALITY_ROW}", "--original", TINY, "--seqlen", "32", "--windows", "1",
          "--threads", "1"),
         ("| checkpoint | text | ppl | bf16 ppl |", f"| {QUALITY_ROW} | python docs |"), after="bench/quality.py"),
-    "bench/gpu.sh": Smoke((), (f"bench/gpu.sh needs a CUDA device: {NO_CUDA}",), returncode=1, gpu=True),
+    # every step starts as on a GPU and refuses in one line; the table has a "skipped: no CUDA" row per step
+    "bench/gpu.sh": Smoke((), ("| step | status | seconds | figures |",
+                               *(f"| {step} | skipped: no CUDA" for step in (
+                                   "1 Triton kernel tests (CUDA)", "2 Triton vs cuBLAS fp16",
+                                   "3a decode 2-bit SmolLM2 shape vs fp16", "3b decode 2-bit 0.5B shape vs fp16",
+                                   "4 preset 2.5 SmolLM2 on CUDA", "5 NCCL, 2 processes"))), gpu_table=True),
+    "bench/gpu_assets.py": Smoke(("--no-download", "--gguf", "bench/README.md", "--out", "{root}/assets",
+                                  "--max-mb", "0.004"), ("part1: ", "part2: ", "carry each part")),
+    "bench/gpu_steps.py": Smoke(("--steps", "5", "--quick"), ("| 5 NCCL, 2 processes | skipped: no CUDA",),
+                                gpu_table=True),
     "bench/gpu_quantize.py": Smoke(("--model", TINY), ("no CUDA device: GPU figures need a GPU",), returncode=1,
                                    gpu=True),
     "bench/head_quality.py": Smoke(
@@ -208,7 +218,7 @@ def _native_reason(name: str) -> str | None:
 @pytest.mark.parametrize("name", sorted(SMOKES))
 def test_bench_script_runs(name, bench_run):
     smoke = SMOKES[name]
-    if smoke.gpu and _cuda_available():
+    if (smoke.gpu or smoke.gpu_table) and _cuda_available():
         pytest.skip("a GPU is present: run bash bench/gpu.sh on it (this test checks the refusal without one)")
     reason = _native_reason(name)
     if reason:

@@ -67,8 +67,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             report[method] = {name: _tensors(state) for name, state in result.states.items()}
             report[f"{method}-timings"] = dict(result.timings)
         # a stop on rank 1 only, asked while it quantizes its share: both ranks stop at the same point
-        def stop() -> bool:
-            return rank == 1 and sys._getframe(1).f_code.co_name == "quantize_linears"
+        def stop() -> bool:  # asked from quantize_linears (through the run's shared stop)
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code.co_name != "quantize_linears":
+                frame = frame.f_back
+            return rank == 1 and frame is not None
 
         cancelled = _run("gptq", None, should_stop=stop)
         report["cancelled"] = (cancelled.cancelled, len(cancelled.states))

@@ -15,9 +15,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from . import distributed
 from .blocks import block_linears, blocks_prefix, decoder_blocks
 from .calib_windows import layerwise_count
 from .device import return_freed_memory
+from .distributed_once import once
 from .forward import BlockKwargs, capture_block_inputs, hessians_and_targets, kwargs_to, run_batched, run_block
 from .methods import BlockContext, Cancelled, QuantResult
 from .results import BlockDone, LayerReport, OnLayer, QuantizeResult, ResumePoint
@@ -40,7 +42,7 @@ def quantize_blocks(run: Run) -> None:
     prefix, model_dtype = blocks_prefix(run.model), next(run.model.parameters()).dtype
     try:
         for b in range(first, len(blocks)):
-            if run.should_stop():
+            if distributed.any_rank(run.should_stop()):  # with several ranks: all stop before the same block
                 raise Cancelled
             inps, fp_inps = quantize_block(run, b, blocks[b], prefix, inps, fp_inps, kwargs.at(b), model_dtype)
             if run.weights is not None:
@@ -122,20 +124,55 @@ def quantize_block(run: Run, b: int, block: nn.Module, prefix: str, inps: torch.
 
 
 def _quantize_and_hook(ctx: BlockContext) -> None:
-    """The method's block step, then its after-block hooks (their metrics go into the block's reports)."""
+    """The method's block step, then its after-block hooks (their metrics go into the block's reports).
+
+    With several ranks a block trained whole and every after-block hook run on rank 0 alone; the others take
+    its block tensors, layer states and metrics (``distributed_once.once``), so no rank drifts from another."""
     method, config, result = ctx.method, ctx.config, ctx.result
+    device = next(ctx.block.parameters()).device
     if method.quantize_block is not None:
         with result.timed(method.block_phase):
-            method.quantize_block(ctx)
+            _block_step_once(ctx, device)
     else:
         quantize_linears(ctx)
     for hook in method.after_block:
         if not hook.applies(config):
             continue
         with result.timed(hook.phase):
-            metrics = hook.run(ctx)
+            metrics, _ = once(hook.phase, lambda hook=hook: (hook.run(ctx), ctx.states), ctx.should_stop, device,
+                              modules=(ctx.block,), apply=lambda value: _take_states(ctx, value[1]))
         for rep in ctx.reports:
             rep.extra.update(metrics or {})
+
+
+def _block_step_once(ctx: BlockContext, device: torch.device) -> None:
+    """The method's ``quantize_block`` (it publishes each linear): on rank 0 with several ranks, whose
+    publications the others replay."""
+    publish, published = ctx.publish, []
+
+    def recording(name: str, res: QuantResult, seconds: float, extra: dict | None = None) -> LayerReport:
+        published.append((name, res, seconds, extra))
+        return publish(name, res, seconds, extra)
+
+    def compute() -> list:
+        ctx.publish = recording
+        try:
+            ctx.method.quantize_block(ctx)
+        finally:
+            ctx.publish = publish
+        return published
+
+    def replay(items: list) -> None:
+        for name, res, seconds, extra in items:
+            publish(name, res, seconds, extra)
+
+    once(ctx.method.block_phase, compute, ctx.should_stop, device, modules=(ctx.block,), apply=replay)
+
+
+def _take_states(ctx: BlockContext, states: dict) -> None:
+    """Rank 0's layer states of the block (after a hook changed them) in place of this rank's."""
+    for name, state in states.items():
+        ctx.states[name] = ctx.result.states[ctx.full_name(name)] = state
 
 
 def quantize_linears(ctx: BlockContext) -> None:
@@ -147,8 +184,6 @@ def quantize_linears(ctx: BlockContext) -> None:
     Stopping or failing on any rank stops every rank at the same point (no rank is left waiting). Timings
     then hold this rank's own work plus ``exchange`` (waiting for the others and the transfer).
     """
-    from . import distributed  # here, not at the top: this function is the pipeline's only use of it
-
     cache: dict = {}  # shared by the block's linears (inverse-Hessian factors of shared inputs)
     if not distributed.active():
         for name in ctx.linears:

@@ -5,7 +5,10 @@ Hessians and targets (the pipeline is deterministic for a fixed seed and thread 
 linears are split across the ranks (``assign``: balanced by weight count); each rank quantizes its share;
 then ``exchange`` gives every rank every linear's result (layer state, dequantized weight, metrics) before
 the block's outputs are computed, so all ranks go on with identical quantized blocks and end with identical
-states. Rank 0 alone should write the checkpoint (``is_main``).
+states. Rank 0 alone should write the checkpoint (``is_main``). What depends on training or measurement (the
+self-written calibration, the bit plan, block training, fine-tuning, distillation), which CUDA does not reproduce bit
+for bit, is computed by rank 0 alone and sent to the others, and a stop on any rank reaches all of them
+(``distributed_once``).
 
 Launch with torchrun, which sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``::
 

@@ -14,6 +14,7 @@ dequantized weights (for a fake-quantized model) and their errors.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -88,7 +89,7 @@ def normed_block_outputs(model: nn.Module, blocks_prefix: str, outputs: torch.Te
     norm = final_norm(model, blocks_prefix)
     if norm is None:
         return outputs.float()
-    norm = norm.to(device)
+    norm = copy.deepcopy(norm).to(device)  # a copy: the model's own final norm stays where it is
     parts = []
     with torch.no_grad():
         for i in range(0, outputs.shape[0], batch):

@@ -35,6 +35,7 @@ from .bits import BitsInfo
 from .block_stage import quantize_blocks
 from .blocks import check_linear_shapes, total_linear_shapes
 from .calib_windows import layerwise_count
+from .distributed_once import once, shared_stop
 from .methods import Cancelled, Method, ModelContext, RunNeeds
 from .results import BlockDone, OnLayer, OnStep, QuantizeResult, ResumePoint, ShouldStop
 from .run import Run
@@ -59,9 +60,13 @@ def calibrate(run: Run) -> None:
     distillation; with distillation to follow, the original's top-k on those windows is kept from the
     sampling's own logits so that distillation's teacher pass skips them."""
     topk = run.needs.teacher_topk if run.needs.after_model else 0
-    written: dict = {}
-    with run.result.timed("sample_calibration"):
+    def write() -> tuple:
+        written: dict = {}
         sampled = sampled_calibration(run.model, run.calib_ids, run.config, run.should_stop, topk=topk, info=written)
+        return sampled, written
+
+    with run.result.timed("sample_calibration"):
+        sampled, written = once("calibrate", write, run.should_stop, run.device)  # with several ranks: rank 0's
     if written:  # too slow for the time budget here: the calibration stayed text
         run.result.model_metrics["calibration"] = written
     if sampled is None:
@@ -78,7 +83,8 @@ def plan(run: Run) -> None:
     for hook in [hook for hook in run.method.before_blocks if hook.phase in run.needs.plan]:
         with run.result.timed(hook.phase):
             try:
-                run.config, metrics = hook.run(run.model, windows, run.config, run.device, run.should_stop)
+                run.config, metrics = once(hook.phase, lambda: hook.run(run.model, windows, run.config, run.device,
+                                                                        run.should_stop), run.should_stop, run.device)
             except Cancelled:
                 run.result.cancelled = True
                 return
@@ -103,8 +109,9 @@ def distill_model(run: Run) -> None:
                                should_stop=run.should_stop,
                                on_step=run.on_step or (lambda _phase, _step, _steps, _loss: None),
                                teacher=run.teacher, deadline=deadline)
-            with run.result.timed(hook.phase):
-                metrics = hook.run(ctx) or {}
+            with run.result.timed(hook.phase):  # with several ranks: rank 0 trains, the others take its result
+                metrics, _ = once(hook.phase, lambda: (hook.run(ctx) or {}, run.result.states), run.should_stop,
+                                  run.device, modules=(model,), apply=lambda value: run.result.states.update(value[1]))
             run.result.model_metrics[hook.phase] = metrics
             if metrics.get("cancelled"):
                 run.result.cancelled = True
@@ -151,7 +158,8 @@ def quantize_model(
     through ``STAGES``.
 
     ``on_layer(LayerReport)`` as each linear finishes; ``should_stop()`` polled between linears (the result then
-    has ``cancelled=True`` with the layers done so far); ``device``: where blocks are processed ("cuda" when
+    has ``cancelled=True`` with the layers done so far; with several ranks, a stop on any stops all:
+    ``distributed_once``); ``device``: where blocks are processed ("cuda" when
     available); ``inplace``: quantize ``model`` itself instead of a copy; ``skip(full name)``: leave a linear as it
     is; ``on_stage(name)`` as each stage starts; ``on_metrics(phase, metrics)`` as each plan hook ends (e.g. the bit
     plan by sensitivity, before the first block).
@@ -172,8 +180,8 @@ def quantize_model(
     """
     run = start_run(model, calib_ids, method, config, device, inplace, weights=weights, resume=resume,
                     keep_states=keep_states, reference=reference, on_layer=on_layer or (lambda _r: None),
-                    should_stop=should_stop or (lambda: False), on_step=on_step, on_block=on_block, skip=skip,
-                    capture_dtype=capture_dtype, on_metrics=on_metrics)
+                    should_stop=shared_stop(should_stop or (lambda: False)), on_step=on_step, on_block=on_block,
+                    skip=skip, capture_dtype=capture_dtype, on_metrics=on_metrics)
     for stage in STAGES:
         if run.result.cancelled:
             break
