@@ -9,6 +9,7 @@ and runs of the calling browser only (``services``).
 - ``hub`` (``hub.HubPush``): push a run to the user's own hub repo
 - ``uploads`` (``uploads.Uploads``): a packed checkpoint archive as a new run
 - ``chat`` (``chat_handlers.ChatHandlers``): both models side by side
+- ``divergence`` (``divergence_handlers.DivergenceHandlers``): where a run departs from its original, per token
 
 ``app.py`` lays the page out and wires these handlers to it; what they show is formatted by ``views``.
 """
@@ -21,6 +22,7 @@ from typing import Any
 from .app_settings import AppSettings
 from .chat import ChatSession
 from .chat_handlers import ChatHandlers
+from .divergence_handlers import DivergenceHandlers
 from .downloads import Downloads
 from .evaluation import Evaluation
 from .hub import HubPush
@@ -57,7 +59,13 @@ class Studio:
         self.hub = HubPush(self.shared, hub_api)
         self.uploads = Uploads(self.shared, self.models)
         self.chat = ChatHandlers(self.shared, self.models, make_chat)
-        self.pages = Pages(self.shared, self.chat.stop_page, janitor_interval_s)
+        self.divergence = DivergenceHandlers(self.shared, self.models)
+        self.pages = Pages(self.shared, self._stop_page, janitor_interval_s)
+
+    def _stop_page(self, session: str) -> None:
+        """A page went away: its chats and its divergence comparison stop."""
+        self.chat.stop_page(session)
+        self.divergence.stop_page(session)
 
     @property
     def settings(self) -> AppSettings:

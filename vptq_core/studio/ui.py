@@ -6,7 +6,7 @@ from __future__ import annotations
 import gradio as gr
 
 from ..models import TINY
-from . import ui_chat, ui_job, ui_runs, ui_settings, views
+from . import ui_chat, ui_divergence, ui_job, ui_runs, ui_settings, views
 from .app_settings import AppSettings
 from .handlers import Studio
 from .ui_page import Page
@@ -32,6 +32,7 @@ def build_blocks(settings: AppSettings, studio: Studio, examples: list[list[str]
                 ui_runs.raw_status_section(page)
             with gr.Tab("Chat", id="chat"):
                 ui_chat.chat_tab(page, examples or [])
+                ui_divergence.divergence_section(page)
         page.update(timer=gr.Timer(1.0, active=False), poll_state=gr.State({}), upload_state=gr.State(""))
         demo.studio = studio
         demo.settings_form = page.fields  # one component per form field, keyed by the setting (see studio.form)
@@ -42,6 +43,7 @@ def build_blocks(settings: AppSettings, studio: Studio, examples: list[list[str]
         ui_runs.wire_runs(page)
         ui_chat.wire_upload(page)
         ui_chat.wire_chat(page)
+        ui_divergence.wire_divergence(page)
     # Short handlers run a few at a time; quantization itself is limited by the job manager, chat and
     # evaluation by their own limits.
     demo.queue(default_concurrency_limit=2, max_size=64)
