@@ -35,7 +35,7 @@ CSS = """
 .vq-div .vq-part { display: inline-block; min-width: 3px; height: 1em; vertical-align: middle; }
 .vq-div .vq-ws { color: #8c959f; }
 .vq-div .vq-tip { display: none; position: absolute; left: 0; top: 100%; z-index: 50; margin-top: 4px;
-  width: max-content; max-width: 440px; white-space: normal; user-select: none; cursor: default;
+  width: max-content; max-width: 440px; white-space: normal; user-select: none; pointer-events: none;
   font: 12px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: #1f2328; background: #fff;
   border: 1px solid #8c959f; border-radius: 6px; padding: 8px 10px; box-shadow: 0 4px 14px rgba(0,0,0,.18); }
 .vq-div .vq-t:hover .vq-tip, .vq-div .vq-t:focus .vq-tip { display: block; }

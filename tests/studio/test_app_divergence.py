@@ -43,7 +43,8 @@ def test_a_text_streams_per_window_with_the_librarys_numbers_and_an_html_downloa
     expected = compute_divergence(original[0], quant, tok, text=TEXT, max_tokens=1024)
     assert expected.done == expected.total == len(expected.rows) > 511
     view, download, status = updates[-1]
-    assert status == summary_line(expected.summary)
+    assert status.startswith(f"Compared {len(expected.rows) - 1} tokens in ")
+    assert f">{summary_line(expected.summary)}</p>" in view
     assert view.count('tabindex="0"') == len(expected.rows) - 1  # every predicted token can be opened
     first_window = updates[1][0]
     assert 0 < first_window.count('tabindex="0"') < len(expected.rows) - 1  # the page saw the first window alone
@@ -63,7 +64,7 @@ def test_stop_ends_the_comparison_after_the_window_in_progress_and_keeps_it(serv
     assert progress.startswith("512 of ")  # the first token (context) and the 511 the first window predicts
     handlers.stop(request)
     *_, (view, download, status) = updates
-    assert "stopped after 512 of" in status and status.endswith("tokens: stopped)")
+    assert status.startswith("Compared 511 tokens") and status.endswith("(stopped after 512 of 684 tokens: stopped).")
     assert view.count('tabindex="0"') == 511 and download.visible and Path(download.value["path"]).is_file()
     folder = handlers._files[request.session_hash]
     handlers.stop_page(request.session_hash)  # the page went away: its download goes

@@ -9,12 +9,13 @@ import html
 import secrets
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import gradio as gr
 
 from ..divergence import Divergence, divergence_chunks
-from ..divergence_html import divergence_document, divergence_fragment, summary_line
+from ..divergence_html import divergence_document, divergence_fragment
 from . import views
 from .run_models import RunModels
 from .services import Shared
@@ -86,12 +87,13 @@ class DivergenceHandlers:
             self._stops[session] = stop
         title = self.shared.public(f"run {run_id} vs its original {source}")
         result = Divergence()
+        started = time.monotonic()
         yield _waiting(title), gr.DownloadButton(visible=False), "comparing…"
         try:
             for chunk in divergence_chunks(original[0], qmodel, tok, text=text, max_tokens=max_tokens,
                                            time_limit_s=settings.divergence_time_limit_s, should_stop=stop.is_set):
                 result.add(chunk)
-                progress = f"{result.done} of {result.total} tokens"
+                progress = f"{result.done} of {result.total} tokens…"
                 yield divergence_fragment(result, title), gr.skip(), progress
         except ValueError as exc:
             raise self.shared.error(exc) from None
@@ -99,11 +101,12 @@ class DivergenceHandlers:
             with self._lock:
                 if self._stops.get(session) is stop:
                     self._stops.pop(session, None)
-        status = summary_line(result.summary) if result.rows else "nothing compared"
         note = result.coverage_note()
+        status = (f"Compared {result.summary['tokens']} tokens in {time.monotonic() - started:.1f} s"
+                  if result.rows else "Nothing compared")
         path = self._serve(session, divergence_document(result, title)) if result.rows else None
         yield (divergence_fragment(result, title), gr.DownloadButton(value=path, visible=bool(path)),
-               f"{status}{f' ({note})' if note else ''}")
+               f"{status}{f' ({note})' if note else ''}.")
 
     def stop(self, request: gr.Request) -> None:
         with self._lock:
