@@ -17,6 +17,7 @@ from studio_helpers import as_request, make_tiny_checkpoint, serve_app  # noqa: 
 from vptq_core.divergence import compute_divergence  # noqa: E402
 from vptq_core.divergence_html import summary_line  # noqa: E402
 from vptq_core.storage.archive import pack_checkpoint  # noqa: E402
+from vptq_core.studio import views  # noqa: E402
 
 served = pytest.fixture(scope="module", name="served")(serve_app)
 tiny_checkpoint = pytest.fixture(scope="module", name="tiny_checkpoint")(make_tiny_checkpoint)
@@ -104,3 +105,14 @@ def test_bad_requests_are_refused_in_one_line(served, run, monkeypatch):
                         lambda run_id, owner: (quant, None, "the checkpoint does not say", None))
     with pytest.raises(gr.Error, match="the original model is not available: the checkpoint does not say"):
         next(served.studio.divergence.compute(TEXT, run_id, 64, as_request(client)))
+
+
+def test_an_evaluation_shows_the_kl_statistics():
+    ev = {"perplexity": 20.0, "reference_perplexity": 18.0, "kl_divergence": 0.05, "top1_agreement": 0.9,
+          "kl_median": 0.02, "kl_p90": 0.1, "kl_p99": 0.6, "kl_max": 2.5, "delta_p_mean": -0.012,
+          "delta_p_p01": -0.4, "delta_p_p99": 0.2, "windows": 4, "seqlen": 512, "text": "wiki", "tokens": 2044,
+          "seconds": 3.0}
+    text = views.eval_md(ev)
+    assert ("KL per token: median 0.0200, p90 0.1000, p99 0.6000, max 2.5000 nats · Δp of the original's top "
+            "token: mean -1.20%, p01 -40.00%, p99 +20.00%") in text
+    assert "KL per token" not in views.eval_md({**ev, "kl_p99": None})  # evaluations stored before them
