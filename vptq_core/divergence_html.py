@@ -48,8 +48,8 @@ CSS = """
 .vq-div .vq-tip .hit { font-weight: 700; }
 """
 
-# Keeps an open token's details inside the window (flipped left or above near the edges); the CSS shows them
-# without it. ``element`` is the root the page gives (Gradio's js_on_load) or the document.
+# Keeps an open token's details inside the view and the window (shifted left or flipped above near the edges);
+# the CSS shows them without it. ``element`` is the root the page gives (Gradio's js_on_load), else the document.
 PLACE_JS = """
 (function (root) {
   function place(event) {
@@ -58,7 +58,9 @@ PLACE_JS = """
     if (!tip) return;
     tip.style.left = '0px'; tip.style.top = '100%'; tip.style.bottom = 'auto';
     var r = tip.getBoundingClientRect(), width = document.documentElement.clientWidth;
-    if (r.right > width - 8) tip.style.left = (-Math.min(r.right - width + 8, r.left - 8)) + 'px';
+    var box = root.getBoundingClientRect ? root.getBoundingClientRect() : {left: 0, right: width};
+    var left = Math.max(0, box.left) + 4, right = Math.min(width, box.right) - 4;
+    if (r.right > right) tip.style.left = (-Math.max(0, Math.min(r.right - right, r.left - left))) + 'px';
     if (r.bottom > window.innerHeight - 8 && r.top - r.height > 8) {
       tip.style.top = 'auto'; tip.style.bottom = '100%';
     }
