@@ -51,6 +51,8 @@ LIMITS = {
     "run_ttl_hours": ("VPTQ_APP_RUN_TTL_HOURS", "hours"),
     "max_prompt_tokens": ("VPTQ_APP_MAX_PROMPT_TOKENS", "int"),
     "chat_concurrency": ("VPTQ_APP_CHAT_CONCURRENCY", "int"),
+    "max_divergence_tokens": ("VPTQ_APP_MAX_DIVERGENCE_TOKENS", "int"),
+    "divergence_time_limit_s": ("VPTQ_APP_DIVERGENCE_SECONDS", "seconds"),
 }
 # The page warns before it is left while a job runs or a result was not taken home (the guard element's data).
 LEAVE_GUARD_JS = """<script>

@@ -273,6 +273,8 @@ TEST_HOMES = {
     "test_app_quotas.py": "studio",
     "test_app_restart.py": "studio",
     "test_browser_restart.py": "studio",
+    "test_app_divergence.py": "studio",
+    "test_browser_divergence.py": "studio",
 }
 # Tests that exercise several packages together (a model family or a model source end to end, the embedding from
 # quantization to checkpoint, streaming, the project's layout, docs and benchmarks): they live directly in tests/.

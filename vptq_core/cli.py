@@ -1,4 +1,4 @@
-"""Command line: ``python -m vptq_core quantize|eval|chat|bench``.
+"""Command line: ``python -m vptq_core quantize|eval|chat|diff|bench``.
 
 Bad input exits with code 2 and one line saying what is wrong and what is allowed.
 """
@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from .data import TEXTS
+from .divergence_cli import add_diff_parser, cmd_diff
 from .quant import methods
 from .quant.config import CALIB_GROUP, GROUPS, CalibConfig
 from .quant.settings import Setting, grouped
@@ -148,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--temperature", type=float, default=0.0)
     ch.add_argument("--prompt", help="answer one prompt and exit (otherwise read prompts from stdin)")
 
+    add_diff_parser(sub, _positive, HEAD_BITS_CHOICES, HEAD_BITS_HELP)
+
     b = sub.add_parser("bench", help="run a benchmark script from bench/")
     b.add_argument("name", choices=["quality", "kernels", "decode"])
     b.add_argument("args", nargs=argparse.REMAINDER)
@@ -273,6 +276,7 @@ def _quantize(args, config, calib, device, main: bool) -> int:
 
 def _cmd_eval(args) -> int:
     from .api import evaluate_model
+    from .eval import kl_stats_text
 
     result = evaluate_model(args.model, reference=args.reference, text=args.text, seqlen=args.seqlen,
                             max_windows=args.max_windows, dtype=args.dtype, head_bits=args.head_bits)
@@ -283,6 +287,7 @@ def _cmd_eval(args) -> int:
         if result.kl_divergence is not None:
             print(f"reference perplexity {result.reference_perplexity:.3f}, KL {result.kl_divergence:.4f} nats/token, "
                   f"top-1 agreement {result.top1_agreement:.2%}")
+            print(kl_stats_text(result.to_dict()))
     return 0
 
 
@@ -320,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    handlers = {"quantize": _cmd_quantize, "eval": _cmd_eval, "chat": _cmd_chat, "bench": _cmd_bench}
+    handlers = {"quantize": _cmd_quantize, "eval": _cmd_eval, "chat": _cmd_chat, "diff": cmd_diff,
+                "bench": _cmd_bench}
     try:
         return handlers[args.command](args)
     except (ValueError, TypeError, FileNotFoundError) as exc:

@@ -26,7 +26,7 @@ from vptq_core.studio.template_guard import TemplateError, TemplateRenderer, cha
 served = pytest.fixture(scope="module", name="served")(serve_app)
 tiny_checkpoint = pytest.fixture(scope="module", name="tiny_checkpoint")(make_tiny_checkpoint)
 
-LOOPING = "{% for i in range(100000) %}{% for j in range(100000) %}{{ i }}{% endfor %}{% endfor %}"
+LOOPING = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"  # CPU only, no output
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <|im_end|> there"},
             {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?", "name": None}]
 # What chat templates on the hub use: loop controls, namespaces, tojson, raise_exception, the special tokens.

@@ -36,6 +36,9 @@ class AppSettings:
     run_ttl_hours: float = 12.0  # finished runs are deleted this long after they finish
     max_prompt_tokens: int = 1024  # a chat prompt with the conversation so far
     max_calib_bytes: int = 32_000_000  # an uploaded calibration .txt
+    max_divergence_tokens: int = 2048  # tokens of a text the divergence view compares
+    divergence_time_limit_s: float = 120.0  # one comparison of the divergence view stops after this long
+    max_divergence_text_bytes: int = 1_000_000  # a text (pasted or an uploaded .txt) for the divergence view
     eval_windows: int = 4
     eval_seqlen: int = 512
     cleanup_workdir: bool = False  # remove the work dir at exit (it was a fresh temporary one)

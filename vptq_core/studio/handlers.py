@@ -11,6 +11,7 @@ and runs of the calling browser only (``services``).
 - ``chat`` (``chat_handlers.ChatHandlers``): two models side by side (the original or any finished run each)
 - ``compare`` (``compare.Compare``): two or more runs in one view
 - ``bit_plan`` (``bit_plan.BitPlanView``): the watched job's bit plan by sensitivity
+- ``divergence`` (``divergence_handlers.DivergenceHandlers``): where a run departs from its original, per token
 
 ``app.py`` lays the page out and wires these handlers to it; what they show is formatted by ``views``.
 """
@@ -25,6 +26,7 @@ from .bit_plan import BitPlanView
 from .chat import ChatSession
 from .chat_handlers import ChatHandlers
 from .compare import Compare
+from .divergence_handlers import DivergenceHandlers
 from .downloads import Downloads
 from .evaluation import Evaluation
 from .hub import HubPush
@@ -61,9 +63,15 @@ class Studio:
         self.hub = HubPush(self.shared, hub_api)
         self.uploads = Uploads(self.shared, self.models)
         self.chat = ChatHandlers(self.shared, self.models, make_chat)
+        self.divergence = DivergenceHandlers(self.shared, self.models)
         self.compare = Compare(self.shared)
         self.bit_plan = BitPlanView(self.shared)
-        self.pages = Pages(self.shared, self.chat.stop_page, janitor_interval_s)
+        self.pages = Pages(self.shared, self._stop_page, janitor_interval_s)
+
+    def _stop_page(self, session: str) -> None:
+        """A page went away: its chats and its divergence comparison stop."""
+        self.chat.stop_page(session)
+        self.divergence.stop_page(session)
 
     @property
     def settings(self) -> AppSettings:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gradio as gr
 
 from ..models import TINY
-from . import ui_chat, ui_compare, ui_job, ui_runs, ui_settings, views
+from . import ui_chat, ui_compare, ui_divergence, ui_job, ui_runs, ui_settings, views
 from .app_settings import AppSettings
 from .browser_secret import stored_secret
 from .handlers import Studio
@@ -34,6 +34,7 @@ def build_blocks(settings: AppSettings, studio: Studio, examples: list[list[str]
                 ui_runs.raw_status_section(page)
             with gr.Tab("Chat", id="chat"):
                 ui_chat.chat_tab(page, examples or [])
+                ui_divergence.divergence_section(page)
             with gr.Tab("Compare runs", id="compare"):
                 ui_compare.compare_tab(page)
         page.update(timer=gr.Timer(1.0, active=False), poll_state=gr.State({}), upload_state=gr.State(""))
@@ -47,6 +48,7 @@ def build_blocks(settings: AppSettings, studio: Studio, examples: list[list[str]
         ui_runs.wire_runs(page)
         ui_chat.wire_upload(page)
         ui_chat.wire_chat(page)
+        ui_divergence.wire_divergence(page)
         ui_compare.wire_compare(page)
     # Short handlers run a few at a time; quantization itself is limited by the job manager, chat and
     # evaluation by their own limits.

@@ -11,6 +11,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 
+from ..eval import kl_stats_text
 from ..models import BUNDLED, TINY
 from ..quant import methods
 from .estimate import Estimate, ModelInfo
@@ -223,6 +224,8 @@ def eval_md(ev: Mapping | None) -> str:
     if ev.get("reference_perplexity") is not None:
         text += (f" (original {ev['reference_perplexity']:.3f}) · KL to the original **{ev['kl_divergence']:.4f}**"
                  f" nats/token · top-1 agreement **{100 * ev['top1_agreement']:.1f}%**")
+    if ev.get("kl_p99") is not None:
+        text += f"  \n{kl_stats_text(ev)}"
     return (f"{text}  \n<span class='vq-note'>{ev['windows']} windows × {ev['seqlen']} tokens of the "
             f"{'bundled Wikipedia' if ev['text'] == 'wiki' else 'uploaded'} evaluation text "
             f"({ev['tokens']} predicted tokens, {ev['seconds']:.0f} s)</span>")
