@@ -28,14 +28,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import accelerate
 import safetensors
 import torch
 import transformers
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-from transformers import initialization as hf_init
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from ..quant.states import ScalarLayerState, VQLayerState
 from .head import check_head_bits, quantize_head
@@ -47,6 +45,7 @@ from .modules import (
     set_submodule,
     vq_spec_from_config,
 )
+from .skeleton import empty_model
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -655,11 +654,10 @@ def load_quantized(
     except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"{config_path}: cannot build the model config ({type(exc).__name__}: {exc})") from None
 
-    with accelerate.init_empty_weights(include_buffers=False), hf_init.no_init_weights():
-        try:
-            model = AutoModelForCausalLM.from_config(model_config, dtype=target_dtype)
-        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
-            raise ValueError(f"{config_path}: cannot build the model ({type(exc).__name__}: {exc})") from None
+    try:
+        model = empty_model(model_config, target_dtype)
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, ZeroDivisionError) as exc:
+        raise ValueError(f"{config_path}: cannot build the model ({type(exc).__name__}: {exc})") from None
     try:
         modules = swap_quantized_modules(
             model, quantization_config["quant_method"], quantization_config["config_for_layers"],
