@@ -15,6 +15,7 @@ from ..storage.checkpoint import checkpoint_size, read_quantization_config
 from . import views
 from .run_models import RunModels
 from .services import Shared, user_error
+from .upload_limits import check_upload
 
 
 class Uploads:
@@ -88,6 +89,7 @@ class Uploads:
         """Unpack ``archive`` into ``out_dir/checkpoint`` and load it (every tensor checked against its config;
         the model stays cached for chat); the new run's result."""
         s = self.shared.settings
+        check_upload(archive, s, self.shared.memory, float_bytes=2)  # the app loads in bf16 / fp16
         ckpt = extract_checkpoint(archive, out_dir / "checkpoint", max_bytes=budget, max_files=s.max_archive_files,
                                   max_entry_bytes=s.max_entry_bytes, max_ratio=s.max_ratio, total_label=label)
         _config, quantization = read_quantization_config(ckpt)
