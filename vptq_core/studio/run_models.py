@@ -9,6 +9,7 @@ from pathlib import Path
 from ..models import load_model
 from ..storage.checkpoint import load_quantized
 from .services import Shared
+from .sources import loadable_source
 
 
 class RunModels:
@@ -42,14 +43,23 @@ class RunModels:
         source = (snap.result or {}).get("source_model")
         quant = self.load_quantized(ckpt)
         original, why = None, ""
+        if snap.kind == "import":  # the uploader's words: loaded only when trusted (``sources``)
+            source, why = self._uploaded_source(source, owner)
         if source:
             try:
                 original = self.load_original(source)
             except ValueError as exc:
                 why = self.shared.public(exc)
-        else:
+        elif not why:
             why = "the checkpoint does not say which model it was made from"
         return quant, original, why, source
+
+    def _uploaded_source(self, source: str | None, owner: str) -> tuple[str | None, str]:
+        """(the recorded source of an uploaded run when it may be loaded, else None; why not)."""
+        s = self.shared.settings
+        own = {(snap.result or {}).get("source_model") for snap in self.shared.manager.jobs(owner, statuses=("done",))
+               if snap.kind != "import"} - {None}
+        return loadable_source(source, own, s.allowed_hub_models, s.max_hub_model_bytes)
 
     def drop_checkpoint(self, ckpt: Path) -> None:
         """Forget the quantized model loaded from ``ckpt`` (e.g. an upload that was refused after loading)."""

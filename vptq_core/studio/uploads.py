@@ -15,6 +15,7 @@ from ..storage.checkpoint import checkpoint_size, read_quantization_config
 from . import views
 from .run_models import RunModels
 from .services import Shared, user_error
+from .sources import shown_name
 from .upload_limits import check_upload
 
 
@@ -62,7 +63,7 @@ class Uploads:
             raise self.shared.error(exc) from None
         title = snap.title.removeprefix("uploaded ")
         return (gr.Dropdown(choices=choices, value=snap.id), views.uploaded_md(title, snap.id,
-                (snap.result or {}).get("source_model")), rows, fig, gr.Dropdown(choices=choices), None,
+                shown_name((snap.result or {}).get("source_model"))), rows, fig, gr.Dropdown(choices=choices), None,
                 self.shared.guard(owner))
 
     def upload(self, archive, request: gr.Request):
@@ -103,7 +104,8 @@ class Uploads:
             report = json.loads((ckpt / "quant_report.json").read_text(encoding="utf-8"))
         if not isinstance(report, dict):
             report = {}
-        return {"checkpoint_dir": str(ckpt), "source_model": source_model_of(str(ckpt)),
+        source = source_model_of(str(ckpt))  # the uploader's words: a path is kept by its last part only
+        return {"checkpoint_dir": str(ckpt), "source_model": shown_name(source) if source else None,
                 "summary": report.get("summary", {}),
                 "method": report.get("method") or quantization.get("quant_method"),
                 "config": report.get("settings", {}), "checkpoint_bytes": checkpoint_size(ckpt), "archive": None}

@@ -39,9 +39,19 @@ def scrub_paths(text: str, roots: Iterable[str | os.PathLike]) -> str:
     return text
 
 
+# An absolute path of two or more parts (``/etc/passwd``, ``~/.cache/x``), not inside a URL or a word.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w:/.~-])(?:~|[A-Za-z]:)?/[^\s'\"`,;()\[\]{}<>|/]+(?:/[^\s'\"`,;()\[\]{}<>|/]+)+/?")
+
+
+def scrub_absolute(text: str) -> str:
+    """``text`` with every absolute path, wherever it points, replaced by its last component."""
+    return _ABSOLUTE_PATH.sub(lambda m: os.path.basename(m.group(0).rstrip("/")) or "(file)", text)
+
+
 def scrub(text: str, roots: Iterable[str | os.PathLike] = (), hidden: Iterable[str] = ()) -> str:
-    """``scrub_paths`` and every string of ``hidden`` (session ids, browser identities) replaced."""
-    text = scrub_paths(str(text), roots)
+    """``scrub_paths``, then any other absolute path by its last component, and every string of ``hidden``
+    (session ids, browser identities) replaced."""
+    text = scrub_absolute(scrub_paths(str(text), roots))
     for secret in hidden:
         if secret:
             text = text.replace(secret, "(hidden)")
