@@ -127,6 +127,7 @@ class Runs:
             calib_text = read_calibration_file(calib_file, self.shared.settings.max_calib_bytes)
         info = model_info(name)
         est = estimate(info, method, config)
+        self.quantize_form.check_duration(info, method, config, calib.samples, calib.seqlen)
         self.shared.manager.check_submit(owner)
         reserve = 2 * est.checkpoint_bytes + len(calib_text or "")  # the checkpoint and its zip
         self.shared.check_disk(owner, reserve, "this run")
