@@ -13,17 +13,22 @@ from pydantic import model_validator
 ROLES = ("user", "assistant", "system")
 
 
+class HistoryRefused(Exception):  # noqa: N818 - the message is what the client sees
+    """A refused history. Not a ValueError: pydantic would wrap one into its own report, while any other
+    exception leaves the validator as it is and the app (``show_error``) answers with its text alone."""
+
+
 def _message(item: object, index: int) -> dict:
     if not isinstance(item, dict) or item.get("role") not in ROLES or "content" not in item:
-        raise gr.Error(f"chat history message {index}: expected {{'role': 'user' or 'assistant', 'content': text}}",
-                       print_exception=False)
+        raise HistoryRefused(f"chat history message {index}: expected {{'role': 'user' or 'assistant', "
+                             "'content': text}")
     content = item["content"]
     if isinstance(content, str):
         return {**item, "content": [{"type": "text", "text": content}]}
     if isinstance(content, dict):
         return {**item, "content": [content]}
     if not isinstance(content, list):
-        raise gr.Error(f"chat history message {index}: content must be text", print_exception=False)
+        raise HistoryRefused(f"chat history message {index}: content must be text")
     return item
 
 
@@ -37,10 +42,10 @@ def history_model(max_messages: int) -> type[ChatbotDataMessages]:
             if data is None:
                 return data
             if not isinstance(data, list):
-                raise gr.Error("chat history must be a list of messages", print_exception=False)
+                raise HistoryRefused("chat history must be a list of messages")
             if len(data) > max_messages:
-                raise gr.Error(f"chat history has {len(data)} messages; at most {max_messages} are accepted: "
-                               "clear the chat and start again", print_exception=False)
+                raise HistoryRefused(f"chat history has {len(data)} messages; at most {max_messages} are "
+                                     "accepted: clear the chat and start again")
             return [_message(item, i) for i, item in enumerate(data)]
 
     return BoundedMessages

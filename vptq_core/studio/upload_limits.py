@@ -51,9 +51,9 @@ def check_config(config: object) -> None:
     if heads % kv_heads:
         raise ValueError(f"config.json: num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
                          f"({kv_heads})")
-    if not config.get("head_dim") and config["hidden_size"] % heads:
+    if config["hidden_size"] % heads:
         raise ValueError(f"config.json: hidden_size ({config['hidden_size']}) must be a multiple of "
-                         f"num_attention_heads ({heads}) when no head_dim is given")
+                         f"num_attention_heads ({heads})")
 
 
 def check_upload(archive: str | os.PathLike, settings: AppSettings, memory: MemoryGuard,

@@ -16,6 +16,7 @@ from . import views
 from .run_models import RunModels
 from .services import Shared, user_error
 from .sources import shown_name
+from .upload_files import UploadedFiles
 from .upload_limits import check_upload
 
 
@@ -23,6 +24,7 @@ class Uploads:
     def __init__(self, shared: Shared, models: RunModels) -> None:
         self.shared = shared
         self.models = models
+        self.files = UploadedFiles(shared.serve_dir)  # deleted when the last request working on one is done
 
     def upload_run(self, archive, request: gr.Request) -> str:
         """Check, unpack and verify an uploaded checkpoint archive into a new run of this browser; returns the
@@ -39,7 +41,9 @@ class Uploads:
         path = Path(archive if isinstance(archive, str) else archive.get("path", ""))
         s, manager = self.shared.settings, self.shared.manager
         try:
-            try:
+            with self.files.hold(path):
+                if not path.is_file():
+                    raise ValueError("the uploaded file is gone; upload it again")
                 size = path.stat().st_size
                 if size > s.max_upload_bytes:
                     raise ValueError(f"archive is {views.mb(size)}; at most {views.mb(s.max_upload_bytes)} allowed")
@@ -47,8 +51,6 @@ class Uploads:
                 budget, label = self._unpack_budget(owner)
                 snap = manager.import_run(owner, lambda out_dir: self._unpack(path, out_dir, budget, label),
                                           title=f"uploaded {path.name}")
-            finally:
-                self._remove_upload(path)
         except (ValueError, OSError) as exc:
             raise self.shared.error(f"cannot load {path.name}: {exc}") from None
         return snap.id
@@ -109,14 +111,3 @@ class Uploads:
                 "summary": report.get("summary", {}),
                 "method": report.get("method") or quantization.get("quant_method"),
                 "config": report.get("settings", {}), "checkpoint_bytes": checkpoint_size(ckpt), "archive": None}
-
-    def _remove_upload(self, path: Path) -> None:
-        """Delete an uploaded file from Gradio's upload folder (with its folder, when that is left empty)."""
-        serve_dir = self.shared.serve_dir
-        try:
-            if path.resolve().is_relative_to(serve_dir.resolve()) and path.is_file():
-                path.unlink()
-                if path.parent != serve_dir and not any(path.parent.iterdir()):
-                    path.parent.rmdir()
-        except OSError:
-            pass
