@@ -10,6 +10,7 @@ import re
 import shutil
 import struct
 import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from studio_helpers import (  # noqa: E402
 from vptq_core.storage.archive import pack_checkpoint  # noqa: E402
 from vptq_core.studio import form, run_models  # noqa: E402
 from vptq_core.studio.memory_guard import process_rss  # noqa: E402
+from vptq_core.studio.upload_files import UploadedFiles  # noqa: E402
 
 served = pytest.fixture(scope="module", name="served")(serve_app)
 tiny_checkpoint = pytest.fixture(scope="module", name="tiny_checkpoint")(make_tiny_checkpoint)
@@ -116,6 +118,28 @@ def test_after_concurrent_uploads_both_sessions_quantize_and_chat(served, tiny_c
         _orig, quant, _so, stats, _ = client.predict("Hello", [], [], job, 0.0, 1.0, 4, api_name="/chat")
         assert quant[-1]["role"] == "assistant" and "tokens" in stats
         client.close()
+
+
+def test_an_uploaded_file_goes_when_its_last_request_is_done(tmp_path):
+    serve = tmp_path / "serve"
+    path = serve / "abc" / "a.zip"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"zip")
+    files = UploadedFiles(serve, grace_s=0.5)
+    with files.hold(path), files.hold(path):
+        pass
+    assert path.is_file()  # uploaded less than grace_s ago: another session's request may be on its way
+    with files.hold(path):
+        time.sleep(0.8)
+        assert path.is_file()  # held: the timer leaves it
+    time.sleep(0.8)
+    assert not path.exists() and not path.parent.exists()
+    outside = tmp_path / "outside.zip"
+    outside.write_bytes(b"x")
+    with files.hold(outside):
+        pass
+    time.sleep(0.8)
+    assert outside.is_file()  # only files in Gradio's upload folder are deleted
 
 
 # ------------------------------------------------------------------------------------ memory and configs

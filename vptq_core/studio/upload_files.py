@@ -1,6 +1,7 @@
 """Files in Gradio's upload folder while a request works on them. Gradio stores an upload under the SHA-256 of
-its content, so two sessions uploading the same archive get the same path: the file is deleted only when no
-request holds it any more and nobody uploaded it again since the last holder began."""
+its content, so two sessions uploading the same archive get the same path, and one session's request may still
+be on its way when the other's is done. A file is deleted when no request holds it any more; one uploaded in
+the last ``grace_s`` seconds is deleted that long after its upload instead, unless a request holds it then."""
 
 from __future__ import annotations
 
@@ -11,23 +12,23 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+GRACE_S = 20.0  # between a client's upload and its request, under load
+
 
 class UploadedFiles:
-    """``hold(path)`` while working on an uploaded file; when the last holder lets go, the file (and its
-    folder, when left empty) is removed if it lies in ``serve_dir`` and was not uploaded again meanwhile."""
+    """``hold(path)`` while working on an uploaded file (in ``serve_dir``); see the module's note."""
 
-    def __init__(self, serve_dir: Path) -> None:
+    def __init__(self, serve_dir: Path, grace_s: float = GRACE_S) -> None:
         self.serve_dir = serve_dir
+        self.grace_s = grace_s
         self._lock = threading.Lock()
         self._holders: dict[str, int] = {}
-        self._since: dict[str, float] = {}  # path -> when the latest holder began
 
     @contextmanager
     def hold(self, path: Path) -> Iterator[None]:
         key = os.path.abspath(path)
         with self._lock:
             self._holders[key] = self._holders.get(key, 0) + 1
-            self._since[key] = time.time()
         try:
             yield
         finally:
@@ -35,16 +36,35 @@ class UploadedFiles:
                 self._holders[key] -= 1
                 if self._holders[key] == 0:
                     del self._holders[key]
-                    self._remove(Path(key), self._since.pop(key))
+            self._release(Path(key))
 
-    def _remove(self, path: Path, since: float) -> None:
+    def _release(self, path: Path) -> None:
+        """Delete ``path`` now, or schedule it when it was uploaded less than ``grace_s`` ago."""
         try:
-            if not (path.resolve().is_relative_to(self.serve_dir.resolve()) and path.is_file()):
-                return
-            if path.stat().st_mtime > since:  # uploaded again after the last holder began: its request comes
-                return
-            path.unlink()
-            if path.parent != self.serve_dir and not any(path.parent.iterdir()):
-                path.parent.rmdir()
+            age = time.time() - path.stat().st_mtime
         except OSError:
-            pass
+            return
+        if age >= self.grace_s:
+            self._remove(path)
+            return
+        timer = threading.Timer(self.grace_s - age, self._remove, args=(path,))
+        timer.daemon = True
+        timer.start()
+
+    def _remove(self, path: Path) -> None:
+        with self._lock:
+            if os.path.abspath(path) in self._holders:
+                return  # a request holds it again; it deletes the file when it lets go
+            try:
+                if not (path.resolve().is_relative_to(self.serve_dir.resolve()) and path.is_file()):
+                    return
+                if time.time() - path.stat().st_mtime < self.grace_s:  # uploaded again meanwhile
+                    again = threading.Timer(self.grace_s, self._remove, args=(path,))
+                    again.daemon = True
+                    again.start()
+                    return
+                path.unlink()
+                if path.parent != self.serve_dir and not any(path.parent.iterdir()):
+                    path.parent.rmdir()
+            except OSError:
+                pass
