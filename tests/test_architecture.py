@@ -268,6 +268,7 @@ TEST_HOMES = {
     "test_app_chat.py": "studio",
     "test_app_runs.py": "studio",
     "test_app_uploads.py": "studio",
+    "test_app_upload_safety.py": "studio",
 }
 # Tests that exercise several packages together (a model family or a model source end to end, the embedding from
 # quantization to checkpoint, streaming, the project's layout, docs and benchmarks): they live directly in tests/.
