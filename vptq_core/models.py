@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,10 @@ from .quant.blocks import blocks_prefix
 from .quant.source import SafetensorsWeights, meta_tensors
 from .storage.checkpoint import load_quantized
 from .storage.skeleton import empty_model, pretrained_lock
+
+# Held by whoever seeds torch's global generator and draws from it (a tiny model's weights, a sampled chat reply),
+# so a seed gives the same numbers whatever other threads do.
+GLOBAL_RNG_LOCK = threading.Lock()
 
 BUNDLED = "smollm2-135m-instruct"
 GEMMA3 = "gemma3-270m"
@@ -601,12 +606,13 @@ def tiny_random_model(family: str = "llama", seed: int = 0, num_layers: int | No
     tok = byte_tokenizer()
     config = _family_config(family, tok, num_layers, hidden, intermediate)
     config._attn_implementation = "sdpa"
-    gen_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = AutoModelForCausalLM.from_config(config)
-    finally:
-        torch.random.set_rng_state(gen_state)
+    with GLOBAL_RNG_LOCK:  # the weights are drawn from torch's one generator: nobody else draws meanwhile
+        gen_state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        try:
+            model = AutoModelForCausalLM.from_config(config)
+        finally:
+            torch.random.set_rng_state(gen_state)
     model.generation_config.pad_token_id = tok.pad_token_id
     return model.eval(), tok
 

@@ -147,3 +147,28 @@ def test_two_threads_load_the_same_and_different_checkpoints_ten_times(tmp_path)
     assert failures == []
     assert torch.get_default_dtype() == torch.float32
     assert nn.Linear(2, 2).weight.device.type == "cpu"
+
+
+def test_tiny_models_built_while_others_draw_from_the_global_generator_are_the_same():
+    """A tiny model's weights come from torch's global generator; a thread drawing from it meanwhile (as a
+    sampled chat does, holding the same lock) takes turns instead of shifting the weights."""
+    from vptq_core.models import GLOBAL_RNG_LOCK
+
+    expected = tiny_random_model("llama")[0].state_dict()
+    stop = threading.Event()
+
+    def draw() -> None:
+        while not stop.is_set():
+            with GLOBAL_RNG_LOCK:
+                torch.rand(64)
+
+    drawer = threading.Thread(target=draw)
+    drawer.start()
+    try:
+        for _ in range(5):
+            got = tiny_random_model("llama")[0].state_dict()
+            for name, value in expected.items():
+                assert torch.equal(got[name], value), name
+    finally:
+        stop.set()
+        drawer.join(10)
