@@ -1,7 +1,8 @@
 """How much memory loading a checkpoint takes, from its safetensors header and its config, before anything is
 allocated: every stored tensor at the dtype it is loaded in (``load_quantized`` casts floating tensors to the
 target dtype), the largest one once more (it is read as stored before the cast), what the architecture builds
-beside the stored tensors (rotary frequency tables) and the LM head quantized at load."""
+beside the stored tensors (rotary frequency tables), the LM head quantized at load, and the JSON files parsed
+(a tokenizer takes about ten times its ``tokenizer.json`` once loaded)."""
 
 from __future__ import annotations
 
@@ -15,21 +16,24 @@ DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16
                "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 MAX_HEADER_BYTES = 16_000_000  # a header this long lists far more tensors than any model the app serves
+PARSED_FACTOR = 10  # memory of a parsed JSON file (a loaded tokenizer) per byte of its text
 
 
 @dataclass(frozen=True)
 class LoadEstimate:
     """Bytes a load needs: ``tensors`` (all stored tensors at their loaded dtype), ``transient`` (the largest
-    one read as stored), ``buffers`` (built by the architecture), ``head`` (the LM head quantized at load)."""
+    one read as stored), ``buffers`` (built by the architecture), ``head`` (the LM head quantized at load),
+    ``files`` (the tokenizer and the other JSON files, parsed)."""
 
     tensors: int
     transient: int
     buffers: int
     head: int
+    files: int = 0
 
     @property
     def total(self) -> int:
-        return self.tensors + self.transient + self.buffers + self.head
+        return self.tensors + self.transient + self.buffers + self.head + self.files
 
 
 def read_header(stream: BinaryIO, limit: int = MAX_HEADER_BYTES) -> dict:
@@ -80,12 +84,14 @@ def architecture_buffer_bytes(config: dict) -> int:
     return 2 * kinds * (int(head_dim) // 2) * 4 + 4
 
 
-def estimate_load(header: dict, config: dict, float_bytes: int) -> LoadEstimate:
+def estimate_load(header: dict, config: dict, float_bytes: int, other_file_bytes: int = 0) -> LoadEstimate:
     """Bytes loading a checkpoint takes (``LoadEstimate``), from its safetensors header and config.json, with
-    floating tensors loaded at ``float_bytes`` per element."""
+    floating tensors loaded at ``float_bytes`` per element; ``other_file_bytes``: the size of its other files
+    (tokenizer, JSON), parsed at ``PARSED_FACTOR`` times that."""
     loaded = tensor_sizes(header, float_bytes)
     stored = tensor_sizes(header)
     vocab, hidden = config.get("vocab_size"), config.get("hidden_size")
     head = vocab * hidden if isinstance(vocab, int) and isinstance(hidden, int) else 0  # 8 bits a weight
     return LoadEstimate(tensors=sum(loaded), transient=max(stored, default=0),
-                        buffers=architecture_buffer_bytes(config), head=max(head, 0))
+                        buffers=architecture_buffer_bytes(config), head=max(head, 0),
+                        files=PARSED_FACTOR * other_file_bytes)

@@ -92,7 +92,8 @@ def check_upload(archive: str | os.PathLike, settings: AppSettings, memory: Memo
                     raise ValueError(f"{name}: tensor {sorted(overlap)[0]!r} is stored twice")
                 header.update(part)
     try:
-        estimate = estimate_load(header, config, float_bytes)
+        other = sum(e.size for e in entries if not e.name.endswith(SAFETENSORS_SUFFIX))
+        estimate = estimate_load(header, config, float_bytes, other_file_bytes=other)
     except ValueError as exc:
         raise ValueError(f"model.safetensors: {exc}") from None
     if estimate.total > settings.max_load_bytes:
