@@ -8,20 +8,9 @@ import json
 import os
 from pathlib import Path
 
-from .views import scrub_absolute
+from .views import scrub_tree
 
 REPORT_NAME = "quant_report.json"
-
-
-def public_value(value):
-    """``value`` (JSON) with every absolute path inside its strings replaced by the path's last part."""
-    if isinstance(value, str):
-        return scrub_absolute(value)
-    if isinstance(value, list):
-        return [public_value(v) for v in value]
-    if isinstance(value, dict):
-        return {k: public_value(v) for k, v in value.items()}
-    return value
 
 
 def public_report(ckpt: str | os.PathLike) -> None:
@@ -30,7 +19,7 @@ def public_report(ckpt: str | os.PathLike) -> None:
     if not path.is_file():
         return
     data = json.loads(path.read_text(encoding="utf-8"))
-    cleaned = public_value(data)
+    cleaned = scrub_tree(data)
     if cleaned == data:
         return
     tmp = path.with_name(path.name + ".tmp")

@@ -48,6 +48,17 @@ def scrub_absolute(text: str) -> str:
     return _ABSOLUTE_PATH.sub(lambda m: os.path.basename(m.group(0).rstrip("/")) or "(file)", text)
 
 
+def scrub_tree(value):
+    """``value`` (JSON-like) with ``scrub_absolute`` applied to every string inside it."""
+    if isinstance(value, str):
+        return scrub_absolute(value)
+    if isinstance(value, list | tuple):
+        return [scrub_tree(v) for v in value]
+    if isinstance(value, dict):
+        return {k: scrub_tree(v) for k, v in value.items()}
+    return value
+
+
 def scrub(text: str, roots: Iterable[str | os.PathLike] = (), hidden: Iterable[str] = ()) -> str:
     """``scrub_paths``, then any other absolute path by its last component, and every string of ``hidden``
     (session ids, browser identities) replaced."""
@@ -74,7 +85,7 @@ def public_job(snap: JobSnapshot, reports: bool = False, roots: Iterable[str | o
         data["result"] = result
     if data.get("error"):
         data["error"] = scrub(data["error"], roots, [snap.owner, *hidden])
-    return data
+    return scrub_tree(data)  # notes quoting a path (a model directory, a calibration file) keep its last part
 
 
 def guard_html(busy: bool, unexported: bool) -> str:
@@ -250,7 +261,7 @@ def runs_view(snaps: Iterable[JobSnapshot]) -> tuple[list[list], list[dict], lis
         name = method_label(method)
         label = f"{name} {s['total_bits_per_weight']:.2f}b" if s.get("total_bits_per_weight") else method
         rows.append([
-            snap.id, result.get("source_model") or "?", name,
+            snap.id, scrub_absolute(result.get("source_model") or "?"), name,
             describe_settings(method, result.get("config") or s.get("config") or {}),
             _round(s.get("index_bits_per_weight"), 3), _round(s.get("total_bits_per_weight"), 3),
             _round((result.get("checkpoint_bytes") or 0) / 1e6, 1),
@@ -262,7 +273,7 @@ def runs_view(snaps: Iterable[JobSnapshot]) -> tuple[list[list], list[dict], lis
         points.append({"label": f"{label} ({snap.id[:4]})", "method": method, "model": result.get("source_model"),
                        "total_bits": s.get("total_bits_per_weight"), "perplexity": ev.get("perplexity"),
                        "reference_perplexity": ev.get("reference_perplexity")})
-        kind = "uploaded" if snap.kind == "import" else (result.get("source_model") or "")
+        kind = "uploaded" if snap.kind == "import" else scrub_absolute(result.get("source_model") or "")
         choices.append((f"{snap.id} · {label} · {kind}", snap.id))
     return rows, points, choices
 
