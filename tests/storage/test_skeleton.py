@@ -172,3 +172,20 @@ def test_tiny_models_built_while_others_draw_from_the_global_generator_are_the_s
     finally:
         stop.set()
         drawer.join(10)
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive whole number, got 0"),
+    ({"hidden_size": 63}, r"cannot build the model config \(StrictDataclassClassValidationError: ValueError: The "
+                          r"hidden size \(63\) is not a multiple of the number of attention heads \(4\)\.\)$"),
+])
+def test_a_config_that_cannot_be_built_is_refused_in_one_line(tmp_path, change, reason):
+    import json
+
+    ckpt = _checkpoint("llama", tmp_path / "ckpt")
+    config = json.loads((ckpt / "config.json").read_text())
+    config.update(change)
+    (ckpt / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=reason) as refused:
+        load_quantized(ckpt)
+    assert "\n" not in str(refused.value)

@@ -211,7 +211,7 @@ def test_a_recorded_original_is_shown_not_loaded_unless_trusted(served, tiny_che
     real_open = Path.open
 
     def watch_open(self, *args, **kwargs):
-        if str(self) in ("/etc/passwd", str(their_dir)):
+        if self.name == "passwd" or str(self).startswith(str(their_dir)):
             opened.append(str(self))
         return real_open(self, *args, **kwargs)
 
@@ -246,7 +246,7 @@ def test_a_recorded_original_is_shown_not_loaded_unless_trusted(served, tiny_che
     archive = _variant(tiny_checkpoint, tmp_path / "builtin.zip")
     run = _upload(owner, archive)
     assert "**Original** `tiny-random-llama`" in owner.predict(run, api_name="/chat_load")[0]
-    assert loaded == ["tiny-random-llama"] or "tiny-random-llama" in loaded or loaded == []  # cached or loaded
+    assert set(loaded) <= {"tiny-random-llama"}  # (it may come from the model cache instead)
     for c in (owner, stranger):
         c.close()
 
@@ -258,6 +258,7 @@ def test_jobs_stop_at_the_memory_ceiling_and_starts_are_refused_over_it(served, 
     until(served, client, job, lambda st: st["status"] == "running")
     gated.runs[0].release(3)
     until(served, client, job, lambda st: st["layers_done"] == 3)
+    limit = served.studio.shared.memory.limit_bytes
     monkeypatch.setattr(served.studio.shared.memory, "limit_bytes", 1_000_000)
     gated.runs[0].release()
     final = finished(served, client, job)
@@ -267,8 +268,9 @@ def test_jobs_stop_at_the_memory_ceiling_and_starts_are_refused_over_it(served, 
     with pytest.raises(AppError, match=r"cannot start now: the server's memory reached \d+\.\d MB, over its 1\.0 MB "
                                        r"limit; try again later"):
         client.predict(**job_kwargs(), api_name="/start")
-    monkeypatch.undo()
+    monkeypatch.setattr(served.studio.shared.memory, "limit_bytes", limit)
     again = client.predict(**job_kwargs(), api_name="/start")[0]
+    assert len(gated.runs) == 2  # a stand-in task again: the ceiling lifted, the next job runs as before
     gated.runs[-1].release(20)
     assert finished(served, client, again)["status"] == "done"
     client.close()

@@ -649,10 +649,15 @@ def load_quantized(
     config_path = root / CONFIG_NAME
     stored_dtype = dtype_from_name(config_dict.get("dtype", config_dict.get("torch_dtype")), str(config_path))
     target_dtype = stored_dtype if dtype is None else dtype_from_name(dtype, "load_quantized dtype")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+        value = config_dict.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{config_path}: {key} must be a positive whole number, got {value!r}")
     try:
         model_config = AutoConfig.from_pretrained(str(root))
-    except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"{config_path}: cannot build the model config ({type(exc).__name__}: {exc})") from None
+    except Exception as exc:  # noqa: BLE001 - transformers' config checks raise their own classes too
+        first = str(exc).strip().splitlines()[-1].strip() if str(exc).strip() else ""
+        raise ValueError(f"{config_path}: cannot build the model config ({type(exc).__name__}: {first})") from None
 
     try:
         model = empty_model(model_config, target_dtype)
