@@ -346,3 +346,20 @@ def test_a_run_calibrated_on_an_uploaded_file_ships_no_server_path(served, tmp_p
             for secret in (str(served.workdir), job, str(tmp_path), str(Path.home())):
                 assert secret not in text, (name, secret)
     client.close()
+
+
+def test_the_new_limits_come_from_the_environment(monkeypatch, tmp_path):
+    import app as studio_app
+
+    monkeypatch.setenv("VPTQ_APP_MEMORY_LIMIT_MB", "15000")
+    monkeypatch.setenv("VPTQ_APP_MAX_LOAD_MB", "500")
+    monkeypatch.setenv("VPTQ_APP_MAX_ESTIMATE_HOURS", "2.5")
+    monkeypatch.setenv("VPTQ_APP_MAX_CHAT_MESSAGES", "40")
+    monkeypatch.setenv("VPTQ_APP_ALLOWED_HUB_MODELS", "org/model-a, org2/b.c")
+    settings = studio_app.settings_from(studio_app.parse_args(["--workdir", str(tmp_path)]))
+    assert (settings.memory_limit_bytes, settings.max_load_bytes) == (15_000_000_000, 500_000_000)
+    assert (settings.max_estimate_hours, settings.max_chat_messages) == (2.5, 40)
+    assert settings.allowed_hub_models == ("org/model-a", "org2/b.c")
+    monkeypatch.setenv("VPTQ_APP_ALLOWED_HUB_MODELS", "org/model-a,/etc/passwd")
+    with pytest.raises(SystemExit, match=r"VPTQ_APP_ALLOWED_HUB_MODELS: '/etc/passwd' is not a hub id"):
+        studio_app.settings_from(studio_app.parse_args(["--workdir", str(tmp_path)]))
