@@ -30,16 +30,19 @@ from transformers import AutoModelForCausalLM
 pretrained_lock = threading.Lock()
 
 
-def empty_model(config, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None) -> nn.Module:
+def empty_model(config, dtype: torch.dtype = torch.float32, attn_implementation: str | None = None,
+                buffers: bool = True) -> nn.Module:
     """A causal LM for ``config`` with its parameters on the meta device in ``dtype`` and its non-persistent
-    buffers computed on the CPU; nothing process-wide changes while it is built. Raises ValueError when a
-    buffer cannot be computed (an architecture whose buffers ``_init_weights`` does not rebuild)."""
+    buffers computed on the CPU (left on meta too with ``buffers=False``: shapes only); nothing process-wide
+    changes while it is built. Raises ValueError when a buffer cannot be computed (an architecture whose buffers
+    ``_init_weights`` does not rebuild)."""
     config = copy.deepcopy(config)
     _clear_dtype(config)
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, **kwargs)
-    _compute_buffers(model)
+    if buffers:
+        _compute_buffers(model)
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is not None and param.is_floating_point() and param.dtype != dtype:
