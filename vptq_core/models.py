@@ -172,6 +172,10 @@ def _load_hf_dir(path: str | Path, dtype: torch.dtype | str | None, what: str | 
                 return _load_safetensors_dir(Path(path), dtype)
             except NotStreamable:
                 pass  # not a safetensors directory whose names match the model: transformers' own loader
+        if dtype == "auto":  # the stored dtype, read before the float32 load below overwrites the config's
+            stored = getattr(AutoConfig.from_pretrained(str(path)), "dtype", None)
+            dtype = _resolve_dtype(stored.removeprefix("torch.")) if isinstance(stored, str) else stored
+            dtype = dtype if dtype in _STORED_DTYPES.values() else torch.float32
         with pretrained_lock:  # see storage.skeleton: float32 is the default dtype, so it stays unchanged
             try:
                 model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
@@ -179,12 +183,7 @@ def _load_hf_dir(path: str | Path, dtype: torch.dtype | str | None, what: str | 
                 if "attention implementation" not in str(exc):
                     raise
                 model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-        if dtype == "auto":
-            stored = getattr(model.config, "dtype", None)
-            dtype = stored if stored in _STORED_DTYPES.values() else torch.float32
-        if isinstance(dtype, torch.dtype):
-            model = model.to(dtype)
-            model.config.dtype = dtype
+        _cast_parameters(model, dtype or torch.float32)
         tok = AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:  # noqa: BLE001 - whatever transformers raises becomes one clear line
         if what is None:
@@ -204,14 +203,19 @@ def _load_safetensors_dir(directory: Path, dtype: torch.dtype | str | None):
     left = meta_tensors(source.model)
     if left:
         raise NotStreamable(f"{directory}: no data for {left[:3]}")
-    model = source.model
-    for module in model.modules():  # the non-block tensors were read in the stored dtype; buffers stay as built
+    _cast_parameters(source.model, target)  # the non-block tensors were read in the stored dtype
+    return source.model, source.tokenizer
+
+
+def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Floating parameters to ``dtype``, in place; buffers stay as the model built them (rotary frequencies
+    in float32, as transformers' own loader leaves them)."""
+    for module in model.modules():
         for name, param in list(module._parameters.items()):
-            if param is not None and param.is_floating_point() and param.dtype != target:
-                module._parameters[name] = nn.Parameter(param.to(target), requires_grad=param.requires_grad)
+            if param is not None and param.is_floating_point() and param.dtype != dtype:
+                module._parameters[name] = nn.Parameter(param.to(dtype), requires_grad=param.requires_grad)
     model.tie_weights()
-    model.config.dtype = target
-    return model, source.tokenizer
+    model.config.dtype = dtype
 
 
 def _load_hub(name: str, dtype: torch.dtype | None):

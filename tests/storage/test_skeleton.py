@@ -101,7 +101,17 @@ def test_empty_models_compute_the_buffers_transformers_builds(family):
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16, "auto"])
-def test_dense_directories_load_as_transformers_loads_them(tmp_path, family, dtype):
+@pytest.mark.parametrize("route", ["skeleton", "transformers"])
+def test_dense_directories_load_as_transformers_loads_them(tmp_path, monkeypatch, family, dtype, route):
+    """Read tensor by tensor into a skeleton, or (names that differ from the model's) by transformers' loader
+    in float32 under a lock, the model is the one transformers' own load in that dtype gives."""
+    import vptq_core.models as models
+
+    if route == "transformers":
+        def not_streamable(*args):
+            raise models.NotStreamable("names differ")
+
+        monkeypatch.setattr(models, "_load_safetensors_dir", not_streamable)
     model, tok = tiny_random_model(family, num_layers=3)
     model.to(torch.bfloat16).save_pretrained(str(tmp_path)), tok.save_pretrained(str(tmp_path))
     ours = load_model(str(tmp_path), dtype=dtype)[0]
