@@ -283,7 +283,7 @@ def models_md(source: str | None, original_bytes: int | None, why: str, quantize
               device: str, head_bits: int = 0) -> str:
     """Both sides of a run: the original model (``original_bytes`` None: not available, ``why``) and the
     quantized one (``head_bits``: its LM head's bits at run time, ``storage.head``; 0 = as stored)."""
-    left = (f"**Original** `{source}` ({dtype}, {device}): weights {mb(original_bytes)}"
+    left = (f"**Original** `{scrub_absolute(source or '')}` ({dtype}, {device}): weights {mb(original_bytes)}"
             if original_bytes is not None else f"**Original** not available: {why}")
     head = f", LM head {head_bits}-bit" if head_bits else ""
     right = f"**Quantized** ({dtype} activations, lookup kernels{head}, {device}): weights {mb(quantized_bytes)}"
