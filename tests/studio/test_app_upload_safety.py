@@ -268,6 +268,13 @@ def test_jobs_stop_at_the_memory_ceiling_and_starts_are_refused_over_it(served, 
     with pytest.raises(AppError, match=r"cannot start now: the server's memory reached \d+\.\d MB, over its 1\.0 MB "
                                        r"limit; try again later"):
         client.predict(**job_kwargs(), api_name="/start")
+    # Not over the ceiling, but without room for the model itself: refused before it is queued.
+    monkeypatch.setattr(served.studio.shared.memory, "rss", lambda: 900_000_000)
+    monkeypatch.setattr(served.studio.shared.memory, "limit_bytes", 900_001_000)
+    with pytest.raises(AppError, match=r"loading this model needs about \d+\.\d+ MB of memory; the server uses "
+                                       r"900\.0 MB of its 900\.0 MB memory limit"):
+        client.predict(**job_kwargs(), api_name="/start")
+    monkeypatch.setattr(served.studio.shared.memory, "rss", process_rss)
     monkeypatch.setattr(served.studio.shared.memory, "limit_bytes", limit)
     again = client.predict(**job_kwargs(), api_name="/start")[0]
     assert len(gated.runs) == 2  # a stand-in task again: the ceiling lifted, the next job runs as before
