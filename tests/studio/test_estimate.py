@@ -127,3 +127,41 @@ def test_time_estimate_of_lrq_matches_its_runs():
     kd = LRQConfig(bits=4, act_bits=8, act_granularity="token_asym", target_chain="fp", distill_iters=64,
                    distill_data="mixed", distill_lr=5e-3)
     assert time_estimate(info, kd, 32, 512) == pytest.approx(824, rel=0.1)
+
+
+def test_reading_a_models_shapes_leaves_torchs_default_dtype_alone(tmp_path):
+    """A config naming bf16 would make transformers set torch's (process-wide) default dtype while it builds;
+    another thread's job would then make bf16 tensors where it expects float32."""
+    import threading
+
+    import torch
+    from torch import nn
+
+    from vptq_core.studio.estimate import _meta_model
+
+    model, tok = tiny_random_llama()
+    model.to(torch.bfloat16).save_pretrained(str(tmp_path)), tok.save_pretrained(str(tmp_path))
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    seen, paused, looked = [], threading.Event(), threading.Event()
+    builder: list[int] = []
+
+    def hook(module, name, param):
+        if threading.get_ident() in builder and not paused.is_set():
+            paused.set()
+            assert looked.wait(30)
+
+    def build():
+        builder.append(threading.get_ident())
+        _meta_model(str(tmp_path))
+
+    handle = nn.modules.module.register_module_parameter_registration_hook(hook)
+    try:
+        thread = threading.Thread(target=build)
+        thread.start()
+        assert paused.wait(60)
+        seen.append(torch.get_default_dtype())
+        looked.set()
+        thread.join(60)
+    finally:
+        handle.remove()
+    assert seen == [torch.float32]

@@ -139,8 +139,8 @@ def test_a_looping_uploaded_template_frees_the_chat_slots_on_stop_and_at_its_lim
     assert texts(quantized)[-1][0] == "assistant" and texts(quantized)[-1][1]
     # Without a Stop, the time limit ends the render with its reason, and the next chat is served.
     monkeypatch.setattr(template_guard.default_renderer(), "time_limit_s", 1.0)
-    with pytest.raises(AppError, match=r"run [0-9a-f]{12} model: the chat template took longer than 1 s to render and was "
-                                       r"stopped \(chat templates run with a time limit\)"):
+    with pytest.raises(AppError, match=r"run [0-9a-f]{12} model: the chat template took longer than 1 s "
+                                       r"to render and was stopped \(chat templates run with a time limit\)"):
         attackers[0].predict("Hello", [], [], runs[0], 0.0, 1.0, 4, api_name="/chat")
     assert texts(visitor.predict("Again", [], [], run, 0.0, 1.0, 4, api_name="/chat")[1])[-1][1]
     for client in (*attackers, visitor):

@@ -237,7 +237,7 @@ def weighted_kmeans(
     weighted = X_fit * w_fit.unsqueeze(1)
     for _ in range(iters):
         sums = torch.zeros_like(C).index_add_(0, assign, weighted)
-        mass = torch.zeros(k, device=X.device).index_add_(0, assign, w_fit)
+        mass = torch.zeros(k, device=X.device, dtype=w_fit.dtype).index_add_(0, assign, w_fit)
         filled = mass > 0
         # where() instead of C[filled] = ...: the same values, without a boolean-mask sync on CUDA
         C = torch.where(filled.unsqueeze(1), sums / torch.where(filled, mass, 1.0).unsqueeze(1), C)

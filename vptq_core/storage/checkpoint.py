@@ -28,14 +28,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import accelerate
 import safetensors
 import torch
 import transformers
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-from transformers import initialization as hf_init
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from ..quant.states import ScalarLayerState, VQLayerState
 from .head import check_head_bits, quantize_head
@@ -47,6 +45,7 @@ from .modules import (
     set_submodule,
     vq_spec_from_config,
 )
+from .skeleton import empty_model
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -650,16 +649,20 @@ def load_quantized(
     config_path = root / CONFIG_NAME
     stored_dtype = dtype_from_name(config_dict.get("dtype", config_dict.get("torch_dtype")), str(config_path))
     target_dtype = stored_dtype if dtype is None else dtype_from_name(dtype, "load_quantized dtype")
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+        value = config_dict.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{config_path}: {key} must be a positive whole number, got {value!r}")
     try:
         model_config = AutoConfig.from_pretrained(str(root))
-    except (ValueError, OSError, KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"{config_path}: cannot build the model config ({type(exc).__name__}: {exc})") from None
+    except Exception as exc:  # noqa: BLE001 - transformers' config checks raise their own classes too
+        first = str(exc).strip().splitlines()[-1].strip() if str(exc).strip() else ""
+        raise ValueError(f"{config_path}: cannot build the model config ({type(exc).__name__}: {first})") from None
 
-    with accelerate.init_empty_weights(include_buffers=False), hf_init.no_init_weights():
-        try:
-            model = AutoModelForCausalLM.from_config(model_config, dtype=target_dtype)
-        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
-            raise ValueError(f"{config_path}: cannot build the model ({type(exc).__name__}: {exc})") from None
+    try:
+        model = empty_model(model_config, target_dtype)
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, ZeroDivisionError) as exc:
+        raise ValueError(f"{config_path}: cannot build the model ({type(exc).__name__}: {exc})") from None
     try:
         modules = swap_quantized_modules(
             model, quantization_config["quant_method"], quantization_config["config_for_layers"],

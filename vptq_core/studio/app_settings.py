@@ -43,5 +43,11 @@ class AppSettings:
     eval_seqlen: int = 512
     cleanup_workdir: bool = False  # remove the work dir at exit (it was a fresh temporary one)
     browser_secret: str | None = None  # encrypts the identity in the browser (None: one kept in the workdir)
+    memory_limit_bytes: int = 12_000_000_000  # resident memory of the whole app (a 16 GB Space, with headroom)
+    max_load_bytes: int = 2_000_000_000  # memory loading one uploaded checkpoint may need
+    allowed_hub_models: tuple[str, ...] = ()  # hub ids an upload may name as its original model
+    max_hub_model_bytes: int = 2_000_000_000  # an allowed hub model's weights, checked before any download
+    max_estimate_hours: float = 48.0  # Start stays disabled when a run's estimate is longer
+    max_chat_messages: int = 200  # messages of one chat side's history a request may send
 
 

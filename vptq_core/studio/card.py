@@ -19,6 +19,7 @@ from .. import __version__
 from ..models import BUNDLED, GEMMA3, TINY_MODELS
 from ..quant import methods
 from .bit_plan import card_lines
+from .views import scrub_absolute
 
 CARD_NAME = "README.md"
 REPORT_NAME = "quant_report.json"
@@ -173,6 +174,6 @@ def write_model_card(ckpt: str | Path, source: str | None = None, evaluation: Ma
     """Write ``README.md`` into the checkpoint directory (replacing an older card) and return its path."""
     path = Path(ckpt) / CARD_NAME
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(model_card(ckpt, source, evaluation), encoding="utf-8")
+    tmp.write_text(scrub_absolute(model_card(ckpt, source, evaluation)), encoding="utf-8")  # no server paths
     tmp.replace(path)
     return path

@@ -12,10 +12,11 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
 from vptq_core import generation
+from vptq_core.models import GLOBAL_RNG_LOCK
 
 from . import template_guard
 
-_SAMPLING = threading.Lock()  # held by a sampled generation (see ChatSession.stream)
+_SAMPLING = GLOBAL_RNG_LOCK  # held by a sampled generation (see ChatSession.stream) and a tiny model's build
 
 @dataclass
 class GenerationStats:

@@ -13,8 +13,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from ..models import KNOWN_MODELS, load_model
 from ..quant import methods
@@ -22,6 +21,7 @@ from ..quant.blocks import block_linears, decoder_blocks, total_linear_shapes
 from ..quant.cost import RunSize, estimate_seconds, sampling_seconds
 from ..quant.distill_hook import distill_seconds
 from ..quant.vptq_cost import allocation_seconds, vptq_layer_phases  # noqa: F401 - callers import it from here
+from ..storage.skeleton import empty_model
 from .queue import error_reason
 
 
@@ -122,9 +122,9 @@ def _refuse_quantized(config_path: str, name: str) -> None:
 
 
 def _meta_model(source: str):
-    config = AutoConfig.from_pretrained(source)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+    """The model's skeleton for its shapes, built without changing torch's default dtype (``storage.skeleton``):
+    a config that names a dtype would otherwise make it every thread's default while the model is built."""
+    return empty_model(AutoConfig.from_pretrained(source), buffers=False)
 
 
 _HUB_CHECK: dict[str, tuple[float, bool, str]] = {}

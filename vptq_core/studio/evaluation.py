@@ -63,6 +63,16 @@ class Evaluation:
         rows, fig, _choices = self.shared.runs_view(owner)
         return views.eval_md(snap.extras.get("eval")), rows, fig
 
+    def picked_view(self, run_id: str, request: gr.Request) -> str:
+        """The Chat tab's evaluation box for a newly picked run: that run's evaluation, or nothing yet."""
+        if not run_id:
+            return ""
+        try:
+            snap = self.shared.manager.get(run_id, self.shared.owner(request), reports=False)
+        except ValueError:
+            return ""
+        return views.eval_md(snap.extras.get("eval"))
+
     def _evaluate(self, job_id: str, windows, seqlen, owner: str, progress):
         windows, seqlen = int(windows or 0), int(seqlen or 0)
         if not 1 <= windows <= 512:

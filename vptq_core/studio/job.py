@@ -100,6 +100,7 @@ class Job:
         self.finished: float | None = None
         self.forgotten = False  # owner gone: delete the outputs as soon as the job ends
         self.owner_hash: str | None = None  # reloaded after a restart: owned by whoever's identity hashes to this
+        self.stop_reason: str | None = None  # why the job was stopped from inside (the memory ceiling)
 
     def snapshot(self, position: int = 0, running_ahead: int = 0, reports: bool = True) -> JobSnapshot:
         with self.lock:
@@ -125,8 +126,9 @@ class Job:
 class JobContext:
     """What a running task sees: its output directory and the progress / cancellation callbacks."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job, memory_check: Callable[[], str | None] | None = None) -> None:
         self._job = job
+        self._memory_check = memory_check
 
     @property
     def job_id(self) -> str:
@@ -164,7 +166,12 @@ class JobContext:
                                 "model_metrics": {**self._job.extras.get("model_metrics", {}), phase: metrics}}
 
     def should_stop(self) -> bool:
-        return self._job.cancel_event.is_set()
+        """Cancelled by its owner, or over the app's memory ceiling (the job then fails with that reason)."""
+        if self._memory_check is not None and self._job.stop_reason is None:
+            reason = self._memory_check()
+            if reason:
+                self._job.stop_reason = f"stopped: {reason}; a smaller model or fewer calibration samples may fit"
+        return self._job.cancel_event.is_set() or self._job.stop_reason is not None
 
 
 def error_reason(exc: BaseException) -> str:

@@ -86,8 +86,25 @@ class QuantizeForm:
             seconds, basis = self.predicted_seconds(info, method, config, samples, seqlen)
         except ValueError as exc:
             return f"⚠️ {self.shared.public(form.readable(exc))}", gr.Button(interactive=False)
+        shown = views.estimate_md(info, est, seconds, basis)
+        too_long = self.duration_refusal(seconds)
+        if too_long:
+            return f"{shown}\n\n⚠️ {too_long}", gr.Button(interactive=False)
+        return shown, gr.Button(interactive=True)
 
-        return views.estimate_md(info, est, seconds, basis), gr.Button(interactive=True)
+    def duration_refusal(self, seconds: float | None) -> str | None:
+        """Why a run estimated at ``seconds`` may not start here (longer than ``max_estimate_hours``), or None."""
+        limit = self.shared.settings.max_estimate_hours
+        if seconds is None or seconds <= limit * 3600:
+            return None
+        return (f"this run would take about {seconds / 3600:,.0f} h; a run may take at most {limit:g} h here: "
+                "fewer calibration samples, fewer k-means or training iterations, or a smaller model")
+
+    def check_duration(self, info, method: str, config, samples: int, seqlen: int) -> None:
+        """ValueError when a run's estimate is longer than a run may take here (``duration_refusal``)."""
+        refusal = self.duration_refusal(self.predicted_seconds(info, method, config, samples, seqlen)[0])
+        if refusal:
+            raise ValueError(refusal)
 
     def predicted_seconds(self, info, method: str, config, samples: int, seqlen: int) -> tuple[float | None, str]:
         """(seconds a run should take here, what that rests on): ``estimate.time_estimate`` (a 2-core CPU) times

@@ -105,6 +105,9 @@ class JobManager:
         self._threads: dict[str, threading.Thread] = {}
         self._listeners: list[Callable[[str, str], None]] = []
         self._jobs.update((job.id, job) for job in jobstore.restore(self.jobs_dir, max_age_s))
+        # Why the process must stop spending memory now, or None (``memory_guard.MemoryGuard.over``): polled by
+        # running jobs between layers and checked before a job is queued.
+        self.memory_check: Callable[[], str | None] | None = None
 
     def _adopt_locked(self, owner: str) -> None:
         """Reloaded jobs whose owner hash is ``owner``'s become ``owner``'s."""
@@ -198,11 +201,11 @@ class JobManager:
                 raise JobCancelled
             with self._lock:
                 jobstore.describe(job)  # from here on a restart finds it (``jobstore.restore``)
-            result = job.task(JobContext(job))
+            result = job.task(JobContext(job, self.memory_check))
             if result is not None and not isinstance(result, dict):
                 raise TypeError(f"a job task must return a dict or None, got {type(result).__name__}")
         except JobCancelled:
-            status = "cancelled"
+            status, error = ("failed", job.stop_reason) if job.stop_reason else ("cancelled", None)
         except Exception as exc:  # noqa: BLE001 - any task failure is shown to its owner with its reason
             status, error, detail = "failed", error_reason(exc), traceback.format_exc()
             _log.warning("job %s failed: %s", job.id, error, exc_info=True)
@@ -287,6 +290,9 @@ class JobManager:
             self._check_runs_locked(owner)
             self._check_client_locked(client)
             self._check_queue_locked()
+        reason = self.memory_check() if self.memory_check is not None else None
+        if reason:
+            raise ValueError(f"cannot start now: {reason}; try again later")
 
     def _check_client_locked(self, client: str | None) -> None:
         if not client or self.max_active_per_client is None:

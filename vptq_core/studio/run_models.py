@@ -16,6 +16,7 @@ from ..storage.checkpoint import checkpoint_size, load_quantized
 from . import views
 from .estimate import model_info
 from .services import Shared
+from .sources import loadable_source
 
 ORIGINAL = "original"  # a chat side's pick: the original model (else a run id)
 FREE_MEMORY_SHARE = 0.8  # of the memory free now, what the models a chat loads may take together
@@ -63,14 +64,25 @@ class RunModels:
         source = (snap.result or {}).get("source_model")
         quant = self.load_quantized(ckpt)
         original, why = None, ""
+        if snap.kind == "import":  # the uploader's words: loaded only when trusted (``sources``)
+            source, why = self._uploaded_source(source, owner)
         if source:
             try:
                 original = self.load_original(source)
             except ValueError as exc:
                 why = self.shared.public(exc)
-        else:
+        elif not why:
             why = "the checkpoint does not say which model it was made from"
         return quant, original, why, source
+
+    def trusted_source(self, run_id: str, owner: str) -> tuple[str | None, str]:
+        """(the original model of ``run_id`` that may be loaded, else None; why not). An uploaded run's recorded
+        source is the uploader's words: loaded only when trusted (``sources``)."""
+        snap = self.shared.manager.get(run_id, owner, reports=False)
+        source = (snap.result or {}).get("source_model")
+        if snap.kind == "import":
+            return self._uploaded_source(source, owner)
+        return source, ""
 
     def side_models(self, run_id: str, picks: tuple[str, ...], owner: str) -> list[Side]:
         """The chat's sides: each pick is ``ORIGINAL`` (the original of ``run_id``, else of the first run picked),
@@ -81,7 +93,7 @@ class RunModels:
         if not base and not any(runs):
             raise ValueError("pick a finished run (or upload a packed checkpoint) first")
         manager = self.shared.manager
-        source = (manager.get(base, owner, reports=False).result or {}).get("source_model") if base else None
+        source, untrusted = self.trusted_source(base, owner) if base else (None, "")
         wanted: dict[tuple, tuple[str, int | None]] = {}  # cache key -> (what, bytes it will take)
         for pick, run in zip(picks, runs, strict=True):
             if pick == ORIGINAL:
@@ -99,7 +111,7 @@ class RunModels:
                 sides.append(Side(run, self.load_quantized(manager.checkpoint_dir(run, owner)), "", f"run {run}",
                                   (manager.get(run, owner, reports=False).result or {}).get("source_model")))
                 continue
-            pair, why = None, "the checkpoint does not say which model it was made from"
+            pair, why = None, untrusted or "the checkpoint does not say which model it was made from"
             if source:
                 try:
                     pair, why = self.load_original(source), ""
@@ -135,6 +147,12 @@ class RunModels:
 
     def _original_key(self, source: str) -> tuple:
         return ("orig", source, self.shared.dtype, self.shared.settings.device)
+    def _uploaded_source(self, source: str | None, owner: str) -> tuple[str | None, str]:
+        """(the recorded source of an uploaded run when it may be loaded, else None; why not)."""
+        s = self.shared.settings
+        own = {(snap.result or {}).get("source_model") for snap in self.shared.manager.jobs(owner, statuses=("done",))
+               if snap.kind != "import"} - {None}
+        return loadable_source(source, own, s.allowed_hub_models, s.max_hub_model_bytes)
 
     def drop_checkpoint(self, ckpt: Path) -> None:
         """Forget the quantized model loaded from ``ckpt`` (e.g. an upload that was refused after loading)."""

@@ -127,7 +127,10 @@ class Runs:
             calib_text = read_calibration_file(calib_file, self.shared.settings.max_calib_bytes)
         info = model_info(name)
         est = estimate(info, method, config)
+        self.quantize_form.check_duration(info, method, config, calib.samples, calib.seqlen)
         self.shared.manager.check_submit(owner, client)
+        # at least the model once in 16 bits: a run that could not even load it is refused before it is queued
+        self.shared.memory.check_room(2 * (info.linear_weights + info.other_params), "loading this model")
         reserve = 2 * est.checkpoint_bytes + len(calib_text or "")  # the checkpoint and its zip
         self.shared.check_disk(owner, reserve, "this run")
         return _Prepared(name, config, calib, calib_text, info, est, reserve)

@@ -21,6 +21,7 @@ from gradio.utils import get_upload_folder
 from . import form, plots, views
 from .app_settings import AppSettings
 from .client_address import client_address
+from .memory_guard import MemoryGuard
 from .model_cache import ModelCache
 from .queue import JobManager
 from .upload_folder import UploadFolder
@@ -93,6 +94,9 @@ class Shared:
         self.settings = settings
         self.manager = manager
         self.cache = cache
+        self.memory = MemoryGuard(settings.memory_limit_bytes)  # the app's memory ceiling, for loads and jobs
+        if manager.memory_check is None:
+            manager.memory_check = self.memory.over
         self.identities = Identities()
         self.serve_dir = Path(get_upload_folder())
         if Path(settings.workdir).resolve().is_relative_to(self.serve_dir.resolve()):

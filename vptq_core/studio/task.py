@@ -14,6 +14,7 @@ from ..storage.checkpoint import checkpoint_size
 from . import zerogpu
 from .card import write_model_card
 from .job import JobCancelled, JobContext
+from .report_paths import public_report
 
 
 def quantization_task(model_name: str, method: str, config, calib, device: str = "cpu",
@@ -50,6 +51,7 @@ def quantization_task(model_name: str, method: str, config, calib, device: str =
         if summary.get("cancelled"):
             raise JobCancelled
         ctx.set_phase("packing the archive")
+        public_report(out)
         write_model_card(out, model_name)
         bits = summary.get("total_bits_per_weight")
         stamp = time.strftime("%Y%m%d-%H%M", time.gmtime())

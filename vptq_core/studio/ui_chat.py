@@ -6,6 +6,7 @@ from __future__ import annotations
 import gradio as gr
 
 from . import views
+from .chat_history import bound_history
 from .ui_page import Page
 from .zerogpu import on_gpu
 
@@ -36,6 +37,8 @@ def chat_tab(page: Page, examples: list[list[str]]) -> None:
                                     buttons=["copy"])
             stats_quant = gr.Markdown(elem_classes="vq-stats", elem_id="stats-quantized")
             stop_quant_btn = gr.Button("Stop the right side", size="sm", elem_id="chat-stop-quantized")
+    for chatbot in (chat_orig, chat_quant):
+        bound_history(chatbot, settings.max_chat_messages)
     with gr.Row(equal_height=True):
         prompt = gr.Textbox(placeholder=f"Ask both models something… (at most {settings.max_prompt_tokens} tokens "
                                         "with the conversation)",
@@ -101,6 +104,8 @@ def wire_chat(page: Page) -> None:
           outputs=load_outputs, api_visibility="private", concurrency_limit=2)
     gr.on([p.runs_table.change, p.demo.load], chat.refresh_sides, inputs=sides, outputs=sides,
           api_visibility="private", show_progress="hidden")
+    p.chat_run.change(studio.evaluation.picked_view, inputs=p.chat_run, outputs=p.run_eval_box,
+                      api_visibility="private", show_progress="hidden")
     chat_inputs = [p.prompt, p.chat_orig, p.chat_quant, p.chat_run, p.temperature, p.top_p, p.max_new_tokens,
                    *sides, p.chat_seed]
     chat_outputs = [p.chat_orig, p.chat_quant, p.stats_orig, p.stats_quant, p.prompt]

@@ -15,12 +15,16 @@ from ..storage.checkpoint import checkpoint_size, read_quantization_config
 from . import views
 from .run_models import RunModels
 from .services import Shared, user_error
+from .sources import shown_name
+from .upload_files import UploadedFiles
+from .upload_limits import check_upload
 
 
 class Uploads:
     def __init__(self, shared: Shared, models: RunModels) -> None:
         self.shared = shared
         self.models = models
+        self.files = UploadedFiles(shared.serve_dir)  # deleted when the last request working on one is done
 
     def upload_run(self, archive, request: gr.Request) -> str:
         """Check, unpack and verify an uploaded checkpoint archive into a new run of this browser; returns the
@@ -37,7 +41,9 @@ class Uploads:
         path = Path(archive if isinstance(archive, str) else archive.get("path", ""))
         s, manager = self.shared.settings, self.shared.manager
         try:
-            try:
+            with self.files.hold(path):
+                if not path.is_file():
+                    raise ValueError("the uploaded file is gone; upload it again")
                 size = path.stat().st_size
                 if size > s.max_upload_bytes:
                     raise ValueError(f"archive is {views.mb(size)}; at most {views.mb(s.max_upload_bytes)} allowed")
@@ -45,8 +51,6 @@ class Uploads:
                 budget, label = self._unpack_budget(owner)
                 snap = manager.import_run(owner, lambda out_dir: self._unpack(path, out_dir, budget, label),
                                           title=f"uploaded {path.name}")
-            finally:
-                self._remove_upload(path)
         except (ValueError, OSError) as exc:
             raise self.shared.error(f"cannot load {path.name}: {exc}") from None
         return snap.id
@@ -61,7 +65,7 @@ class Uploads:
             raise self.shared.error(exc) from None
         title = snap.title.removeprefix("uploaded ")
         return (gr.Dropdown(choices=choices, value=snap.id), views.uploaded_md(title, snap.id,
-                (snap.result or {}).get("source_model")), rows, fig, gr.Dropdown(choices=choices), None,
+                shown_name((snap.result or {}).get("source_model"))), rows, fig, gr.Dropdown(choices=choices), None,
                 self.shared.guard(owner))
 
     def upload(self, archive, request: gr.Request):
@@ -88,6 +92,7 @@ class Uploads:
         """Unpack ``archive`` into ``out_dir/checkpoint`` and load it (every tensor checked against its config;
         the model stays cached for chat); the new run's result."""
         s = self.shared.settings
+        check_upload(archive, s, self.shared.memory, float_bytes=2)  # the app loads in bf16 / fp16
         ckpt = extract_checkpoint(archive, out_dir / "checkpoint", max_bytes=budget, max_files=s.max_archive_files,
                                   max_entry_bytes=s.max_entry_bytes, max_ratio=s.max_ratio, total_label=label)
         _config, quantization = read_quantization_config(ckpt)
@@ -101,18 +106,8 @@ class Uploads:
             report = json.loads((ckpt / "quant_report.json").read_text(encoding="utf-8"))
         if not isinstance(report, dict):
             report = {}
-        return {"checkpoint_dir": str(ckpt), "source_model": source_model_of(str(ckpt)),
+        source = source_model_of(str(ckpt))  # the uploader's words: a path is kept by its last part only
+        return {"checkpoint_dir": str(ckpt), "source_model": shown_name(source) if source else None,
                 "summary": report.get("summary", {}),
                 "method": report.get("method") or quantization.get("quant_method"),
                 "config": report.get("settings", {}), "checkpoint_bytes": checkpoint_size(ckpt), "archive": None}
-
-    def _remove_upload(self, path: Path) -> None:
-        """Delete an uploaded file from Gradio's upload folder (with its folder, when that is left empty)."""
-        serve_dir = self.shared.serve_dir
-        try:
-            if path.resolve().is_relative_to(serve_dir.resolve()) and path.is_file():
-                path.unlink()
-                if path.parent != serve_dir and not any(path.parent.iterdir()):
-                    path.parent.rmdir()
-        except OSError:
-            pass

@@ -40,9 +40,30 @@ def scrub_paths(text: str, roots: Iterable[str | os.PathLike]) -> str:
     return text
 
 
+# An absolute path of two or more parts (``/etc/passwd``, ``~/.cache/x``), not inside a URL or a word.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w:/.~-])(?:~|[A-Za-z]:)?/[^\s'\"`,;()\[\]{}<>|/]+(?:/[^\s'\"`,;()\[\]{}<>|/]+)+/?")
+
+
+def scrub_absolute(text: str) -> str:
+    """``text`` with every absolute path, wherever it points, replaced by its last component."""
+    return _ABSOLUTE_PATH.sub(lambda m: os.path.basename(m.group(0).rstrip("/")) or "(file)", text)
+
+
+def scrub_tree(value):
+    """``value`` (JSON-like) with ``scrub_absolute`` applied to every string inside it."""
+    if isinstance(value, str):
+        return scrub_absolute(value)
+    if isinstance(value, list | tuple):
+        return [scrub_tree(v) for v in value]
+    if isinstance(value, dict):
+        return {k: scrub_tree(v) for k, v in value.items()}
+    return value
+
+
 def scrub(text: str, roots: Iterable[str | os.PathLike] = (), hidden: Iterable[str] = ()) -> str:
-    """``scrub_paths`` and every string of ``hidden`` (session ids, browser identities) replaced."""
-    text = scrub_paths(str(text), roots)
+    """``scrub_paths``, then any other absolute path by its last component, and every string of ``hidden``
+    (session ids, browser identities) replaced."""
+    text = scrub_absolute(scrub_paths(str(text), roots))
     for secret in hidden:
         if secret:
             text = text.replace(secret, "(hidden)")
@@ -65,7 +86,7 @@ def public_job(snap: JobSnapshot, reports: bool = False, roots: Iterable[str | o
         data["result"] = result
     if data.get("error"):
         data["error"] = scrub(data["error"], roots, [snap.owner, *hidden])
-    return data
+    return scrub_tree(data)  # notes quoting a path (a model directory, a calibration file) keep its last part
 
 
 def guard_html(busy: bool, unexported: bool) -> str:
@@ -243,7 +264,7 @@ def runs_view(snaps: Iterable[JobSnapshot]) -> tuple[list[list], list[dict], lis
         name = method_label(method)
         label = f"{name} {s['total_bits_per_weight']:.2f}b" if s.get("total_bits_per_weight") else method
         rows.append([
-            snap.id, result.get("source_model") or "?", name,
+            snap.id, scrub_absolute(result.get("source_model") or "?"), name,
             describe_settings(method, result.get("config") or s.get("config") or {}),
             _round(s.get("index_bits_per_weight"), 3), _round(s.get("total_bits_per_weight"), 3),
             _round((result.get("checkpoint_bytes") or 0) / 1e6, 1),
@@ -255,7 +276,7 @@ def runs_view(snaps: Iterable[JobSnapshot]) -> tuple[list[list], list[dict], lis
         points.append({"label": f"{label} ({snap.id[:4]})", "method": method, "model": result.get("source_model"),
                        "total_bits": s.get("total_bits_per_weight"), "perplexity": ev.get("perplexity"),
                        "reference_perplexity": ev.get("reference_perplexity")})
-        kind = "uploaded" if snap.kind == "import" else (result.get("source_model") or "")
+        kind = "uploaded" if snap.kind == "import" else scrub_absolute(result.get("source_model") or "")
         choices.append((f"{snap.id} · {label} · {kind}", snap.id))
     return rows, points, choices
 
@@ -265,7 +286,7 @@ def models_md(source: str | None, original_bytes: int | None, why: str, quantize
               device: str, head_bits: int = 0) -> str:
     """Both sides of a run: the original model (``original_bytes`` None: not available, ``why``) and the
     quantized one (``head_bits``: its LM head's bits at run time, ``storage.head``; 0 = as stored)."""
-    left = (f"**Original** `{source}` ({dtype}, {device}): weights {mb(original_bytes)}"
+    left = (f"**Original** `{scrub_absolute(source or '')}` ({dtype}, {device}): weights {mb(original_bytes)}"
             if original_bytes is not None else f"**Original** not available: {why}")
     head = f", LM head {head_bits}-bit" if head_bits else ""
     right = f"**Quantized** ({dtype} activations, lookup kernels{head}, {device}): weights {mb(quantized_bytes)}"
