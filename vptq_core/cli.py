@@ -1,4 +1,4 @@
-"""Command line: ``python -m vptq_core quantize|eval|chat|bench``.
+"""Command line: ``python -m vptq_core quantize|eval|chat|bench|export-gguf``.
 
 Bad input exits with code 2 and one line saying what is wrong and what is allowed.
 """
@@ -151,7 +151,24 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run a benchmark script from bench/")
     b.add_argument("name", choices=["quality", "kernels", "decode"])
     b.add_argument("args", nargs=argparse.REMAINDER)
+    _add_export_parsers(sub)
     return parser
+
+
+def _add_export_parsers(sub) -> None:
+    g = sub.add_parser("export-gguf", help="write a GPTQ / RTN checkpoint (4-bit or 8-bit, groups of 32) as a GGUF "
+                       "file llama.cpp loads")
+    g.add_argument("--model", required=True, help="a quantized checkpoint directory")
+    g.add_argument("--out", required=True, help="the .gguf file to write")
+    g.add_argument("--tokenizer-gguf", help="a GGUF file of the same model to copy the tokenizer from (default: "
+                   "the GGUF file the run was made from)")
+
+
+def _cmd_export_gguf(args) -> int:
+    from .gguf_export import export_gguf
+
+    print(json.dumps(export_gguf(args.model, args.out, tokenizer_gguf=args.tokenizer_gguf), indent=2))
+    return 0
 
 
 def _sized_preset(settings: dict, model: str) -> dict:
@@ -320,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    handlers = {"quantize": _cmd_quantize, "eval": _cmd_eval, "chat": _cmd_chat, "bench": _cmd_bench}
+    handlers = {"quantize": _cmd_quantize, "eval": _cmd_eval, "chat": _cmd_chat, "bench": _cmd_bench,
+                "export-gguf": _cmd_export_gguf}
     try:
         return handlers[args.command](args)
     except (ValueError, TypeError, FileNotFoundError) as exc:
