@@ -85,9 +85,11 @@ def check_tasks(names: list[str], manager) -> None:
     for name in names:
         try:
             get_task_dict([name], manager)
-        except Exception as exc:  # noqa: BLE001 - datasets raises connection, offline and not-found errors alike
-            raise ValueError(f"task data cannot be fetched for {name!r} (Hugging Face datasets are offline or "
-                             f"unreachable here: {_first_line(exc)})") from None
+        except OSError:  # datasets' connection, offline-mode and not-found errors are all OSErrors
+            raise ValueError(f"task data cannot be fetched for {name!r}: the Hugging Face hub is offline or "
+                             "unreachable here, and the data is not in the local datasets cache") from None
+        except Exception as exc:  # noqa: BLE001 - a task config lm-eval cannot build, in whatever way
+            raise ValueError(f"lm-eval cannot build task {name!r}: {_first_line(exc)}") from None
 
 
 def _first_line(exc: BaseException) -> str:

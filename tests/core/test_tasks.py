@@ -13,49 +13,16 @@ pytest.importorskip("lm_eval")
 
 from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
+from lm_eval_task import REMOTE, TASK, write_tasks  # noqa: E402
 
 from vptq_core.cli import main  # noqa: E402
 from vptq_core.models import load_model, tiny_random_llama  # noqa: E402
 from vptq_core.tasks import TaskSettings, task_manager, task_scores  # noqa: E402
 
-ITEMS = [("The sky on a clear day is", [" blue", " green", " loud"], 0),
-         ("Two plus two is", [" four", " seven", " nine"], 0),
-         ("A cat says", [" woof", " meow", " moo"], 1),
-         ("Water is", [" dry", " wet", " square"], 1),
-         ("Fire is", [" cold", " hot", " blue"], 1),
-         ("The opposite of up is", [" down", " left", " red"], 0),
-         ("Ice is made of", [" stone", " water", " paper"], 1),
-         ("A week has seven", [" days", " hours", " cats"], 0)]
-TASK = "vq_local_mc"
-CONFIG = """task: {task}
-dataset_path: {dataset}
-{kwargs}test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: acc_norm
-    aggregation: mean
-    higher_is_better: true
-"""
-
 
 @pytest.fixture(scope="module")
 def tasks_dir(tmp_path_factory) -> Path:
-    """A folder with the local task (data beside it) and one whose data lives on the hub."""
-    root = tmp_path_factory.mktemp("tasks")
-    data = root / "items.jsonl"
-    data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in ITEMS),
-                    encoding="utf-8")
-    kwargs = f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
-    (root / f"{TASK}.yaml").write_text(CONFIG.format(task=TASK, dataset="json", kwargs=kwargs), encoding="utf-8")
-    (root / "vq_remote_mc.yaml").write_text(CONFIG.format(task="vq_remote_mc", dataset="vptq-core-tests/none",
-                                                          kwargs=""), encoding="utf-8")
-    return root
+    return write_tasks(tmp_path_factory.mktemp("tasks"))
 
 
 @pytest.fixture(scope="module")
@@ -135,9 +102,9 @@ def test_task_data_that_cannot_be_fetched_is_one_line(tasks_dir, capsys, monkeyp
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    err = _error(capsys, ["--model", "tiny-random-llama", "--tasks", f"{TASK},vq_remote_mc",
+    err = _error(capsys, ["--model", "tiny-random-llama", "--tasks", f"{TASK},{REMOTE}",
                           "--include-path", str(tasks_dir)])
-    assert "task data cannot be fetched for 'vq_remote_mc'" in err
+    assert f"task data cannot be fetched for {REMOTE!r}" in err
 
 
 def test_bad_settings(capsys):

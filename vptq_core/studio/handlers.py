@@ -22,7 +22,7 @@ from .app_settings import AppSettings
 from .chat import ChatSession
 from .chat_handlers import ChatHandlers
 from .downloads import Downloads
-from .evaluation import Evaluation
+from .evaluation import Evaluation, TaskEvaluation
 from .hub import HubPush
 from .model_cache import ModelCache
 from .quantize_form import QuantizeForm
@@ -54,6 +54,7 @@ class Studio:
         self.quantize_form = QuantizeForm(self.shared)
         self.runs = Runs(self.shared, self.quantize_form, self.downloads, make_task)
         self.evaluation = Evaluation(self.shared, self.models, self.downloads)
+        self.tasks = TaskEvaluation(self.shared, self.models)
         self.hub = HubPush(self.shared, hub_api)
         self.uploads = Uploads(self.shared, self.models)
         self.chat = ChatHandlers(self.shared, self.models, make_chat)
