@@ -5,9 +5,9 @@ Protocol: a GPTQ checkpoint at 4 bits, symmetric, groups of 32 (``--checkpoint``
 ``python -m vptq_core export-gguf`` (Q4_0 linears, the bf16 embedding as BF16, norms F32). The evaluation
 windows are the project's ``eval`` windows (``--text``, ``--seqlen``, the first ``--windows``), tokenized once
 by the project; llama.cpp (llama-cpp-python in its own interpreter, ``--llama-python``) evaluates the same token
-ids, one window per context, all logits kept, and the NLL of every next token is taken from its logits in
-float64. The project's side is ``vptq_core.eval.evaluate`` on the checkpoint loaded in float32 with the head as
-stored (the weights the GGUF holds) and, for reference, as ``eval`` loads it by default (bf16, head at 8 bits
+ids, one window per context, all logits kept, the weights in the file's layout (``--extra-bufts`` lets it repack
+them), and the NLL of every next token is taken from its logits in float64. The project's side is
+``vptq_core.eval.evaluate`` on the checkpoint loaded in float32 with the head as stored (the weights the GGUF holds) and, for reference, as ``eval`` loads it by default (bf16, head at 8 bits
 on the CPU). The paired difference is the mean per-token NLL difference ± its standard error; the sampling
 noise of a perplexity is the standard error of the mean NLL. Figures: bench/results/gguf_export_*.txt.
 
@@ -44,8 +44,16 @@ LLAMA_SCRIPT = r"""
 import json, sys, time
 import numpy as np
 import llama_cpp
+import llama_cpp.llama
 cfg = json.load(open(sys.argv[1]))
 n = cfg["seqlen"]
+if not cfg["extra_bufts"]:  # keep the weights in the file's layout (no AMX / repacked copies)
+    defaults = llama_cpp.llama_model_default_params
+    def model_params():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+    llama_cpp.llama.llama_cpp.llama_model_default_params = model_params
 llm = llama_cpp.Llama(model_path=cfg["gguf"], n_ctx=n, n_batch=n, n_ubatch=n, n_threads=cfg["threads"],
                       n_threads_batch=cfg["threads"], logits_all=True, verbose=False)
 nll, t0 = [], time.perf_counter()
@@ -124,6 +132,9 @@ def main() -> None:
     parser.add_argument("--seqlen", type=int, default=512)
     parser.add_argument("--windows", type=int, default=40)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--extra-bufts", action="store_true", help="let llama.cpp repack the weights into its "
+                        "extra CPU buffer types (AMX, repacked Q4_0); off by default: on a CPU that reports AMX "
+                        "without the kernel enabling it, decoding crashes with them")
     args = parser.parse_args()
     reason = llama_reason(args.llama_python)
     if reason:
@@ -144,7 +155,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "job.json"
         job.write_text(json.dumps({"gguf": str(gguf_path), "seqlen": args.seqlen, "threads": args.threads,
-                                   "windows": windows.tolist()}))
+                                   "extra_bufts": args.extra_bufts, "windows": windows.tolist()}))
         proc = subprocess.run([args.llama_python, "-c", LLAMA_SCRIPT, str(job)], capture_output=True, text=True,
                               check=False)
     if proc.returncode:
@@ -156,7 +167,8 @@ def main() -> None:
     ours_mean, ours_se = mean_stderr(ours_nll)
     llama_mean, llama_se = mean_stderr(llama["nll"])
     print(f"Protocol: see the docstring; {cpu_name()}, {args.threads} threads; checkpoint {ckpt.name}; "
-          f"{ours.protocol()}; llama-cpp-python {llama['version']}")
+          f"{ours.protocol()}; llama-cpp-python {llama['version']}, extra buffer types "
+          f"{'on' if args.extra_bufts else 'off'}")
     print(f"export: {summary['tensors']} ({summary['file_type']}), {summary['size_bytes'] / 1e6:.1f} MB, "
           f"{export_s:.1f} s\n")
     print("| evaluator | perplexity | mean NLL ± s.e. | seconds |")

@@ -1,5 +1,6 @@
 """The app's standard-tasks panel (gradio_client, in-process): a finished tiny run scored on a local lm-eval task
-next to its original, the numbers lm-eval gives each model; bad input and unknown tasks refused in one line."""
+next to its original, the numbers lm-eval gives the models the app holds; bad input and unknown tasks refused in
+one line."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ from gradio_client.exceptions import AppError  # noqa: E402
 from lm_eval_task import TASK, write_tasks  # noqa: E402
 from studio_helpers import finished, job_kwargs, serve_app  # noqa: E402
 
-from vptq_core.models import TINY, load_model  # noqa: E402
-from vptq_core.storage.checkpoint import load_quantized  # noqa: E402
+from vptq_core.models import TINY  # noqa: E402
 from vptq_core.tasks import TaskSettings, task_manager, task_scores  # noqa: E402
 
 served = pytest.fixture(scope="module", name="served")(serve_app)
@@ -32,9 +32,8 @@ def test_tasks_panel(served, tmp_path):
     shown = client.predict(job, TASK, 4, api_name="/tasks")
     assert "| task | metric | original | quantized | Δ |" in shown and "limit 4" in shown
     manager, settings = task_manager(served.studio.tasks.include_path), TaskSettings(limit=4)
-    ckpt = served.studio.manager.checkpoint_dir(job, client.session_hash)
-    qmodel, tok = load_quantized(ckpt)
-    original, _ = load_model(TINY)
+    (qmodel, tok), (original, _), _why, source = served.studio.models.run_models(job, client.session_hash)
+    assert source == TINY
     q, o = (task_scores(m, tok, [TASK], settings, manager)[(TASK, "acc")] for m in (qmodel, original))
     assert f"| {TASK} | acc | {o[0]:.4f} ± {o[1]:.4f} | {q[0]:.4f} ± {q[1]:.4f} |" in shown
     client.close()
