@@ -4,12 +4,13 @@ Protocol: a GPTQ checkpoint at 4 bits, symmetric, groups of 32 (``--checkpoint``
 ``--model`` with the CLI defaults: 32 wiki windows of 512 tokens, bf16 storage) is exported with
 ``python -m vptq_core export-gguf`` (Q4_0 linears, the bf16 embedding as BF16, norms F32). The evaluation
 windows are the project's ``eval`` windows (``--text``, ``--seqlen``, the first ``--windows``), tokenized once
-by the project; llama.cpp (llama-cpp-python in its own interpreter, ``--llama-python``) evaluates the same token
+by the project. llama.cpp (llama-cpp-python in its own interpreter, ``--llama-python``) evaluates the same token
 ids, one window per context, all logits kept, the weights in the file's layout (``--extra-bufts`` lets it repack
-them), and the NLL of every next token is taken from its logits in float64. The project's side is
-``vptq_core.eval.evaluate`` on the checkpoint loaded in float32 with the head as stored (the weights the GGUF holds) and, for reference, as ``eval`` loads it by default (bf16, head at 8 bits
-on the CPU). The paired difference is the mean per-token NLL difference ± its standard error; the sampling
-noise of a perplexity is the standard error of the mean NLL. Figures: bench/results/gguf_export_*.txt.
+them); the NLL of every next token is taken from its logits in float64. The project's side is
+``vptq_core.eval.evaluate`` on the checkpoint loaded in float32 with the head as stored (the weights the GGUF
+holds) and, for reference, as ``eval`` loads it by default (bf16, head at 8 bits on the CPU). The paired
+difference is the mean per-token NLL difference ± its standard error; the sampling noise of a perplexity is the
+standard error of the mean NLL. Figures: bench/results/gguf_export_*.txt.
 
     python bench/gguf_export.py --llama-python /work/llama-venv/bin/python [--windows 40] [--threads 2]
 """
