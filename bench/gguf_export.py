@@ -168,7 +168,7 @@ def main() -> None:
     ours_mean, ours_se = mean_stderr(ours_nll)
     llama_mean, llama_se = mean_stderr(llama["nll"])
     print(f"Protocol: see the docstring; {cpu_name()}, {args.threads} threads; checkpoint {ckpt.name}; "
-          f"{ours.protocol()}; llama-cpp-python {llama['version']}, extra buffer types "
+          f"text {args.text!r}: {ours.protocol()}; llama-cpp-python {llama['version']}, extra buffer types "
           f"{'on' if args.extra_bufts else 'off'}")
     print(f"export: {summary['tensors']} ({summary['file_type']}), {summary['size_bytes'] / 1e6:.1f} MB, "
           f"{export_s:.1f} s\n")
