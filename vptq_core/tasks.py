@@ -101,7 +101,7 @@ def task_scores(model, tokenizer, names: list[str], settings: TaskSettings = Tas
                 manager=None) -> dict[tuple[str, str], tuple[float, float | None]]:
     """(task, metric) -> (value, stderr) of ``model`` on the tasks ``names``, scored by lm-eval's ``HFLM``."""
     lm_eval, HFLM, _ = _lm_eval()
-    manager = manager or task_manager()
+    manager = task_manager() if manager is None else manager
     device = str(next(model.parameters()).device)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=settings.batch_size, device=device)
     with torch.no_grad():

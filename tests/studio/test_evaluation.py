@@ -1,6 +1,6 @@
-"""The app's standard-tasks panel (gradio_client, in-process): a finished tiny run scored on a local lm-eval task
-next to its original, the numbers lm-eval gives the models the app holds; bad input and unknown tasks refused in
-one line."""
+"""The Evaluate section's standard-tasks panel (gradio_client, in-process): a finished tiny run scored on a local
+lm-eval task next to its original, the numbers lm-eval gives the models the app holds; bad input and unknown
+tasks refused in one line."""
 
 from __future__ import annotations
 
