@@ -82,6 +82,8 @@ SMOKES: dict[str, Smoke] = {
                                 gpu_table=True),
     "bench/gpu_quantize.py": Smoke(("--model", TINY), ("no CUDA device: GPU figures need a GPU",), returncode=1,
                                    gpu=True),
+    # needs llama-cpp-python in its own interpreter: without --llama-python, one line saying so
+    "bench/gguf_export.py": Smoke(("--model", TINY), ("bench/gguf_export.py needs --llama-python",), returncode=1),
     "bench/head_quality.py": Smoke(
         ("--model", TINY, "--samples", "2", "--seqlen", "32", "--windows", "1", "--threads", "1",
          "--rows", "runtime-8,gptq-4"),

@@ -1,4 +1,4 @@
-"""Command line: ``python -m vptq_core quantize|eval|chat|diff|bench``.
+"""Command line: ``python -m vptq_core quantize|eval|chat|diff|bench|export-gguf|tasks``.
 
 Bad input exits with code 2 and one line saying what is wrong and what is allowed.
 """
@@ -154,7 +154,56 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run a benchmark script from bench/")
     b.add_argument("name", choices=["quality", "kernels", "decode"])
     b.add_argument("args", nargs=argparse.REMAINDER)
+    _add_export_parsers(sub)
+    _add_tasks_parser(sub)
     return parser
+
+
+def _add_export_parsers(sub) -> None:
+    g = sub.add_parser("export-gguf", help="write a GPTQ / RTN checkpoint (4-bit or 8-bit, groups of 32) as a GGUF "
+                       "file llama.cpp loads")
+    g.add_argument("--model", required=True, help="a quantized checkpoint directory")
+    g.add_argument("--out", required=True, help="the .gguf file to write")
+    g.add_argument("--tokenizer-gguf", help="a GGUF file of the same model to copy the tokenizer from (default: "
+                   "the GGUF file the run was made from)")
+
+
+def _add_tasks_parser(sub) -> None:
+    t = sub.add_parser("tasks", help="lm-eval tasks on a checkpoint and its original, side by side (needs lm-eval)")
+    t.add_argument("--model", required=True, help="a quantized checkpoint directory (or any model)")
+    t.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated (e.g. arc_easy,hellaswag)")
+    t.add_argument("--limit", type=float, help="at most this many documents per task (below 1: that share)")
+    t.add_argument("--num-fewshot", type=int, help="few-shot examples (default: each task's own)")
+    t.add_argument("--batch-size", type=_positive, default=8)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--reference", default="auto", help="'auto' = the checkpoint's source model, 'none', or a name/DIR")
+    t.add_argument("--include-path", help="a folder of extra task configs (lm-eval YAML)")
+    t.add_argument("--head-bits", choices=HEAD_BITS_CHOICES, default="auto", help=HEAD_BITS_HELP)
+    t.add_argument("--json", action="store_true", help="print one JSON object")
+    t.add_argument("--threads", type=_positive)
+
+
+def _cmd_tasks(args) -> int:
+    from .tasks import TaskSettings, compare_checkpoint, rows_markdown
+
+    if args.limit is not None and args.limit <= 0:
+        raise ValueError(f"--limit must be positive, got {args.limit:g}")
+    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
+    settings = TaskSettings(num_fewshot=args.num_fewshot, limit=limit, batch_size=args.batch_size, seed=args.seed)
+    rows = compare_checkpoint(args.model, args.tasks, settings, reference=args.reference,
+                              include_path=args.include_path, head_bits=args.head_bits)
+    if args.json:
+        print(json.dumps({"settings": settings.__dict__, "rows": [r.to_dict() for r in rows]}))
+    else:
+        print(rows_markdown(rows, settings))
+    return 0
+
+
+def _cmd_export_gguf(args) -> int:
+    from .gguf_export import export_gguf
+
+    print(json.dumps(export_gguf(args.model, args.out, tokenizer_gguf=args.tokenizer_gguf), indent=2))
+    return 0
 
 
 def _sized_preset(settings: dict, model: str) -> dict:
@@ -326,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     handlers = {"quantize": _cmd_quantize, "eval": _cmd_eval, "chat": _cmd_chat, "diff": cmd_diff,
-                "bench": _cmd_bench}
+                "bench": _cmd_bench, "export-gguf": _cmd_export_gguf, "tasks": _cmd_tasks}
     try:
         return handlers[args.command](args)
     except (ValueError, TypeError, FileNotFoundError) as exc:

@@ -624,3 +624,17 @@ def tiny_random_model(family: str = "llama", seed: int = 0, num_layers: int | No
 def tiny_random_llama(seed: int = 0, num_layers: int = 2, hidden: int = 64, intermediate: int = 128):
     """A seeded random llama small enough for unit tests; its tokenizer is byte-level (vocab 259)."""
     return tiny_random_model("llama", seed=seed, num_layers=num_layers, hidden=hidden, intermediate=intermediate)
+
+
+def gguf_file_of(name_or_path: str) -> Path | None:
+    """The GGUF file a model source is read from (a built-in GGUF model, a local ``.gguf``), else None."""
+    name = name_or_path.strip()
+    if name == BUNDLED:
+        try:
+            return _bundled_gguf_file()
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    if name == GEMMA3:
+        return _gemma3_gguf_file()
+    path = Path(os.path.expanduser(name))
+    return path if path.suffix.lower() == ".gguf" and path.is_file() else None

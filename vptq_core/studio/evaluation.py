@@ -86,3 +86,42 @@ class Evaluation:
                           on_window=lambda i, n: progress(i / n, desc=f"window {i}/{n}"))
         snap = self.shared.manager.set_extra(job_id, owner, "eval", result.to_dict())
         return refresh_card(self.shared.manager, snap, owner)
+
+
+MAX_TASKS = 4
+TASK_LIMIT_MAX = 1000
+
+
+class TaskEvaluation:
+    """lm-eval tasks on a run and its original (``vptq_core.tasks``), same settings, the table side by side.
+    ``include_path``: a folder of extra task configs (lm-eval YAML) offered beside the installed tasks."""
+
+    def __init__(self, shared: Shared, models: RunModels, include_path: str | None = None) -> None:
+        self.shared = shared
+        self.models = models
+        self.include_path = include_path
+
+    def run(self, job_id: str, names: str, limit, request: gr.Request, progress=gr.Progress()):  # noqa: B008
+        """The run's and its original's scores on the named tasks (at most ``limit`` documents each): Markdown."""
+        owner = self.shared.owner(request)
+        try:
+            return self._run(job_id, names, limit, owner, progress)
+        except ValueError as exc:
+            raise self.shared.error(exc) from None
+
+    def _run(self, job_id: str, names: str, limit, owner: str, progress) -> str:
+        from ..tasks import TaskSettings, compare_models, parse_task_names, rows_markdown
+
+        names = parse_task_names(names or "")
+        if len(names) > MAX_TASKS:
+            raise ValueError(f"at most {MAX_TASKS} tasks at a time, got {len(names)}")
+        limit = int(limit or 0)
+        if not 1 <= limit <= TASK_LIMIT_MAX:
+            raise ValueError(f"documents per task must be in 1..{TASK_LIMIT_MAX}, got {limit}")
+        progress(0.0, desc="loading the models")
+        (qmodel, tok), original, why, _source = self.models.run_models(job_id, owner)
+        progress(0.1, desc="running lm-eval (the run, then the original)")
+        settings = TaskSettings(limit=limit)
+        rows = compare_models(qmodel, original[0] if original else None, tok, names, settings, self.include_path)
+        text = rows_markdown(rows, settings)
+        return text if original else f"{text}\n\nThe original was not run: {why}"

@@ -28,7 +28,7 @@ from .chat_handlers import ChatHandlers
 from .compare import Compare
 from .divergence_handlers import DivergenceHandlers
 from .downloads import Downloads
-from .evaluation import Evaluation
+from .evaluation import Evaluation, TaskEvaluation
 from .hub import HubPush
 from .model_cache import ModelCache
 from .quantize_form import QuantizeForm
@@ -60,6 +60,7 @@ class Studio:
         self.quantize_form = QuantizeForm(self.shared)
         self.runs = Runs(self.shared, self.quantize_form, self.downloads, make_task)
         self.evaluation = Evaluation(self.shared, self.models, self.downloads)
+        self.tasks = TaskEvaluation(self.shared, self.models)
         self.hub = HubPush(self.shared, hub_api)
         self.uploads = Uploads(self.shared, self.models)
         self.chat = ChatHandlers(self.shared, self.models, make_chat)

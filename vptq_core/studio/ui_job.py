@@ -32,6 +32,7 @@ def job_column(page: Page) -> None:
                                     min_width=120)
             eval_btn = gr.Button("Evaluate vs the original", elem_id="eval-btn", min_width=200)
         eval_box = gr.Markdown(elem_id="eval-result", min_height=40)
+        tasks_section(page)
         with gr.Accordion("Push to your Hugging Face repo", open=False):
             push_note = gr.Markdown(elem_id="push-note")
             if os.environ.get("SPACE_ID"):
@@ -45,6 +46,24 @@ def job_column(page: Page) -> None:
                 summary=summary, download_btn=download_btn, eval_windows=eval_windows, eval_seqlen=eval_seqlen,
                 eval_btn=eval_btn, eval_box=eval_box, push_note=push_note, push_repo=push_repo,
                 push_private=push_private, push_token=push_token, push_btn=push_btn)
+
+
+def tasks_section(page: Page) -> None:
+    """Standard lm-eval tasks on the watched run and its original."""
+    with gr.Accordion("Standard tasks (lm-eval)", open=False):
+        with gr.Row(equal_height=False):
+            task_names = gr.Textbox(label="lm-eval tasks, comma-separated", placeholder="arc_easy, hellaswag",
+                                    scale=3, elem_id="task-names")
+            task_limit = gr.Number(20, precision=0, label="documents per task", min_width=120)
+            tasks_btn = gr.Button("Run on the run and the original", elem_id="tasks-btn", min_width=200)
+        tasks_box = gr.Markdown(elem_id="tasks-result")
+    page.update(task_names=task_names, task_limit=task_limit, tasks_btn=tasks_btn, tasks_box=tasks_box)
+
+
+def wire_tasks(page: Page) -> None:
+    page.tasks_btn.click(on_gpu(page.studio.tasks.run, 600), inputs=[page.job_id, page.task_names, page.task_limit],
+                         outputs=page.tasks_box, api_name="tasks", concurrency_limit=1, concurrency_id="evaluate",
+                         show_progress_on=[page.tasks_box])
 
 
 def wire_job(page: Page) -> None:
@@ -73,6 +92,7 @@ def wire_job(page: Page) -> None:
                      outputs=[p.eval_box, p.runs_table, p.runs_plot, p.job_json, p.download_btn],
                      api_name="evaluate", concurrency_limit=1, concurrency_id="evaluate",
                      show_progress_on=[p.eval_box])
+    wire_tasks(p)
     p.push_btn.click(studio.hub.push, inputs=[p.job_id, p.push_repo, p.push_private, p.push_token],
                      outputs=[p.push_note, p.guard], api_name="push", concurrency_limit=2)
 
