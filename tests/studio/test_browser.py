@@ -4,12 +4,8 @@ an accepted upload, and a stranger's browser that reaches none of it. Screenshot
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -17,14 +13,10 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from browser_app import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, start_app, stop_app
+from studio_helpers import free_port
 
 from vptq_core.quant.config import DISTILL_LR
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
-                 "--no-first-run", "--disable-component-update", "--disable-sync"]
-ROOT = Path(__file__).resolve().parents[2]
-ARTIFACTS = ROOT / "test-artifacts"
 
 pytestmark = [
     pytest.mark.browser,
@@ -34,40 +26,13 @@ pytestmark = [
 playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright missing (pip install playwright)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     """``python app.py --tiny`` in a subprocess, as a user would start it: (url, work directory)."""
-    port = _free_port()
-    workdir = tmp_path_factory.mktemp("browser-app")
-    env = dict(os.environ, GRADIO_SERVER_PORT=str(port), GRADIO_SERVER_NAME="127.0.0.1",
-               GRADIO_ANALYTICS_ENABLED="False", VPTQ_NATIVE=os.environ.get("VPTQ_NATIVE", "0"))
-    log = open(workdir / "app.log", "w")  # noqa: SIM115 - closed at teardown
-    proc = subprocess.Popen([sys.executable, "app.py", "--tiny", "--workdir", str(workdir / "runs")], cwd=ROOT,
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=2).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.close()
-                raise RuntimeError(f"app did not start:\n{(workdir / 'app.log').read_text()[-3000:]}") from None
-            time.sleep(0.5)
-    yield url, (workdir / "runs").resolve()
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    port, workdir = free_port(), tmp_path_factory.mktemp("browser-app")
+    proc = start_app(port, workdir / "runs", workdir / "app.log")
+    yield f"http://127.0.0.1:{port}/", (workdir / "runs").resolve()
+    stop_app(proc)
 
 
 @pytest.fixture(scope="module")

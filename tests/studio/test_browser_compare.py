@@ -8,8 +8,8 @@ import re
 import time
 
 import pytest
-from PIL import Image
-from test_browser import ARTIFACTS, CHROMIUM, ROOT, app, browser, page  # noqa: F401 - the same app, browser, page
+from browser_app import ARTIFACTS, CHROMIUM, doc_png
+from test_browser import app, browser, page  # noqa: F401 - the same app, browser, page
 
 pytestmark = [
     pytest.mark.browser,
@@ -17,8 +17,6 @@ pytestmark = [
     pytest.mark.skipif(not __import__("pathlib").Path(CHROMIUM).is_file(), reason=f"{CHROMIUM} missing"),
 ]
 playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright missing (pip install playwright)")
-DOCS_IMAGES = ROOT / "docs" / "images"
-MAX_DOC_BYTES = 200_000
 
 
 def _job_id(tab) -> str:
@@ -52,17 +50,7 @@ def _shot(tab, name: str, selector: str | None = None) -> None:
         tab.locator(selector).screenshot(path=str(path))
     else:
         tab.screenshot(path=str(path), full_page=True)
-    image = Image.open(path).convert("RGB")
-    DOCS_IMAGES.mkdir(parents=True, exist_ok=True)
-    small = DOCS_IMAGES / f"{name}.png"
-    width = min(image.width, 1200)
-    while True:
-        copy = image.resize((width, round(image.height * width / image.width)), Image.LANCZOS)
-        copy.quantize(colors=128, method=Image.Quantize.MEDIANCUT).save(small, optimize=True)
-        if small.stat().st_size <= MAX_DOC_BYTES or width < 500:
-            break
-        width = int(width * 0.85)
-    assert small.stat().st_size <= MAX_DOC_BYTES
+    doc_png(path, name)
 
 
 def test_run_vs_run_chat_and_compare_in_the_browser(page):  # noqa: F811 - test_browser's fixture

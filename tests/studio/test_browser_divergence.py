@@ -4,15 +4,12 @@ HTML download; screenshots go to test-artifacts/ and docs/images/divergence.png.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from browser_app import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, doc_png, start_app, stop_app
+from studio_helpers import free_port
 
 from vptq_core.models import BUNDLED, load_model
 from vptq_core.quant.blocks import block_linears, decoder_blocks
@@ -20,12 +17,6 @@ from vptq_core.quant.rtn import rtn_quantize
 from vptq_core.storage.archive import pack_checkpoint
 from vptq_core.storage.checkpoint import save_quantized
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
-                 "--no-first-run", "--disable-component-update", "--disable-sync"]
-ROOT = Path(__file__).resolve().parents[2]
-ARTIFACTS = ROOT / "test-artifacts"
-DOC_IMAGE = ROOT / "docs" / "images" / "divergence.png"
 TEXT = ("Vector quantization stores each group of weights as the index of its nearest centroid in a small "
         "codebook. At two or three bits per weight, the model still writes fluent English, but some tokens are "
         "predicted differently: rare names, numbers such as 1984 or 3.14159, and the first word after a full stop.\n"
@@ -39,42 +30,13 @@ pytestmark = [
 playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright missing (pip install playwright)")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     """``python app.py --tiny`` in a subprocess, as a user would start it: its url."""
-    port = _free_port()
-    workdir = tmp_path_factory.mktemp("browser-divergence")
-    env = dict(os.environ, GRADIO_SERVER_PORT=str(port), GRADIO_SERVER_NAME="127.0.0.1",
-               GRADIO_ANALYTICS_ENABLED="False", VPTQ_NATIVE=os.environ.get("VPTQ_NATIVE", "0"))
-    log = open(workdir / "app.log", "w")  # noqa: SIM115 - closed at teardown
-    proc = subprocess.Popen([sys.executable, "app.py", "--tiny", "--workdir", str(workdir / "runs")], cwd=ROOT,
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=2).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log.close()
-                raise RuntimeError(f"app did not start:\n{(workdir / 'app.log').read_text()[-3000:]}") from None
-            time.sleep(0.5)
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    port, workdir = free_port(), tmp_path_factory.mktemp("browser-divergence")
+    proc = start_app(port, workdir / "runs", workdir / "app.log")
+    yield f"http://127.0.0.1:{port}/"
+    stop_app(proc)
 
 
 @pytest.fixture(scope="module")
@@ -87,19 +49,6 @@ def rtn4_archive(tmp_path_factory) -> Path:
     ckpt = save_quantized(model, tok, states, out / "smollm2-rtn4", report={"model": {"source": BUNDLED},
                                                                           "method": "rtn"})
     return pack_checkpoint(ckpt, out / "smollm2-rtn4.zip")
-
-
-def _small_png(source: Path, target: Path, max_bytes: int = 200_000) -> None:
-    """``source`` as a palette PNG (UI colours fit in 256), scaled down until it is at most ``max_bytes``."""
-    from PIL import Image
-
-    image = Image.open(source).convert("RGB")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        image.quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(target, optimize=True)
-        if target.stat().st_size <= max_bytes:
-            return
-        image = image.resize((int(image.width * 0.85), int(image.height * 0.85)), Image.Resampling.LANCZOS)
 
 
 def test_divergence_view_colours_tokens_and_opens_their_top5(app, rtn4_archive, tmp_path):
@@ -143,7 +92,7 @@ def test_divergence_view_colours_tokens_and_opens_their_top5(app, rtn4_archive, 
         box, view = tip.bounding_box(), page.locator("#div-view").bounding_box()
         assert view["x"] <= box["x"] and box["x"] + box["width"] <= view["x"] + view["width"]  # inside the view
         page.locator("#div-section").screenshot(path=str(ARTIFACTS / "divergence.png"))
-        _small_png(ARTIFACTS / "divergence.png", DOC_IMAGE)
+        doc_png(ARTIFACTS / "divergence.png", "divergence")
 
         # A click keeps a token open (focus) after the mouse leaves it.
         other = tokens.nth(count // 2)

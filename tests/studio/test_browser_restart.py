@@ -5,26 +5,17 @@ in the work directory, and shows its run again. A stranger's browser still sees 
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("gradio_client")
+from browser_app import CHROMIUM, CHROMIUM_ARGS, start_app  # noqa: E402
 from studio_helpers import free_port, make_tiny_checkpoint  # noqa: E402
 
 from vptq_core.storage.archive import pack_checkpoint  # noqa: E402
 from vptq_core.studio.browser_secret import SECRET_FILE  # noqa: E402
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-quic",
-                 "--no-first-run", "--disable-component-update", "--disable-sync"]
-ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.browser,
@@ -35,24 +26,8 @@ playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright m
 tiny_checkpoint = pytest.fixture(scope="module", name="tiny_checkpoint")(make_tiny_checkpoint)
 
 
-def _start(port: int, workdir: Path, log_path: Path) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "VPTQ_APP_SECRET"}
-    env.update(GRADIO_SERVER_PORT=str(port), GRADIO_SERVER_NAME="127.0.0.1", GRADIO_ANALYTICS_ENABLED="False",
-               VPTQ_NATIVE=os.environ.get("VPTQ_NATIVE", "0"))
-    log = open(log_path, "a")  # noqa: SIM115 - the child holds it; closed with the process
-    proc = subprocess.Popen([sys.executable, "app.py", "--tiny", "--workdir", str(workdir)], cwd=ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2).close()
-            return proc
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError(f"app did not start:\n{log_path.read_text()[-3000:]}") from None
-            time.sleep(0.5)
+def _start(port: int, workdir: Path, log_path: Path):
+    return start_app(port, workdir, log_path, drop_env=("VPTQ_APP_SECRET",))
 
 
 def test_a_page_finds_its_run_after_a_real_restart_without_a_secret(tmp_path, tiny_checkpoint):
