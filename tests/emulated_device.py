@@ -24,6 +24,7 @@ import sys
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils import _device as torch_device_context
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 DEVICE = torch.device("meta")
@@ -68,6 +69,23 @@ class DeviceTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return _active().dispatch(func, args, kwargs or {})
+
+
+def _building_on_meta() -> bool:
+    """Called from ``with torch.device("meta")`` (a model built for its shapes): the emulated device shares the meta
+    type, so a factory call there must stay a real meta tensor, as it would beside a real device. The context's mode
+    (``DeviceContext``) calls into this one; its frame is a few Python frames up."""
+    frame = sys._getframe(1)
+    for _ in range(4):
+        frame = frame.f_back
+        if frame is None:
+            return False
+        if frame.f_code is _DEVICE_CONTEXT_CODE:
+            return torch.device(frame.f_locals["self"].device).type == "meta"
+    return False
+
+
+_DEVICE_CONTEXT_CODE = torch_device_context.DeviceContext.__torch_function__.__code__
 
 
 def _is_device(device) -> bool:
@@ -141,7 +159,7 @@ class EmulatedDevice(TorchFunctionMode):
                 device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args[1:], **kwargs)
             else:
                 device, dtype, memory_format = DEVICE, None, torch.preserve_format
-            if _is_device(device):
+            if _is_device(device) and not _building_on_meta():
                 self._count("to_device")
                 moved = args[0].to(dtype=dtype or args[0].dtype, copy=True,
                                    memory_format=memory_format or torch.preserve_format)
@@ -157,6 +175,8 @@ class EmulatedDevice(TorchFunctionMode):
         if func is torch.Tensor.__setitem__ and isinstance(args[0], DeviceTensor) and isinstance(
                 args[2], (int, float, bool)):  # t[i] = 1.0: the same
             args = (args[0], args[1], torch.tensor(args[2], dtype=args[0].dtype))
+        if not on_device and _is_device(kwargs.get("device")) and _building_on_meta():
+            return func(*args, **kwargs)  # ``with torch.device("meta")``: shapes only, as under a real device
         if not on_device and _is_device(kwargs.get("device")):  # a factory function asked for the device
             kwargs["device"] = _CPU
             return self._wrap(func(*args, **kwargs), {})
