@@ -37,6 +37,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers import initialization as hf_init
 
+from ..quant import lean_generate
 from ..quant.states import ScalarLayerState, VQLayerState
 from .head import check_head_bits, quantize_head
 from .modules import (
@@ -689,6 +690,7 @@ def load_quantized(
             raise ValueError(f"{root / 'generation_config.json'}: cannot read ({exc})") from None
     model = model.to(device).eval()
     quantize_head(model, head_bits)
+    lean_generate.enable(model)  # model.generate runs the lean token loop where it gives the same result
     return model, _load_tokenizer(root)
 
 
