@@ -16,7 +16,10 @@ between them fused into a few native calls, its own preallocated KV cache. Greed
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -129,3 +132,38 @@ def enable(model: nn.Module) -> nn.Module:
     """Make ``model.generate`` itself run the lean loop where it applies (``load_quantized`` and ``load_model``
     do this for the models they return); returns ``model``."""
     return lean_generate.enable(model)
+
+
+_SHARES = {"active": 0, "threads": 0}
+_SHARES_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def cpu_share(index: int, count: int) -> Iterator[list[int]]:
+    """Run this thread's model work on its own share of the process's CPUs: share ``index`` of ``count``
+    contiguous slices (the two sides of a chat generating at once get one core each on two cores), so that two
+    generations do not fight over the same cores. torch's OpenMP thread count is a per-thread setting: this thread
+    gets as many threads as CPUs in its share and is pinned to them (Linux); other running threads keep theirs.
+    torch also keeps one default for threads started later: it is the process's again once the last share
+    ends. Yields the CPUs; changes nothing (yields them all) with fewer CPUs than shares or without OpenMP."""
+    if not 0 <= index < count:
+        raise ValueError(f"share index must be in 0..{count - 1}, got {index}")
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if count < 2 or len(cpus) < count or "OpenMP" not in torch.__config__.parallel_info():
+        yield cpus
+        return
+    mine = cpus[index * len(cpus) // count:(index + 1) * len(cpus) // count]
+    with _SHARES_LOCK:
+        if _SHARES["active"] == 0:
+            _SHARES["threads"] = torch.get_num_threads()
+        _SHARES["active"] += 1
+    before = os.sched_getaffinity(0)  # pid 0: this thread
+    try:
+        os.sched_setaffinity(0, mine)
+        torch.set_num_threads(len(mine))
+        yield mine
+    finally:
+        os.sched_setaffinity(0, before)
+        with _SHARES_LOCK:
+            _SHARES["active"] -= 1
+            torch.set_num_threads(_SHARES["threads"])  # this thread's and the default for new ones
