@@ -373,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         prompt_ids = prompt_ids.to(args.device)
     stored_head = copy.copy(quantized)  # the same modules but its own child dict: the head as stored
     stored_head._modules = dict(quantized._modules)
+    stored_head.__dict__.pop("generate", None)  # the copied one would run ``quantized``
+    lean_generate.enable(stored_head)
     head_bits = 0 if args.quantize_head else quantize_head(quantized, args.head_bits)
     rss2 = rss_bytes()
     label += (f"; LM head at run time: {head_bits}-bit round-to-nearest, groups of 128 (--head-bits {args.head_bits})"
