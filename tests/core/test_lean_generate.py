@@ -156,3 +156,14 @@ def test_the_chat_helper_and_the_loaders_share_the_path(pair, steps):
     assert steps["n"] == 4
     model, _ = load_model("tiny-random-llama")
     assert lean_generate.enabled(model)
+
+
+def test_stop_strings_with_a_tokenizer_run_transformers_loop(pair, steps):
+    from vptq_core.models import byte_tokenizer
+
+    lean, reference, prompt = pair
+    tok = byte_tokenizer()
+    kw = dict(input_ids=prompt % 200 + 3, max_new_tokens=6, do_sample=False, pad_token_id=0, stop_strings=["e"],
+              tokenizer=tok)
+    assert torch.equal(lean.generate(**kw), reference.generate(**kw))
+    assert steps["n"] == 0

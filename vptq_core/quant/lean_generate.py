@@ -32,8 +32,10 @@ _LEAN_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 _OTHER_METHODS = {"num_beams": 1, "num_beam_groups": 1, "penalty_alpha": None, "dola_layers": None,
                   "constraints": None, "force_words_ids": None, "prompt_lookup_num_tokens": None,
                   "assistant_early_exit": None, "return_dict_in_generate": False}
+# (generate() hands a custom_generate callable neither the tokenizer nor the streamer, so the stop strings that
+# need the tokenizer stay with transformers' loop; the streamer is passed along by ``generate`` below)
 _OTHER_ARGUMENTS = ("assistant_model", "custom_generate", "past_key_values", "inputs_embeds", "synced_gpus",
-                    "negative_prompt_ids")
+                    "negative_prompt_ids", "tokenizer", "assistant_tokenizer", "stop_strings")
 
 
 class LeanGenerate:
