@@ -47,6 +47,19 @@ class LlamaSide:
     def __init__(self, path: str) -> None:
         import llama_cpp
 
+        if os.environ.get("PEERS_LLAMA_EXTRA_BUFTS") == "0":
+            # llama.cpp's extra CPU buffer types (AMX, weight repacking) are a model parameter that
+            # llama-cpp-python's Llama() does not expose; where its AMX path crashes, the driver turns them off here
+            import llama_cpp.llama_cpp as low
+
+            default = low.llama_model_default_params
+
+            def without_extra():  # noqa: ANN202
+                params = default()
+                params.use_extra_bufts = False
+                return params
+
+            low.llama_model_default_params = without_extra
         self.llama_cpp, self.path, self.models = llama_cpp, path, {}
 
     def _model(self, threads: int, logits_all: bool = False, n_ctx: int = 1024):  # noqa: ANN202
@@ -178,8 +191,9 @@ def worker(kind: str, path: str) -> int:
 
 # ------------------------------------------------------------------------------------------------- driver
 class Worker:
-    def __init__(self, python: str, kind: str, path: str, threads: int) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH="")
+    def __init__(self, python: str, kind: str, path: str, threads: int, extra_bufts: bool = True) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH="",
+                   PEERS_LLAMA_EXTRA_BUFTS="1" if extra_bufts else "0")
         self.proc = subprocess.Popen([python, str(Path(__file__).resolve()), "--worker", kind, path],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         self._read()
@@ -212,6 +226,17 @@ def llama_ready(python: str | None) -> str:
         last = (probe.stderr.strip().splitlines() or ["?"])[-1]
         return f"--llama-python {python} cannot import llama_cpp/gguf: {last}"
     return ""
+
+
+def extra_bufts_work(python: str, path: Path) -> str:
+    """"" when llama.cpp decodes with its extra buffer types (AMX, repacking) here, else what happened."""
+    try:
+        probe = Worker(python, "llama", str(path), 1)
+        probe.ask("decode", prompt=[1, 2, 3], tokens=2, threads=1, loop="llama.cpp")
+        probe.close()
+        return ""
+    except RuntimeError as exc:
+        return str(exc)
 
 
 def quantize_ggufs(python: str, source: Path, out_dir: Path, types: list[str]) -> dict[str, Path]:
@@ -275,8 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     here = sys.executable
     sides: dict[str, tuple[Worker, list[str]]] = {}
     t0 = time.time()
+    crashed = extra_bufts_work(args.llama_python, next(iter(ggufs.values())))
     for name, path in ggufs.items():
-        sides[f"llama.cpp {name}"] = (Worker(args.llama_python, "llama", str(path), max(threads)), ["llama.cpp"])
+        sides[f"llama.cpp {name}"] = (Worker(args.llama_python, "llama", str(path), max(threads), not crashed),
+                                      ["llama.cpp"])
     sides["ours bf16"] = (Worker(here, "torch", args.original, max(threads)), loops)
     if args.checkpoint:
         sides[f"ours {Path(args.checkpoint).name}"] = (Worker(here, "torch", args.checkpoint, max(threads)), loops)
@@ -309,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  llama.cpp: {source.name} re-quantized by llama_model_quantize (allow_requantize); perplexity on "
           f"{len(windows)} windows x {args.seqlen} tokens of {args.text!r}; CPU: {_cpu()}; "
           f"load average {os.getloadavg()[0]:.1f} at the end; {time.time() - t0:.0f} s")
+    print("  llama.cpp's extra CPU buffer types (AMX, weight repacking): "
+          + (f"OFF: with them a decode crashed here ({crashed})" if crashed else "on (its default)"))
     print()
     head = " | ".join(f"tok/s {t} thr" for t in threads)
     print(f"| runtime / model | loop | {head} | × ours bf16 ({loops[0]}, {threads[0]} thr) | MB per token | "
