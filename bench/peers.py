@@ -300,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     here = sys.executable
     sides: dict[str, tuple[Worker, list[str]]] = {}
     t0 = time.time()
-    crashed = extra_bufts_work(args.llama_python, next(iter(ggufs.values())))
+    crashed = next((f"{name}: {why}" for name, path in ggufs.items()
+                    if (why := extra_bufts_work(args.llama_python, path))), "")
     for name, path in ggufs.items():
         sides[f"llama.cpp {name}"] = (Worker(args.llama_python, "llama", str(path), max(threads), not crashed),
                                       ["llama.cpp"])
