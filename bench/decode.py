@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vptq_core.kernels import VQSpec, available_backends  # noqa: E402
 from vptq_core.kernels.synthetic import random_scalar_layer, random_vq_layer  # noqa: E402
 from vptq_core.models import byte_tokenizer, load_model  # noqa: E402
+from vptq_core.quant import lean_generate  # noqa: E402
 from vptq_core.quant.blocks import block_linears, decoder_blocks  # noqa: E402
 from vptq_core.quant.embedding import module_name  # noqa: E402
 from vptq_core.quant.vptq import outlier_columns  # noqa: E402
@@ -96,6 +97,40 @@ def tensor_bytes(model: nn.Module) -> int:
     return total
 
 
+def _module_bytes(module: nn.Module | None, seen: set) -> int:
+    """Bytes of the tensors of ``module`` not counted yet (each tensor once: tied weights)."""
+    total = 0
+    for t in [] if module is None else [*module.parameters(), *module.buffers()]:
+        key = (t.data_ptr(), t.numel())
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def bytes_per_token(model: nn.Module, context: float) -> dict[str, float]:
+    """The bytes one decode step must read, by part: every block linear and the LM head once (codebooks, scales
+    and permutations included), one embedding row, the norm weights, and the KV cache of ``context`` earlier
+    tokens in the model dtype. A lower bound of a step's memory traffic (activations and scratch not counted)."""
+    seen: set = set()
+    config = model.config
+    blocks = decoder_blocks(model)
+    linears = sum(_module_bytes(m, seen) for b in blocks for m in block_linears_any(b))
+    head = _module_bytes(model.get_output_embeddings(), seen)
+    norms = sum(_module_bytes(m, seen) for b in blocks for m in b.modules() if "Norm" in type(m).__name__)
+    inner = getattr(model, "model", model)
+    norms += _module_bytes(getattr(inner, "norm", None), seen)
+    dtype_bytes = next(p for p in model.parameters() if p.is_floating_point()).element_size()
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    kv = 2 * len(blocks) * kv_heads * head_dim * context * dtype_bytes
+    parts = {"linears": linears, "head": head, "embedding row": config.hidden_size * dtype_bytes, "norms": norms,
+             "kv cache": kv}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
 # ------------------------------------------------------------------------------------------- decode loops
 def _cache_loop(model: nn.Module, prompt_ids: torch.Tensor, steps: int, static: bool) -> tuple[list[int], float, float]:
     from transformers import DynamicCache, StaticCache
@@ -118,16 +153,31 @@ def _cache_loop(model: nn.Module, prompt_ids: torch.Tensor, steps: int, static: 
     return ids, prefill, time.perf_counter() - start
 
 
-def _generate_loop(model: nn.Module, prompt_ids: torch.Tensor, steps: int) -> tuple[list[int], float, float]:
+class _Marks:
+    """A streamer that only notes when each new token arrives (generate() first puts the prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, _value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _generate_loop(model: nn.Module, prompt_ids: torch.Tensor, steps: int,
+                   own: bool = False) -> tuple[list[int], float, float]:
+    """``model.generate`` (the lean token loop on models the project loads); ``own``: transformers' own loop
+    (the class's ``generate``, as a model built by plain transformers runs it). Prefill = time to the first new
+    token; decode = first to last new token."""
+    generate = (lambda **kw: type(model).generate(model, **kw)) if own else model.generate
+    marks = _Marks()
     start = time.perf_counter()
-    model.generate(input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=1,
-                   do_sample=False, pad_token_id=0)
-    prefill = time.perf_counter() - start
-    start = time.perf_counter()
-    out = model.generate(input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=steps + 1,
-                         min_new_tokens=steps + 1, do_sample=False, pad_token_id=0)
-    total = time.perf_counter() - start
-    return out[0, prompt_ids.shape[1]:].tolist(), prefill, max(total - prefill, 1e-9)
+    out = generate(input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids), do_sample=False, pad_token_id=0,
+                   max_new_tokens=steps + 1, min_new_tokens=steps + 1, streamer=marks)
+    new = marks.times[1:]
+    return out[0, prompt_ids.shape[1]:].tolist(), new[0] - start, max(new[-1] - new[0], 1e-9)
 
 
 def _lean_loop(model: nn.Module, prompt_ids: torch.Tensor, steps: int, cache: str) -> tuple[list[int], float, float]:
@@ -145,6 +195,7 @@ LOOPS: dict[str, Callable] = {
     "cache": lambda m, p, s: _cache_loop(m, p, s, static=False),
     "static": lambda m, p, s: _cache_loop(m, p, s, static=True),
     "generate": _generate_loop,
+    "transformers": lambda m, p, s: _generate_loop(m, p, s, own=True),
     "lean": lambda m, p, s: _lean_loop(m, p, s, "auto"),
     "lean-model": lambda m, p, s: _lean_loop(m, p, s, "dynamic"),
     "lean-static": lambda m, p, s: _lean_loop(m, p, s, "static"),
@@ -265,9 +316,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --shape: the quantized layers")
     parser.add_argument("--original", default="smollm2-135m-instruct", help="with --checkpoint: model or dense dir")
     parser.add_argument("--tokens", type=int, default=64, help="greedy decode steps per run")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the kernels use torch's pool)")
+    parser.add_argument("--threads", default="1",
+                        help="torch CPU threads (the kernels use torch's pool); a comma list (1,2) measures each")
     parser.add_argument("--pairs", type=int, default=3, help="timed (original, quantized) pairs")
-    parser.add_argument("--loop", choices=sorted(LOOPS), default="cache", help="decode loop for both models")
+    parser.add_argument("--loop", default="cache",
+                        help=f"decode loop for both models, one of {sorted(LOOPS)}; a comma list measures each")
     parser.add_argument("--backend", default=None, help="force a kernel backend: reference | native | cpu | triton")
     parser.add_argument("--anatomy", action="store_true", help="also split one decode step's time")
     parser.add_argument("--touch-ab", action="store_true",
@@ -282,12 +335,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
                         help="dtype of both models (float16 for the GPU comparison)")
     args = parser.parse_args(argv)
-    if args.tokens < 1 or args.threads < 1 or args.pairs < 1:
+    try:
+        thread_counts = [int(t) for t in str(args.threads).split(",")]
+    except ValueError:
+        parser.error(f"--threads must be a number or a comma list of numbers, got {args.threads!r}")
+    loops = [name.strip() for name in args.loop.split(",")]
+    if unknown := [name for name in loops if name not in LOOPS]:
+        parser.error(f"--loop {unknown[0]!r}: choose from {', '.join(sorted(LOOPS))}")
+    if args.tokens < 1 or min(thread_counts) < 1 or args.pairs < 1:
         parser.error("--tokens, --threads and --pairs must be >= 1")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"bench/decode.py --device {args.device} needs a CUDA device: torch.cuda.is_available() is "
                          "False")
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(thread_counts[0])
 
     rss0 = rss_bytes()
     if args.checkpoint:
@@ -300,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         original, tok = random_dense(args.shape), byte_tokenizer()
         rss1 = rss_bytes()
         quantized = random_quantized(original, args.layout, head=args.quantize_head)
+        for model in (original, quantized):  # as load_model / load_quantized hand them out
+            lean_generate.enable(model)
         label = (f"random weights, shape {args.shape} ({SHAPES[args.shape]}), quantized layout {args.layout}"
                  + (", LM head quantized too (untied; embedding bf16)" if args.quantize_head else ""))
     rss2 = rss_bytes()
@@ -314,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         prompt_ids = prompt_ids.to(args.device)
     stored_head = copy.copy(quantized)  # the same modules but its own child dict: the head as stored
     stored_head._modules = dict(quantized._modules)
+    stored_head.__dict__.pop("generate", None)  # the copied one would run ``quantized``
+    lean_generate.enable(stored_head)
     head_bits = 0 if args.quantize_head else quantize_head(quantized, args.head_bits)
     rss2 = rss_bytes()
     label += (f"; LM head at run time: {head_bits}-bit round-to-nearest, groups of 128 (--head-bits {args.head_bits})"
@@ -325,7 +389,55 @@ def main(argv: list[str] | None = None) -> int:
     untouched = "quantized, codebooks not touched"
     if args.touch_ab:
         models[untouched] = quantized
+    context = prompt_ids.shape[1] + args.tokens / 2  # the mean KV length a decode step reads
+    bytes_of = {name: bytes_per_token(model, context) for name, model in models.items()}
+    summary = []
+    for loop_name in loops:
+        for threads in thread_counts:
+            torch.set_num_threads(threads)
+            setting = dict(vars(args), loop=loop_name, threads=threads)
+            summary.append(_measure(setting, models, prompt_ids, label, qmodules, untouched, head_as_stored,
+                                    head_bits, load_delta=(rss0, rss1, rss2), bytes_of=bytes_of))
+    _print_bytes(bytes_of, context)
+    _print_summary(summary, bytes_of)
+    print(f"process peak RSS (both models loaded): {peak_rss_bytes() / 2**20:.0f} MB")
+    return 0
+
+
+def _print_bytes(bytes_of: dict[str, dict[str, float]], context: float) -> None:
+    print()
+    print(f"bytes one decode step reads (MB; KV cache at the mean context of {context:.0f} tokens):")
+    parts = [p for p in next(iter(bytes_of.values())) if p != "total"]
+    print(f"| model | {' | '.join(parts)} | total | ceiling × bf16 |")
+    print("|---|" + "---|" * (len(parts) + 2))
+    base = bytes_of["bf16 original"]["total"]
+    for name, b in bytes_of.items():
+        print(f"| {name} | {' | '.join(f'{b[p] / 1e6:.2f}' for p in parts)} | {b['total'] / 1e6:.1f} | "
+              f"{base / b['total']:.2f} |")
+
+
+def _print_summary(summary: list[dict], bytes_of: dict[str, dict[str, float]]) -> None:
+    """One row per (loop, threads): speeds, the ratio, effective GB/s and how close the ratio is to its ceiling."""
+    ceiling = bytes_of["bf16 original"]["total"] / bytes_of["quantized"]["total"]
+    print()
+    print("summary (ceiling = bytes per token of bf16 / of the quantized model; GB/s = bytes per token × tok/s):")
+    print("| loop | threads | bf16 tok/s | quantized tok/s | ratio | ceiling | ratio / ceiling | bf16 GB/s | "
+          "quantized GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in summary:
+        o, q = row["tok/s"]["bf16 original"], row["tok/s"]["quantized"]
+        print(f"| {row['loop']} | {row['threads']} | {o:.1f} | {q:.1f} | {row['ratio']:.2f}x | {ceiling:.2f}x | "
+              f"{row['ratio'] / ceiling:.0%} | {o * bytes_of['bf16 original']['total'] / 1e9:.1f} | "
+              f"{q * bytes_of['quantized']['total'] / 1e9:.1f} |")
+
+
+def _measure(args: dict, models: dict, prompt_ids: torch.Tensor, label: str, qmodules: list, untouched: str,
+             head_as_stored: str, head_bits: int, load_delta: tuple[int, int, int],
+             bytes_of: dict[str, dict[str, float]]) -> dict:
+    """Warm up, time ``pairs`` alternated pairs of one loop at one thread count, print its tables; the summary row."""
+    args = argparse.Namespace(**args)
     loop = LOOPS[args.loop]
+    rss0, rss1, rss2 = load_delta
 
     def run(name: str, steps: int) -> tuple[list[int], float, float]:
         if name != untouched:
@@ -386,10 +498,13 @@ def main(argv: list[str] | None = None) -> int:
         ab = [a / b for a, b in zip(tps("quantized"), tps(head_as_stored))]
         print(f"LM head {head_bits}-bit / as stored: {statistics.median(ab):.2f}x (per pair: "
               f"{', '.join(f'{r:.2f}' for r in ab)})")
+    original, quantized = models["bf16 original"], models["quantized"]
     print(f"memory ratio quantized / bf16 (param+buffer): {tensor_bytes(quantized) / tensor_bytes(original):.2f}")
+    for name in ("bf16 original", "quantized"):
+        per_token = bytes_of[name]["total"]
+        print(f"{name}: {per_token / 1e6:.1f} MB per token, {statistics.median(tps(name)) * per_token / 1e9:.1f} GB/s")
     if args.checkpoint:
         print(f"greedy tokens equal to the original: {agree}/{args.tokens + 1}")
-    print(f"process peak RSS (both models loaded): {peak_rss_bytes() / 2**20:.0f} MB")
     if args.anatomy:
         print()
         print(f"anatomy of one decode step (ms; {args.tokens} steps after the prompt, loop {args.loop}; linears and "
@@ -400,7 +515,9 @@ def main(argv: list[str] | None = None) -> int:
             a = anatomy(model, prompt_ids, args.tokens, LOOPS[args.loop])
             print(f"| {name} | {a['total']:.2f} | {a['linears']:.2f} | {a['head']:.2f} | {a['rest']:.2f} | "
                   f"{a['hook_overhead']:.2f} |")
-    return 0
+    print()
+    return {"loop": args.loop, "threads": args.threads, "ratio": statistics.median(ratios),
+            "tok/s": {name: statistics.median(tps(name)) for name in models}}
 
 
 if __name__ == "__main__":

@@ -50,8 +50,10 @@ SMOKES: dict[str, Smoke] = {
         ("--sessions", "1", "--chats", "1"),
         ("| session | events | refused by a limit | failures |", " | 0 | - |", "| probes | unanswered |")),
     "bench/decode.py": Smoke(
-        ("--shape", "tiny", "--tokens", "2", "--pairs", "1", "--loop", "lean", "--anatomy"),
-        ("| model | decode tok/s (median) |", "speed ratio quantized / bf16", "| model | total | block linears |")),
+        ("--shape", "tiny", "--tokens", "2", "--pairs", "1", "--loop", "lean,generate", "--anatomy"),
+        ("| model | decode tok/s (median) |", "speed ratio quantized / bf16", "| model | total | block linears |",
+         "| model | linears | head | embedding row | norms | kv cache | total | ceiling × bf16 |", "| generate | 1 |")),
+    "bench/peers.py": Smoke((), ("bench/peers.py needs llama.cpp: no --llama-python given",), returncode=1),
     "bench/distill_step.py": Smoke(
         ("--model", TINY, "--threads", "1", "--seqlen", "32", "--steps", "1", "--warmup", "1", "--rounds", "1",
          "--variants", "float32"),

@@ -1,34 +1,30 @@
-"""A lean decode loop for batch-1 chat, the same for quantized and original models, and the kernels' warm-up.
+"""Batch-1 generation for the chat, the CLI, the API and the benchmarks, and the kernels' warm-up.
 
-``generate(model, **kwargs)`` takes the keyword arguments a chat passes to ``model.generate`` (``input_ids``,
-``attention_mask``, ``max_new_tokens``, ``streamer``, ``stopping_criteria``, ``pad_token_id``, ``do_sample``,
-``temperature``, ``top_p``, ``top_k``) and runs ``decode_loop``: one prefill that keeps only the last position's
-logits, then one forward per token with a KV cache, the next token chosen in place (greedy argmax, or
-temperature / top-k / top-p sampling in the order transformers applies them), no logits-processor objects and no
-per-step concatenation of the ids; for llama-family models (Llama, Qwen2, Mistral) each forward is
-``vptq_core.quant.lean_decoder``'s: the model's own linears, the operations between them fused into a few native calls,
-its own preallocated KV cache. Anything else (batch > 1, beams, other generation settings) goes to
-``model.generate`` unchanged, so the function is always a drop-in. Greedy output equals ``model.generate``'s
-(tested). ``bench/decode.py --loop lean`` measures it against ``generate`` for both models.
+``generate(model, ...)`` is ``model.generate(...)`` with the token loop of ``vptq_core.quant.lean_generate``
+wherever it gives transformers' own result (batch-1 greedy or sampled decoding of a llama-family model): the
+same prepared logits processors, stopping criteria and random draws, one ``LeanDecoder`` forward per token.
+``enable(model)`` makes ``model.generate`` itself do this (``load_quantized`` and ``load_model`` enable the models
+they return). Anything else (beams, assisted decoding, scores in the output, ...) runs transformers' own loop.
+
+``decode_loop`` is the bare loop without transformers' preparation (the benchmarks' ``--loop lean``): one prefill
+that keeps only the last position's logits, then one forward per token, the next token chosen in place (greedy
+argmax, or temperature / top-k / top-p sampling in the order transformers applies them); for llama-family models
+(Llama, Qwen2, Mistral) each forward is ``vptq_core.quant.lean_decoder``'s: the model's own linears, the operations
+between them fused into a few native calls, its own preallocated KV cache. Greedy output equals
+``model.generate``'s (tested).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
-# Generation settings this loop applies itself; a model whose generation_config sets anything else that changes
-# the output (repetition penalty, bad words, ...) is handed to model.generate.
-_HANDLED = {"input_ids", "attention_mask", "max_new_tokens", "streamer", "stopping_criteria", "pad_token_id",
-            "do_sample", "temperature", "top_p", "top_k"}
-_NEUTRAL = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_repetition_penalty": 1.0,
-            "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
-            "forced_eos_token_id": None, "min_length": 0, "min_new_tokens": None, "typical_p": 1.0,
-            "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_p": None, "sequence_bias": None,
-            "renormalize_logits": False, "exponential_decay_length_penalty": None, "length_penalty": 1.0}
-
+from vptq_core.quant import lean_generate
 
 CACHES = ("auto", "lean", "dynamic", "static")
 
@@ -46,26 +42,6 @@ def _eos_ids(model: nn.Module) -> set[int]:
     if eos is None:
         return set()
     return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
-
-
-def supported(model: nn.Module, kwargs: dict) -> bool:
-    """Whether ``decode_loop`` reproduces ``model.generate(**kwargs)`` for these arguments."""
-    if set(kwargs) - _HANDLED:
-        return False
-    ids = kwargs.get("input_ids")
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
-        return False
-    mask = kwargs.get("attention_mask")
-    if mask is not None and not bool(mask.all()):
-        return False
-    config = getattr(model, "generation_config", None)
-    if config is not None:
-        for name, neutral in _NEUTRAL.items():
-            if getattr(config, name, neutral) not in (neutral, None):
-                return False
-        if getattr(config, "num_beams", 1) not in (1, None):
-            return False
-    return callable(getattr(model, "forward", None)) and hasattr(model, "config")
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
@@ -146,35 +122,48 @@ def decode_loop(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, 
     return new
 
 
-def generate(model: nn.Module, **kwargs) -> torch.Tensor:
-    """``model.generate(**kwargs)`` through ``decode_loop`` where it gives the same result (see the module
-    docstring); returns the ids [1, prompt + new] like ``generate``, and feeds ``streamer`` the same way."""
-    if not supported(model, kwargs):
-        return model.generate(**kwargs)
-    ids = kwargs["input_ids"]
-    config = getattr(model, "generation_config", None)
-    max_new = kwargs.get("max_new_tokens") or getattr(config, "max_new_tokens", None) or 20
-    sample = bool(kwargs.get("do_sample", getattr(config, "do_sample", False)))
-    temperature = kwargs.get("temperature") if "temperature" in kwargs else getattr(config, "temperature", 1.0)
-    top_k = kwargs.get("top_k") if "top_k" in kwargs else getattr(config, "top_k", None)
-    top_p = kwargs.get("top_p") if "top_p" in kwargs else getattr(config, "top_p", None)
-    if sample and temperature is None:
-        temperature = 1.0
-    streamer = kwargs.get("streamer")
-    criteria = kwargs.get("stopping_criteria") or []
-    if streamer is not None:
-        streamer.put(ids.cpu())
+def generate(model: nn.Module, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - generate()'s own signature
+    """``model.generate(*args, **kwargs)`` with the lean token loop wherever it gives transformers' result
+    (``vptq_core.quant.lean_generate``), whether or not ``enable`` was called on the model."""
+    return lean_generate.generate(model, *args, **kwargs)
 
-    def on_token(so_far: torch.Tensor) -> bool:
-        if streamer is not None:
-            streamer.put(so_far[0, -1:].cpu())
-        return any(bool(torch.as_tensor(c(so_far, None)).any()) for c in criteria)
 
+def enable(model: nn.Module) -> nn.Module:
+    """Make ``model.generate`` itself run the lean loop where it applies (``load_quantized`` and ``load_model``
+    do this for the models they return); returns ``model``."""
+    return lean_generate.enable(model)
+
+
+_SHARES = {"active": 0, "threads": 0}
+_SHARES_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def cpu_share(index: int, count: int) -> Iterator[list[int]]:
+    """Run this thread's model work on its own share of the process's CPUs: share ``index`` of ``count``
+    contiguous slices (the two sides of a chat generating at once get one core each on two cores), so that two
+    generations do not fight over the same cores. torch's OpenMP thread count is a per-thread setting: this thread
+    gets as many threads as CPUs in its share and is pinned to them (Linux); other running threads keep theirs.
+    torch also keeps one default for threads started later: it is the process's again once the last share
+    ends. Yields the CPUs; changes nothing (yields them all) with fewer CPUs than shares or without OpenMP."""
+    if not 0 <= index < count:
+        raise ValueError(f"share index must be in 0..{count - 1}, got {index}")
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if count < 2 or len(cpus) < count or "OpenMP" not in torch.__config__.parallel_info():
+        yield cpus
+        return
+    mine = cpus[index * len(cpus) // count:(index + 1) * len(cpus) // count]
+    with _SHARES_LOCK:
+        if _SHARES["active"] == 0:
+            _SHARES["threads"] = torch.get_num_threads()
+        _SHARES["active"] += 1
+    before = os.sched_getaffinity(0)  # pid 0: this thread
     try:
-        new = decode_loop(model, ids, int(max_new), temperature=float(temperature) if sample else 0.0,
-                          top_k=top_k if sample else None, top_p=top_p if sample else None,
-                          on_token=on_token if (streamer is not None or criteria) else None)
+        os.sched_setaffinity(0, mine)
+        torch.set_num_threads(len(mine))
+        yield mine
     finally:
-        if streamer is not None:
-            streamer.end()
-    return torch.cat([ids, torch.tensor([new], dtype=ids.dtype, device=ids.device)], dim=1)
+        os.sched_setaffinity(0, before)
+        with _SHARES_LOCK:
+            _SHARES["active"] -= 1
+            torch.set_num_threads(_SHARES["threads"])  # this thread's and the default for new ones

@@ -38,6 +38,7 @@ from transformers import (
     Qwen2Config,
 )
 
+from .quant import lean_generate
 from .quant.blocks import blocks_prefix
 from .quant.source import SafetensorsWeights, meta_tensors
 from .storage.checkpoint import load_quantized
@@ -138,7 +139,7 @@ def load_model(name_or_dir: str, dtype: torch.dtype | str | None = None, device:
         model, tok = _load_hub(name, dtype)
     if isinstance(dtype, torch.dtype):
         model = model.to(dtype)
-    return model.to(device).eval(), tok
+    return lean_generate.enable(model.to(device).eval()), tok  # the lean token loop in model.generate
 
 
 def _check_model_dir(path: str, name: str) -> None:

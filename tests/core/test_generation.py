@@ -84,7 +84,6 @@ def test_other_settings_go_to_model_generate(model_and_prompt):
     model, prompt = model_and_prompt
     kwargs = dict(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, num_beams=2,
                   do_sample=False, pad_token_id=0)
-    assert not generation.supported(model, kwargs)
     with torch.no_grad():
         assert torch.equal(generation.generate(model, **kwargs), model.generate(**kwargs))
 
@@ -95,3 +94,38 @@ def test_bad_arguments(model_and_prompt):
         generation.decode_loop(model, prompt, 2, cache="paged")
     with pytest.raises(ValueError, match=r"input_ids must be \[1, tokens\], got shape \(2, 11\)"):
         generation.decode_loop(model, prompt.repeat(2, 1), 2)
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_cpu_share_gives_a_thread_its_own_cores():
+    import os
+    import threading
+
+    before_threads, before_cpus = torch.get_num_threads(), os.sched_getaffinity(0)
+    cpus = sorted(before_cpus)
+    seen: dict = {}
+    inside = threading.Barrier(2)
+
+    def side(i: int) -> None:
+        with generation.cpu_share(i, 2) as mine:
+            inside.wait(timeout=30)  # both shares held at once
+            seen[i] = (mine, torch.get_num_threads(), os.sched_getaffinity(0))
+            inside.wait(timeout=30)
+
+    threads = [threading.Thread(target=side, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    half = len(cpus) // 2
+    assert seen[0] == (cpus[:half], half, set(cpus[:half]))
+    assert seen[1] == (cpus[half:], len(cpus) - half, set(cpus[half:]))
+    assert torch.get_num_threads() == before_threads and os.sched_getaffinity(0) == before_cpus
+    late: list = []
+    t = threading.Thread(target=lambda: late.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert late == [before_threads]  # the default for new threads is the process's again
+    with pytest.raises(ValueError, match=r"share index must be in 0\.\.1, got 2"):
+        with generation.cpu_share(2, 2):
+            pass

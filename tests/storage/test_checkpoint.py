@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from vptq_core.models import tiny_random_llama
+from vptq_core.quant import lean_generate
 from vptq_core.storage import hf_integration
 from vptq_core.storage.checkpoint import checkpoint_size, load_quantized, save_quantized
 from vptq_core.storage.modules import ScalarQLinear, VQLinear, replace_linears
@@ -177,6 +178,8 @@ def test_from_pretrained_matches_load_quantized(vq_checkpoint):
     torch.testing.assert_close(logits(theirs), logits(ours), rtol=0, atol=0)
     generated = theirs.generate(PROMPT, max_new_tokens=5, do_sample=False)
     assert torch.equal(generated, ours.generate(PROMPT, max_new_tokens=5, do_sample=False))
+    assert lean_generate.enabled(ours) and lean_generate.enabled(theirs)  # both loaders: the lean token loop
+    assert torch.equal(generated, type(ours).generate(ours, PROMPT, max_new_tokens=5, do_sample=False))
 
 
 def test_scalar_checkpoint_round_trips_through_both_loaders(scalar_checkpoint):

@@ -40,7 +40,8 @@ class FakeSide:
     def check_prompt(self, prompt, max_new_tokens, max_prompt_tokens=None):
         return None
 
-    def stream(self, prompt, max_new_tokens=8, temperature=0.0, top_p=1.0, seed=0, max_prompt_tokens=None):
+    def stream(self, prompt, max_new_tokens=8, temperature=0.0, top_p=1.0, seed=0, max_prompt_tokens=None,
+               cpu_share=None):
         self.started.set()
         for _ in range(max_new_tokens):
             while not self.steps.acquire(timeout=0.01):

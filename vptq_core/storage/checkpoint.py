@@ -35,6 +35,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+from ..quant import lean_generate
 from ..quant.states import ScalarLayerState, VQLayerState
 from .head import check_head_bits, quantize_head
 from .modules import (
@@ -692,6 +693,7 @@ def load_quantized(
             raise ValueError(f"{root / 'generation_config.json'}: cannot read ({exc})") from None
     model = model.to(device).eval()
     quantize_head(model, head_bits)
+    lean_generate.enable(model)  # model.generate runs the lean token loop where it gives the same result
     return model, _load_tokenizer(root)
 
 

@@ -5,7 +5,8 @@ CUDA device, and ``register_quantizer`` refuses a second "vptq" entry. ``install
 of that quantizer into ``AUTO_QUANTIZER_MAPPING["vptq"]``: when ``vptq`` is importable and CUDA is present
 it behaves exactly like the upstream class (the ecosystem's own kernels); otherwise it swaps in
 ``vptq_core.storage.modules.VQLinear`` (same tensor names, so the same checkpoint loads either way). The
-scalar format ("vptq_core_scalar") is a new method, registered through the public registration functions.
+scalar format ("vptq_core_scalar") is a new method, registered through the public registration functions. Models
+loaded on vptq_core's modules get the lean token loop in ``model.generate`` (``quant.lean_generate``).
 ``install()`` is idempotent and runs on ``import vptq_core``.
 """
 
@@ -18,6 +19,7 @@ from transformers.quantizers.quantizer_vptq import VptqHfQuantizer
 from transformers.utils import is_vptq_available
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from ..quant import lean_generate
 from .checkpoint import SCALAR_FORMAT_VERSION, SCALAR_METHOD, VQ_METHOD, swap_quantized_modules
 
 
@@ -40,6 +42,10 @@ class VptqCoreHfQuantizer(VptqHfQuantizer):
         config = self.quantization_config
         swap_quantized_modules(model, VQ_METHOD, config.config_for_layers, config.shared_layer_config, device="meta")
         return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        model = super()._process_model_after_weight_loading(model, **kwargs)
+        return model if upstream_vptq_usable() else lean_generate.enable(model)
 
 
 class VptqCoreScalarConfig(QuantizationConfigMixin):
@@ -65,6 +71,9 @@ class VptqCoreScalarHfQuantizer(HfQuantizer):
     def _process_model_before_weight_loading(self, model, **kwargs):
         swap_quantized_modules(model, SCALAR_METHOD, self.quantization_config.config_for_layers, device="meta")
         return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        return lean_generate.enable(model)
 
     def is_serializable(self):
         return True

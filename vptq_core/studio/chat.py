@@ -124,9 +124,12 @@ class ChatSession:
         return ids
 
     def stream(self, prompt: str, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int = 0, max_prompt_tokens: int | None = None) -> Iterator[str]:
+               seed: int = 0, max_prompt_tokens: int | None = None,
+               cpu_share: tuple[int, int] | None = None) -> Iterator[str]:
         """Add ``prompt`` as a user turn, yield the reply piece by piece, then append it to the history.
-        ``last_stats`` describes the reply once it is complete."""
+        ``last_stats`` describes the reply once it is complete. ``cpu_share`` (index, count): a greedy reply is
+        generated on that share of the CPUs (``generation.cpu_share``), e.g. one core per side when two sides
+        generate at once."""
         check_sampling(max_new_tokens, temperature, top_p)
         messages = self.history + [{"role": "user", "content": prompt}]
         ids = self.check_prompt(prompt, max_new_tokens, max_prompt_tokens)
@@ -160,7 +163,10 @@ class ChatSession:
 
         def run() -> None:
             try:
-                with sampling:
+                # sampled replies take turns, so each may use every core
+                share = (generation.cpu_share(*cpu_share) if cpu_share and temperature <= 0
+                         else contextlib.nullcontext())
+                with sampling, share:
                     torch.manual_seed(seed)
                     with torch.no_grad():
                         generation.generate(self.model, **kwargs)  # lean loop where it equals generate()

@@ -92,8 +92,10 @@ class ChatHandlers:
 
         def run(side: str, session: ChatSession) -> None:
             try:
+                share = (list(sessions).index(side), len(sessions))  # each side on its own core(s)
                 for piece in session.stream(prompt, max_new_tokens=max_new_tokens, temperature=float(temperature),
-                                            top_p=float(top_p), seed=seed, max_prompt_tokens=max_prompt_tokens):
+                                            top_p=float(top_p), seed=seed, max_prompt_tokens=max_prompt_tokens,
+                                            cpu_share=share):
                     events.put((side, "piece", piece))
                     if stops[side].is_set():
                         session.stop()  # (a Stop pressed before generation began)
