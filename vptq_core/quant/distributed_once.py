@@ -35,6 +35,7 @@ from .methods import Cancelled
 
 T = TypeVar("T")
 POLL_S = 0.05  # how often a waiting rank polls its own stop and rank 0's progress
+TELL_S = 30.0  # how long rank 0 waits for the others to read that it stopped or failed
 _calls = itertools.count()  # every rank makes the same calls in the same order: the n-th call's keys match
 _KEY = "vptq_core/once"
 
@@ -84,20 +85,26 @@ def once(tag: str, compute: Callable[[], T], should_stop: Callable[[], bool], de
         try:
             value = compute()
         except Cancelled:
-            store.set(done, "cancelled")
+            _tell_and_wait(store, done, "cancelled")
             raise
         except BaseException as exc:
-            store.set(done, f"failed: {type(exc).__name__}")
+            _tell_and_wait(store, done, f"failed: {type(exc).__name__}")
             raise
         store.set(done, "ok")
         share((value, _rng_states()), device)
         for module in modules:
             share_module(module)
         return value
-    while not store.check([done]):
-        should_stop()  # a stop asked here is written for rank 0 to see
-        time.sleep(POLL_S)
-    status = store.get(done).decode()
+    try:
+        while not store.check([done]):
+            should_stop()  # a stop asked here is written for rank 0 to see
+            time.sleep(POLL_S)
+        status = store.get(done).decode()
+        if status != "ok":
+            store.add(f"{done}/seen", 1)  # rank 0 may end now: its store goes with it
+    except dist.DistError as exc:  # the store is rank 0's: it went away without a word
+        raise RuntimeError(f"rank 0 ended during {tag} without a result ({type(exc).__name__}); its output says "
+                           "why") from None
     if status == "cancelled":
         raise Cancelled
     if status != "ok":
@@ -109,6 +116,15 @@ def once(tag: str, compute: Callable[[], T], should_stop: Callable[[], bool], de
     for module in modules:  # after ``apply``: the modules end exactly as rank 0 left them
         share_module(module)
     return value
+
+
+def _tell_and_wait(store, key: str, status: str) -> None:
+    """Rank 0 ends ``once`` without a result: say so, then wait (at most ``TELL_S``) until every other rank has read
+    it, since the store lives in rank 0's process and goes when it ends."""
+    store.set(key, status)
+    deadline = time.monotonic() + TELL_S
+    while store.add(f"{key}/seen", 0) < distributed.world_size() - 1 and time.monotonic() < deadline:
+        time.sleep(POLL_S)
 
 
 def _rng_states() -> dict[str, torch.Tensor]:
