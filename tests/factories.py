@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import torch
 
 from vptq_core.kernels import VQSpec, unpack_codes, unpack_indices
@@ -49,3 +51,10 @@ def random_scalar_state(
         bias=w.bias, method=method, act_bits=act_bits, act_granularity=act_granularity,
         act_scale=torch.tensor(0.02) if static else None,
     )
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a test's server or process group)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

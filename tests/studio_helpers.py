@@ -6,7 +6,6 @@ the generators with ``pytest.fixture(name=...)``, so each module gets its own ap
 from __future__ import annotations
 
 import re
-import socket
 import threading
 import time
 import zipfile
@@ -16,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 gradio_client = pytest.importorskip("gradio_client")
-from factories import random_scalar_state  # noqa: E402
+from factories import free_port, random_scalar_state  # noqa: E402, F401 - free_port: for the tests that import it here
 from gradio_client import Client  # noqa: E402
 
 import app as studio_app  # noqa: E402
@@ -30,12 +29,6 @@ from vptq_core.studio.queue import JobCancelled, JobSnapshot  # noqa: E402
 
 STATS = re.compile(r"(\d+) tokens · \*\*([\d.]+) tokens/s\*\*")
 LAYERS = 14  # the tiny llama: 2 blocks × 7 linears
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------ stand-in tasks

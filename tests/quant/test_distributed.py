@@ -7,13 +7,13 @@ import dataclasses
 import json
 import multiprocessing
 import os
-import socket
 import sys
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
+from factories import free_port
 
 from vptq_core.quant import distributed
 from vptq_core.quant.config import ScalarConfig, VPTQConfig
@@ -97,11 +97,6 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         distributed.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_assign_balances_weights_and_is_deterministic():
     sizes = {"q": 331_776, "k": 110_592, "v": 110_592, "o": 331_776, "gate": 884_736, "up": 884_736,
@@ -159,7 +154,7 @@ def test_two_gloo_ranks_give_the_single_process_states_and_checkpoint(tmp_path: 
         torch.set_num_threads(threads)
 
     ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, 2, port, str(tmp_path)), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
@@ -213,7 +208,7 @@ def test_torchrun_cli_writes_the_single_process_checkpoint(tmp_path: Path):
                             capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-2000:]
     ranks = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *args,
+                            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args,
                             "--out", str(tmp_path / "ranks")], env=env, capture_output=True, text=True, timeout=300)
     assert ranks.returncode == 0, ranks.stderr[:3000]
     summary = json.loads(ranks.stdout)  # one summary, printed by rank 0 alone

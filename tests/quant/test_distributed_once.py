@@ -9,13 +9,13 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
-import socket
 import sys
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
+from factories import free_port
 
 from vptq_core.quant import distributed, distributed_once
 from vptq_core.quant.config import LRQConfig, VPTQConfig
@@ -150,11 +150,6 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         distributed.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _assert_same(a: dict, b: dict, what: str, rng: bool = False) -> None:
     assert a["config"] == b["config"] and a["plan"] == b["plan"], what
@@ -191,7 +186,7 @@ def test_two_gloo_ranks_take_rank_0s_training_and_stop_together(tmp_path: Path):
         torch.set_num_threads(threads)
 
     ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, 2, port, str(tmp_path)), daemon=True) for r in range(2)]
     for p in procs:
         p.start()

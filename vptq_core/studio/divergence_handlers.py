@@ -17,6 +17,7 @@ import gradio as gr
 from ..divergence import Divergence, divergence_chunks
 from ..divergence_html import divergence_document, divergence_fragment
 from . import views
+from .quantize_form import read_text_file
 from .run_models import RunModels
 from .services import Shared
 
@@ -40,15 +41,7 @@ class DivergenceHandlers:
             path = Path(file if isinstance(file, str) else (file or {}).get("path", "")) if file else None
             if path is None or not path.is_file():
                 raise ValueError("no text file was uploaded; upload a UTF-8 .txt file")
-            size = path.stat().st_size
-            if size > limit:
-                raise ValueError(f"the text file is {views.mb(size)}; at most {views.mb(limit)} allowed")
-            try:
-                text = path.read_text(encoding="utf-8")
-            except UnicodeDecodeError as exc:
-                raise ValueError(f"the text file is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-            if not text.strip():
-                raise ValueError("the text file is empty")
+            text = read_text_file(path, limit, "the text file")
         except ValueError as exc:
             raise self.shared.error(exc) from None
         return text

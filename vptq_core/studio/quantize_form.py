@@ -40,15 +40,21 @@ def read_calibration_file(calib_file, max_bytes: int) -> str:
     path = Path(calib_file if isinstance(calib_file, str) else calib_file.get("path", ""))
     if not path.is_file():
         raise ValueError("the uploaded calibration file is gone; upload it again")
+    return read_text_file(path, max_bytes, "calibration file")
+
+
+def read_text_file(path: Path, max_bytes: int, what: str) -> str:
+    """The UTF-8 text of an uploaded file ``path`` (ValueError naming ``what`` when it is over ``max_bytes``, not
+    UTF-8 or empty)."""
     size = path.stat().st_size
     if size > max_bytes:
-        raise ValueError(f"calibration file is {views.mb(size)}; at most {views.mb(max_bytes)} allowed")
+        raise ValueError(f"{what} is {views.mb(size)}; at most {views.mb(max_bytes)} allowed")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"calibration file is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        raise ValueError(f"{what} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     if not text.strip():
-        raise ValueError("calibration file is empty")
+        raise ValueError(f"{what} is empty")
     return text
 
 
