@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from . import __version__
-from .data import PYDOCS, WIKI, calibration_windows
+from .data import DEFAULT_EVAL_SPLIT, EVAL_SPLITS, PYDOCS, WIKI, calibration_windows
 from .eval import EvalResult, evaluate
 from .models import BUNDLED, NotStreamable, load_model, model_directory, open_streaming
 from .quant import distributed, methods
@@ -409,14 +409,19 @@ def source_model_of(path: str) -> str | None:
 def evaluate_model(
     model: str, reference: str | None = "auto", text: str = "wiki", seqlen: int = 512,
     max_windows: int | None = None, dtype: str | None = None, head_bits: int | str = "auto",
+    split: str = DEFAULT_EVAL_SPLIT,
 ) -> EvalResult:
-    """Evaluate a model name or directory; ``reference`` "auto" compares a quantized checkpoint with the
-    model it was made from, "none" disables the comparison. ``head_bits``: a quantized checkpoint's LM head
-    at run time (``load_quantized``)."""
+    """Evaluate a model name or directory on ``split`` of ``text`` ("test" to report, "dev" to choose settings;
+    ``eval.evaluate``); ``reference`` "auto" compares a quantized checkpoint with the model it was made from,
+    "none" disables the comparison. ``head_bits``: a quantized checkpoint's LM head at run time
+    (``load_quantized``)."""
+    if split not in EVAL_SPLITS:
+        raise ValueError(f"split must be one of {', '.join(EVAL_SPLITS)}, got {split!r}")
     qmodel, tok = load_model(model, dtype=dtype, head_bits=head_bits)
     ref_model = None
     if reference == "auto":
         reference = source_model_of(model) if Path(model).is_dir() else None
     if reference and reference != "none":
         ref_model, _ = load_model(reference, dtype=dtype or (torch.bfloat16 if reference == BUNDLED else None))
-    return evaluate(qmodel, tok, text=text, seqlen=seqlen, max_windows=max_windows, reference=ref_model)
+    return evaluate(qmodel, tok, text=text, seqlen=seqlen, max_windows=max_windows, reference=ref_model,
+                    split=split)

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from .data import TEXTS
+from .data import DEFAULT_EVAL_SPLIT, EVAL_SPLITS, TEXTS
 from .divergence_cli import add_diff_parser, cmd_diff
 from .quant import methods
 from .quant.config import CALIB_GROUP, GROUPS, CalibConfig
@@ -133,8 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", required=True, help="model name or directory (dense or quantized checkpoint)")
     e.add_argument("--reference", default="auto",
                    help="original model to compare with: 'auto' = the checkpoint's source model, 'none', or a name/DIR")
-    e.add_argument("--text", default="wiki", help="'wiki' or 'pydocs' (bundled, evaluation split) or a UTF-8 "
-                   "text file")
+    e.add_argument("--text", default="wiki", help="'wiki' or 'pydocs' (bundled, held-out split) or a UTF-8 "
+                   "text file (used whole)")
+    e.add_argument("--split", choices=EVAL_SPLITS, default=DEFAULT_EVAL_SPLIT,
+                   help="held-out split of a bundled text: 'test' to report, 'dev' to choose settings, 'eval' both")
     e.add_argument("--seqlen", type=_positive, default=512)
     e.add_argument("--max-windows", type=_positive, default=None)
     e.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="dense model dtype")
@@ -328,7 +330,8 @@ def _cmd_eval(args) -> int:
     from .eval import kl_stats_text
 
     result = evaluate_model(args.model, reference=args.reference, text=args.text, seqlen=args.seqlen,
-                            max_windows=args.max_windows, dtype=args.dtype, head_bits=args.head_bits)
+                            max_windows=args.max_windows, dtype=args.dtype, head_bits=args.head_bits,
+                            split=args.split)
     if args.json:
         print(json.dumps(result.to_dict()))
     else:

@@ -1,7 +1,9 @@
 """Calibration and evaluation text.
 
-"wiki" is the English Wikipedia sample shipped in the ``gensim`` wheel, split WikiText-style: even articles
-are calibration text, odd articles evaluation text, so the two never overlap. Any UTF-8 text file works too.
+"wiki" is the English Wikipedia sample shipped in the ``gensim`` wheel, "pydocs" Python's documentation topics.
+Each is split by document so that no two splits share text: even documents calibrate ("calib"); the odd ones are
+dealt alternately to "dev" (for choosing settings) and "test" (for reporting); "eval" is dev and test together.
+Any UTF-8 text file works too, used whole for every split (docs/methods.md#evaluation-protocol).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ WIKI = "wiki"
 PYDOCS = "pydocs"  # Python's own documentation topics (standard library): technical prose and code
 TEXTS = (WIKI, PYDOCS)
 _WIKI_FILE = "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
-SPLITS = ("calib", "eval")
+SPLITS = ("calib", "dev", "test", "eval")
+EVAL_SPLITS = ("test", "dev", "eval")  # the held-out ones
+DEFAULT_EVAL_SPLIT = "test"
 
 
 @functools.lru_cache(maxsize=1)
@@ -83,15 +87,25 @@ def pydoc_topics() -> tuple[str, ...]:
     return tuple(dict.fromkeys(topics.topics[name] for name in sorted(topics.topics)))
 
 
-def load_text(source: str, split: str) -> str:
-    """Text of ``source`` ("wiki", "pydocs" or a UTF-8 file path) for ``split`` ("calib" or "eval"): the
-    built-in texts split by document (even ones calibrate, odd ones evaluate); a file is used whole."""
+def split_documents(documents: tuple[str, ...], split: str) -> tuple[str, ...]:
+    """The documents of ``split``: "calib" the even ones; of the odd ones, "dev" every other one from the first,
+    "test" the rest; "eval" all odd ones. No document is in two of calib, dev and test."""
     if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    if split == "calib":
+        return documents[0::2]
+    held_out = documents[1::2]
+    return {"dev": held_out[0::2], "test": held_out[1::2], "eval": held_out}[split]
+
+
+def load_text(source: str, split: str) -> str:
+    """Text of ``source`` ("wiki", "pydocs" or a UTF-8 file path) for ``split`` (``SPLITS``): the built-in texts
+    split by document (``split_documents``); a file is used whole."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
     if source in TEXTS:
         documents = wiki_articles() if source == WIKI else pydoc_topics()
-        chosen = documents[0::2] if split == "calib" else documents[1::2]
-        return "\n\n".join(chosen)
+        return "\n\n".join(split_documents(documents, split))
     if not isinstance(source, str) or not os.path.isfile(source):
         raise ValueError(f"text source must be one of {', '.join(TEXTS)} or an existing UTF-8 text file, got "
                          f"{source!r}")
@@ -143,24 +157,48 @@ def calibration_windows(tokenizer, source: str, samples: int, seqlen: int, seed:
             f"calibration text has {ids.numel()} tokens, fewer than seqlen+1 ({seqlen + 1}); use a longer text "
             "or a shorter --seqlen"
         )
+    starts = window_starts(ids.numel(), samples, seqlen, seed)
+    return _with_bos(torch.stack([ids[s : s + seqlen] for s in starts]), tokenizer, bos)
+
+
+def window_starts(tokens: int, samples: int, seqlen: int, seed: int) -> list[int]:
+    """Start offsets of ``samples`` windows of ``seqlen`` tokens in a text of ``tokens`` tokens: distinct slots of
+    a grid of non-overlapping windows (shifted by a random offset) when the text holds that many, so no window
+    shares tokens with another (distillation's held-out windows are then truly held out); random, possibly
+    overlapping offsets when the text is shorter."""
     gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, ids.numel() - seqlen, (samples,), generator=gen)
-    return _with_bos(torch.stack([ids[s : s + seqlen] for s in starts.tolist()]), tokenizer, bos)
+    span = tokens - 1  # every window needs its next token inside the text
+    slots = span // seqlen
+    if samples > slots:
+        return torch.randint(0, tokens - seqlen, (samples,), generator=gen).tolist()
+    offset = int(torch.randint(0, span - slots * seqlen + 1, (1,), generator=gen))
+    chosen = torch.randperm(slots, generator=gen)[:samples]
+    return [offset + int(slot) * seqlen for slot in chosen]
+
+
+def spread_indices(total: int, wanted: int | None) -> list[int]:
+    """``wanted`` of ``range(total)`` spread evenly over it (the middle of each of ``wanted`` equal stretches),
+    all of them when ``wanted`` is None or not smaller: a few windows then sample the whole text, not its start."""
+    if wanted is None or wanted >= total:
+        return list(range(total))
+    return [int((i + 0.5) * total / wanted) for i in range(wanted)]
 
 
 def eval_windows(tokenizer, source: str, seqlen: int, max_windows: int | None = None,
-                 bos: bool | str = "auto") -> torch.Tensor:
-    """Standard perplexity protocol: tokenize the evaluation split once, cut into non-overlapping windows
-    of ``seqlen`` tokens, drop the remainder -> [windows, seqlen]. With ``wants_bos`` each window is the BOS
-    token and ``seqlen - 1`` text tokens (the BOS token is never a predicted target)."""
+                 bos: bool | str = "auto", split: str = DEFAULT_EVAL_SPLIT) -> torch.Tensor:
+    """Standard perplexity protocol: tokenize ``split`` of ``source`` once, cut it into non-overlapping windows
+    of ``seqlen`` tokens, drop the remainder; with ``max_windows``, that many of them spread evenly over the
+    whole text (``spread_indices``) -> [windows, seqlen]. With ``wants_bos`` each window is the BOS token and
+    ``seqlen - 1`` text tokens (the BOS token is never a predicted target)."""
+    if split not in EVAL_SPLITS:
+        raise ValueError(f"evaluation windows come from a held-out split ({', '.join(EVAL_SPLITS)}), got {split!r}")
     bos = wants_bos(tokenizer, bos)
     seqlen -= int(bos)
-    ids = tokenize_text(tokenizer, load_text(source, "eval"))
+    ids = tokenize_text(tokenizer, load_text(source, split))
     n = ids.numel() // seqlen
     if n == 0:
         raise ValueError(f"evaluation text has {ids.numel()} tokens, fewer than one window of {seqlen}")
-    if max_windows is not None:
-        if max_windows < 1:
-            raise ValueError(f"max_windows must be >= 1, got {max_windows}")
-        n = min(n, max_windows)
-    return _with_bos(ids[: n * seqlen].view(n, seqlen), tokenizer, bos)
+    if max_windows is not None and max_windows < 1:
+        raise ValueError(f"max_windows must be >= 1, got {max_windows}")
+    windows = ids[: n * seqlen].view(n, seqlen)[spread_indices(n, max_windows)]
+    return _with_bos(windows, tokenizer, bos)

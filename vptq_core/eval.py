@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .data import eval_windows
+from .data import DEFAULT_EVAL_SPLIT, eval_windows
 
 
 @dataclass
@@ -38,13 +38,15 @@ class EvalResult:
     delta_p_mean: float | None = None
     delta_p_p01: float | None = None
     delta_p_p99: float | None = None
+    split: str | None = None  # the held-out split of ``text`` ("dev", "test", "eval"); None: given windows
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     def protocol(self) -> str:
-        return (f"text={self.text!r} (evaluation split), seqlen={self.seqlen}, windows={self.windows}, "
-                f"non-overlapping, {self.tokens} predicted tokens, ppl=exp(mean NLL)")
+        where = f"{self.split} split" if self.split else "given windows"
+        return (f"text={self.text!r} ({where}), seqlen={self.seqlen}, windows={self.windows}, "
+                f"non-overlapping, spread over the text, {self.tokens} predicted tokens, ppl=exp(mean NLL)")
 
 
 @dataclass
@@ -130,11 +132,14 @@ def evaluate(
     should_stop: Callable[[], bool] | None = None,
     windows: torch.Tensor | None = None,
     bos: bool | str = "auto",
+    split: str = DEFAULT_EVAL_SPLIT,
 ) -> EvalResult:
-    """Perplexity of ``model`` on the evaluation split of ``text`` ("wiki" or a file).
+    """Perplexity of ``model`` on ``split`` ("test", "dev" or "eval" = both) of ``text`` ("wiki", "pydocs" or a
+    file, used whole).
 
-    Protocol: tokenize the evaluation text once, cut it into non-overlapping windows of ``seqlen`` tokens
-    (dropping the remainder, at most ``max_windows``), ``ppl = exp(mean NLL)`` over every predicted token.
+    Protocol: tokenize the split once, cut it into non-overlapping windows of ``seqlen`` tokens (dropping the
+    remainder; at most ``max_windows``, spread evenly over the whole split), ``ppl = exp(mean NLL)`` over every
+    predicted token.
     With ``reference`` (the original model), also the KL divergence ``KL(P_ref || P_model)`` per token (mean,
     median, 90th and 99th percentiles, max), Delta p of the reference's top token (mean, 1st and 99th
     percentiles) and the top-1 agreement on the same windows, plus the reference's own perplexity. ``windows``
@@ -144,12 +149,12 @@ def evaluate(
     if windows is not None:
         if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.shape[1] < 2:
             raise ValueError(f"windows must be token ids [n, seqlen >= 2], got {getattr(windows, 'shape', windows)!r}")
-        text, seqlen = "given windows", windows.shape[1]
+        text, seqlen, split = "given windows", windows.shape[1], None
         windows = windows[:max_windows] if max_windows else windows
     elif seqlen < 2:
         raise ValueError(f"seqlen must be >= 2, got {seqlen}")
     else:
-        windows = eval_windows(tokenizer, text, seqlen, max_windows, bos=bos)
+        windows = eval_windows(tokenizer, text, seqlen, max_windows, bos=bos, split=split)
     should_stop = should_stop or (lambda: False)
     t0 = time.perf_counter()
     nll_sum = ref_nll_sum = 0.0
@@ -178,7 +183,7 @@ def evaluate(
     nll = nll_sum / count
     result = EvalResult(
         perplexity=math.exp(nll), nll=nll, seqlen=seqlen, windows=done, tokens=count, text=text,
-        seconds=time.perf_counter() - t0,
+        seconds=time.perf_counter() - t0, split=split,
     )
     if reference is not None:
         stats = divergence_stats(*(torch.cat(per_token[name]) for name in ("kl", "delta_p", "agree")))
