@@ -99,6 +99,11 @@ SMOKES: dict[str, Smoke] = {
         ("--model", TINY, "--block", "1", "--calib", "2", "--held", "1", "--seqlen", "32", "--grid", "2:auto",
          "2:full"),
         ("| steps | scale | calib error | held-out error | seconds |", "| 2 | full (FlexRound-style) |")),
+    "bench/lrq_recipe.py": Smoke(
+        ("--model", TINY, "--base", "w4a8", "--variants", "base:group_size=32,iters=1,distill_iters=1",
+         "--calib-samples", "2", "--calib-seqlen", "32", "--seqlen", "32", "--windows", "1", "--threads", "1",
+         "--results", "{root}/lrq_recipe/results.jsonl"),
+        ("| variant | settings | total bits | wiki ppl | x bf16 |", "| base | group_size=32", "dev split")),
     # reads every file in bench/results/ and compares the page it would write with docs/results.md
     "bench/make_results.py": Smoke(("--check",), ("docs/results.md is up to date",)),
     "bench/memory.py": Smoke(

@@ -97,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="; ".join(f"{m.name}: {m.description}" for m in methods.all_methods()))
     q.add_argument("--out", required=True, help="output directory for the checkpoint")
     q.add_argument("--preset", help="a preset of the method, by name or bits: 2.5, 3.5 or 4.5 for the built-in ones "
-                   "(TOTAL bits per weight, codebooks and scales included, on any model); explicit flags override it")
+                   "(TOTAL bits per weight, codebooks and scales included, on any model); explicit flags override it. "
+                   "Presets: " + "; ".join(f"{m.name}: {', '.join(m.presets)}" for m in methods.all_methods()
+                                           if m.presets))
     arg_groups = {}
     for group_name, settings in setting_flags().items():
         arg_groups[group_name] = q.add_argument_group(group_name)

@@ -81,6 +81,10 @@ DISTILL_LR = 2.5e-3
 # The settings of DistillSettings every preset names (these values: off), so that picking a preset never keeps
 # another preset's distillation, self-written calibration or time budget.
 PRESET_OFF = {"distill_iters": 0, "calib_sampled_share": 0.0, "time_budget": 0.0}
+# The presets made to end within 10 minutes must end within this many seconds (loading and writing the checkpoint
+# take a little more): on a slower machine distillation runs fewer steps instead of running late
+# (docs/methods.md#time-budget). The "-best" presets have no time budget.
+PRESET_TIME_BUDGET = 570.0
 # Every preset names its distillation step too: the app's form has one "distillation lr" field for all methods, so
 # picking a preset never keeps another method's or another preset's step.
 SCALAR_PRESET_OFF = {**PRESET_OFF, "distill_lr": SCALAR_DISTILL_LR}
