@@ -188,10 +188,13 @@ def test_bad_settings_give_clear_errors(served, gated, monkeypatch):
 def test_presets_fill_exactly_what_they_fix(served, tmp_path):
     client = Client(served.url, verbose=False)
     keys = list(served.demo.settings_form)
-    for method, name in (("vptq", "3.5 bits"), ("lrq", "3.5 bits"), ("gptq", form.CUSTOM)):
+    for method, name in (("vptq", "3.5 bits"), ("lrq", "3.5 bits"), ("lrq", "w4a8"), ("gptq", form.CUSTOM)):
         fixed = methods.get(method).presets.get(name, {})
+        shown = {k: v for k, v in fixed.items() if k not in form.ACT_SETTINGS}
+        if any(k in fixed for k in form.ACT_SETTINGS):  # one "activations" field holds both settings
+            shown[form.ACT_FIELD] = form.act_label(*(fixed[k] for k in form.ACT_SETTINGS))
         values = client.predict(method, name, "smollm2-135m-instruct", "", api_name="/preset")
-        assert dict(zip(keys, values)) == {k: fixed.get(k, gr.skip()) for k in keys}, (method, name)
+        assert dict(zip(keys, values)) == {k: shown.get(k, gr.skip()) for k in keys}, (method, name)
     client.close()
     # picking a preset sizes it for the chosen model as picking the model does (no distillation for 7B)
     LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
