@@ -331,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
                              "for a large head on the CPU; 0: as stored, bf16); not with --quantize-head")
     parser.add_argument("--head-ab", action="store_true",
                         help="also time the quantized model with its LM head as stored (bf16), same alternated pairs")
+    parser.add_argument("--prompt-tokens", type=int, default=0,
+                        help="prompt length: the chat prompt repeated / cut to this many tokens (0: as it is)")
     parser.add_argument("--device", default="cpu", help="run both models on this device (cuda: GPU comparison)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
                         help="dtype of both models (float16 for the GPU comparison)")
@@ -370,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
         module.backend = args.backend
     prompt_ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                          return_tensors="pt", return_dict=True)["input_ids"]
+    if args.prompt_tokens > 0:
+        reps = -(-args.prompt_tokens // prompt_ids.shape[1])
+        prompt_ids = prompt_ids.repeat(1, reps)[:, :args.prompt_tokens]
     dtype = getattr(torch, args.dtype)
     if args.device != "cpu" or dtype != torch.bfloat16:
         original, quantized = original.to(args.device, dtype), quantized.to(args.device, dtype)
@@ -491,6 +496,9 @@ def _measure(args: dict, models: dict, prompt_ids: torch.Tensor, label: str, qmo
     print()
     print(f"speed ratio quantized / bf16: {statistics.median(ratios):.2f}x (per pair: "
           f"{', '.join(f'{r:.2f}' for r in ratios)})")
+    prefill = [q[0] / o[0] for q, o in zip(timings["quantized"], timings["bf16 original"])]
+    print(f"prefill time quantized / bf16 ({prompt_ids.shape[1]} tokens): {statistics.median(prefill):.2f}x (per "
+          f"pair: {', '.join(f'{r:.2f}' for r in prefill)})")
     if args.touch_ab:
         ab = [a / b for a, b in zip(tps("quantized"), tps(untouched))]
         print(f"codebook touch on / off: {statistics.median(ab):.2f}x (per pair: {', '.join(f'{r:.2f}' for r in ab)})")

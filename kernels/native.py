@@ -58,7 +58,7 @@ CACHE_ENV_VAR = "VPTQ_NATIVE_CACHE"
 _NAME = "vptq_native"
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("native.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp")
-_HEADERS = ("common.h", "kernels_body.h", "decoder_body.h", "search_body.h")
+_HEADERS = ("common.h", "kernels_body.h", "decoder_body.h", "search_body.h", "shared_input.h")
 # -fopenmp: at::parallel_for is inlined from ATen's OpenMP header, so the extension must be built with OpenMP to run
 # on torch's thread pool (the module then uses torch's own libgomp, already loaded by libtorch).
 _CFLAGS = ("-O3", "-DNDEBUG", "-fno-math-errno", "-fno-trapping-math", "-Wno-unused-function", "-fopenmp")
