@@ -37,12 +37,16 @@ from vptq_core.storage.head import quantize_head  # noqa: E402
 
 PARTS = ("embed", "norms", "qkv", "attention", "o", "gate_up+silu", "down", "final norm", "head", "python")
 LAYOUTS = ("vptq2", "vptq3", "scalar4", "scalar4-a8")
+# wall: time.perf_counter; thread: CPU time of this thread (time.thread_time), which other work on a shared
+# machine does not inflate (1 thread only: at 2 threads the kernels' other worker is not counted)
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+CLOCK = {"now": time.perf_counter}
 
 
 def timed_step(dec: LeanDecoder, token: torch.Tensor, spent: dict[str, float], fused: bool = True) -> torch.Tensor:
     """One ``dec.step(token)`` with a timer around every call (the same calls in the same order as
     ``LeanDecoder._forward`` for one token); adds seconds per part to ``spent``."""
-    clock = time.perf_counter
+    clock = CLOCK["now"]
     ops, pos = dec.ops, dec.pos
     cos, sin = dec.cos[pos:pos + 1], dec.sin[pos:pos + 1]
     t0 = clock()
@@ -99,10 +103,10 @@ def profile(model: torch.nn.Module, prompt_ids: torch.Tensor, steps: int, rounds
             dec.layers = dec.layers if fused else dec.plain_layers
             try:
                 token = dec.prefill(prompt_ids).argmax(-1, keepdim=True)
-                start = time.perf_counter()
+                start = CLOCK["now"]()
                 for _ in range(steps):
                     token = dec.step(token).argmax(-1, keepdim=True)
-                total = (time.perf_counter() - start) / steps
+                total = (CLOCK["now"]() - start) / steps
             finally:
                 dec.layers = saved
             spent = dict.fromkeys(PARTS, 0.0)
@@ -116,6 +120,56 @@ def profile(model: torch.nn.Module, prompt_ids: torch.Tensor, steps: int, rounds
             if r:
                 results[path].append(row)
     return {path: {k: statistics.median(row[k] for row in rows) for k in rows[0]} for path, rows in results.items()}
+
+
+# native knobs a variant may set (kernels/csrc/native.cpp; prepare-time ones take effect as the layers rebind)
+KNOBS = {"index_prefetch": ("set_index_prefetch", 2048), "index8": ("set_index8", 1), "cb16": ("set_cb16", 0),
+         "touch": ("set_touch", 1)}
+
+
+def _parse_variant(text: str) -> tuple[str, dict[str, int]]:
+    """"name:knob=value,knob=value" -> (name, {knob: value})."""
+    name, _, rest = text.partition(":")
+    knobs = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key not in KNOBS or not value.lstrip("-").isdigit():
+            raise ValueError(f"variant {text!r}: knobs are {', '.join(KNOBS)} with integer values, e.g. "
+                             "pf0:index_prefetch=0")
+        knobs[key] = int(value)
+    return name, knobs
+
+
+def _set_knobs(model: torch.nn.Module, knobs: dict[str, int]) -> None:
+    from vptq_core.kernels import native
+
+    ext = native._ext()
+    for key, (setter, default) in KNOBS.items():
+        getattr(ext, setter)(knobs.get(key, default))
+    for module in model.modules():
+        if hasattr(module, "rebind"):
+            module.rebind()
+
+
+def variants(model: torch.nn.Module, prompt_ids: torch.Tensor, steps: int, rounds: int,
+             chosen: list[tuple[str, dict[str, int]]]) -> dict[str, float]:
+    """ms per plain decode step of the default kernels and of each variant, rounds alternated; medians."""
+    chosen = [("default", {}), *chosen]
+    times: dict[str, list[float]] = {name: [] for name, _ in chosen}
+    try:
+        for r in range(rounds + 1):
+            for name, knobs in (chosen if r % 2 else chosen[::-1]):
+                _set_knobs(model, knobs)
+                dec = LeanDecoder(model, prompt_ids.shape[1] + steps + 1)
+                token = dec.prefill(prompt_ids).argmax(-1, keepdim=True)
+                start = CLOCK["now"]()
+                for _ in range(steps):
+                    token = dec.step(token).argmax(-1, keepdim=True)
+                if r:
+                    times[name].append((CLOCK["now"]() - start) / steps * 1e3)
+    finally:
+        _set_knobs(model, {})
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def _models(args: argparse.Namespace) -> tuple[dict[str, torch.nn.Module], torch.Tensor, str]:
@@ -148,17 +202,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=24, help="decode steps per round")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm-up round)")
     parser.add_argument("--threads", default="1", help="torch CPU threads; a comma list measures each")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall time, or this thread's CPU time (a loaded machine; 1 thread only)")
+    parser.add_argument("--variants", nargs="*", default=[],
+                        help="also time the quantized models with native knobs changed, alternated with the "
+                             "defaults: NAME:KNOB=VALUE[,KNOB=VALUE] (knobs: " + ", ".join(KNOBS) + ")")
     args = parser.parse_args(argv)
+    try:
+        chosen = [_parse_variant(text) for text in args.variants]
+    except ValueError as exc:
+        parser.error(str(exc))
     if bad := [lay for lay in args.layouts.split(",") if lay not in LAYOUTS]:
         parser.error(f"--layouts {bad[0]!r}: choose from {', '.join(LAYOUTS)}")
     if args.tokens < 1 or args.rounds < 1:
         parser.error("--tokens and --rounds must be >= 1")
     threads = [int(t) for t in args.threads.split(",")]
+    if args.clock == "thread" and threads != [1]:
+        parser.error("--clock thread measures one thread: use it with --threads 1")
+    CLOCK["now"] = CLOCKS[args.clock]
     models, prompt_ids, label = _models(args)
     print("decode step profile (lean loop)")
     print(f"  {label}")
     print(f"  prompt {prompt_ids.shape[1]} tokens; {args.tokens} steps per round; 1 warm-up round, {args.rounds} "
-          f"timed rounds, fused and unfused paths alternated; medians; ms per step; torch {torch.__version__}")
+          f"timed rounds, fused and unfused paths alternated; medians; ms per step ({args.clock} clock); "
+          f"torch {torch.__version__}")
     print(f"  attention: native up to {NATIVE_ATTEND_MAX_TOKENS} new tokens; python = plain step - timed parts")
     with torch.inference_mode():
         for n in threads:
@@ -180,6 +247,17 @@ def main(argv: list[str] | None = None) -> int:
             print("| × bf16 (total) | " + " | ".join(
                 f"{base / rows[name]['fused']['total']:.2f} | {base / rows[name]['unfused']['total']:.2f}"
                 for name in names) + " |")
+            if chosen:
+                print()
+                print(f"native knob variants, threads {n} (ms per step, plain steps; × = default / variant time):")
+                print("| model | variant | knobs | ms | × default |")
+                print("|---|---|---|---|---|")
+                for name in names[1:]:
+                    timed = variants(models[name], prompt_ids, args.tokens, args.rounds, chosen)
+                    for (vname, knobs) in [("default", {}), *chosen]:
+                        text = ", ".join(f"{k}={v}" for k, v in knobs.items()) or "-"
+                        print(f"| {name} | {vname} | {text} | {timed[vname]:.2f} | "
+                              f"{timed['default'] / timed[vname]:.2f} |")
     return 0
 
 

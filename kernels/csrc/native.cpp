@@ -235,8 +235,13 @@ std::shared_ptr<VQLayer> prepare_vq(std::vector<int64_t> spec, Tensor indices, T
   // alternated rounds, three runs: v4 k4096 at 4096x4096 0.44-0.58 with bf16 against 0.54-0.68 with fp32, SmolLM2's
   // shapes 0.43-0.67 against 0.49-0.65 (11 of 15 cells faster); an AVX-512 machine measured the opposite (0.46-0.86
   // with bf16 against 0.36-0.53, v4 k8192 and v12/v16 alike, with a costlier widening than today's). 16 lanes: fp32.
-  const bool wide_ok = vp == 8 || (vp == 4 && std::string(isa()->name) == "avx2");
-  L->gemv_cb16 = exact && (g_cb16 == 1 || (g_cb16 == 0 && wide_ok && (k + (res ? L->kr : 0)) * vp * 4 > 24 * 1024));
+  // AVX-512 with 4 lanes, measured again with today's widening on a Sapphire Rapids: bf16 at least as fast at every
+  // codebook size, faster at the small and the large ones (bench/results/decode_fused_spr.txt), so always.
+  const std::string level = isa()->name;
+  const bool wide_ok = vp == 8 || (vp == 4 && level == "avx2");
+  const bool always = vp == 4 && level == "avx512";
+  L->gemv_cb16 = exact && (g_cb16 == 1 || (g_cb16 == 0 && (always || (wide_ok && (k + (res ? L->kr : 0)) * vp * 4 >
+                                                                                      24 * 1024))));
 
   // indices -> element offsets (code * vp), rows in blocks of 8; codes themselves (uint8) when they fit a byte
   const int64_t kmax = std::max<int64_t>(k, res ? L->kr : 0);
