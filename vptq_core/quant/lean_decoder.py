@@ -7,11 +7,14 @@ Per decoder layer, transformers' forward runs some fifty small tensor operations
 on a CPU, and its bf16 attention is several times slower than fp32 on CPUs without bf16 instructions. Here the
 linears (nn.Linear, or the quantized modules) are called exactly as the model calls them, and everything between
 them is four calls into the native extension (``kernels/csrc/decoder_body.h``): residual add + RMSNorm, attention
-fused with the rotary embedding and the KV-cache write, SiLU(gate) * up. Each reproduces transformers' rounding to
-the model dtype step by step (tested against the model's own forward). Without the extension (no compiler, CUDA
-tensors) the same steps run as torch operations.
+fused with the rotary embedding and the KV-cache write, SiLU(gate) * up. Quantized linears on the native kernels
+skip their modules: q/k/v run in one native call, gate/up with the SiLU product in another
+(``kernels/csrc/shared_input.h``), o and down as their bare C++ layers (the same outputs, see ``LeanDecoder``).
+Each step reproduces transformers' rounding to the model dtype (tested against the model's own forward). Without
+the extension (no compiler, CUDA tensors) the same steps run as torch operations.
 
-Quantized and original models get the same forward, so a speed comparison between them stays fair.
+Quantized and original models get the same loop and the same operations between the linears, so a speed
+comparison between them measures the linears.
 ``LeanDecoder.for_model(model)`` returns None (with the reason in ``unsupported_reason``) for anything else; the
 decode loop then uses the model's own forward.
 """
@@ -250,8 +253,8 @@ class LeanDecoder:
         self.plain_layers, self.layers = [], []
         silu_ops = native if native is not None else _TorchOps
         ext = native
-        if ext is None and self.device.type == "cpu":
-            ext = _native_ops()
+        if ext is None and self.device.type == "cpu" and any(hasattr(m, "lean_kernel") for m in model.modules()):
+            ext = _native_ops()  # quantized linears on the native kernels, the rest in torch ops
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             q, k, v, o = (linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
