@@ -132,25 +132,33 @@ def bytes_per_token(model: nn.Module, context: float) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------------- decode loops
+# The loops' clock: wall time, or (--clock thread) this thread's CPU time, which other work on a shared machine
+# does not inflate (one thread only: with more, the kernels' other workers are not counted).
+CLOCK = {"now": time.perf_counter}
+
+
+def _now() -> float:
+    return CLOCK["now"]()
+
 def _cache_loop(model: nn.Module, prompt_ids: torch.Tensor, steps: int, static: bool) -> tuple[list[int], float, float]:
     from transformers import DynamicCache, StaticCache
 
     cache = (StaticCache(config=model.config, max_cache_len=prompt_ids.shape[1] + steps + 1) if static
              else DynamicCache(config=model.config))
-    start = time.perf_counter()
+    start = _now()
     positions = torch.arange(prompt_ids.shape[1])
     out = model(input_ids=prompt_ids, past_key_values=cache, use_cache=True, cache_position=positions)
     token = out.logits[:, -1].argmax(-1, keepdim=True)
-    prefill = time.perf_counter() - start
+    prefill = _now() - start
     ids = [int(token)]
     position = torch.tensor([prompt_ids.shape[1]])
-    start = time.perf_counter()
+    start = _now()
     for _ in range(steps):
         out = model(input_ids=token, past_key_values=cache, use_cache=True, cache_position=position)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         position += 1
         ids.append(int(token))
-    return ids, prefill, time.perf_counter() - start
+    return ids, prefill, _now() - start
 
 
 class _Marks:
@@ -160,7 +168,7 @@ class _Marks:
         self.times: list[float] = []
 
     def put(self, _value: torch.Tensor) -> None:
-        self.times.append(time.perf_counter())
+        self.times.append(_now())
 
     def end(self) -> None:
         pass
@@ -173,7 +181,7 @@ def _generate_loop(model: nn.Module, prompt_ids: torch.Tensor, steps: int,
     token; decode = first to last new token."""
     generate = (lambda **kw: type(model).generate(model, **kw)) if own else model.generate
     marks = _Marks()
-    start = time.perf_counter()
+    start = _now()
     out = generate(input_ids=prompt_ids, attention_mask=torch.ones_like(prompt_ids), do_sample=False, pad_token_id=0,
                    max_new_tokens=steps + 1, min_new_tokens=steps + 1, streamer=marks)
     new = marks.times[1:]
@@ -185,9 +193,9 @@ def _lean_loop(model: nn.Module, prompt_ids: torch.Tensor, steps: int, cache: st
     from vptq_core.generation import decode_loop
 
     marks: list[float] = []
-    start = time.perf_counter()
+    start = _now()
     ids = decode_loop(model, prompt_ids, steps + 1, cache=cache, eos_ids=(),
-                      on_token=lambda _ids: marks.append(time.perf_counter()))
+                      on_token=lambda _ids: marks.append(_now()))
     return ids, marks[0] - start, max(marks[-1] - marks[0], 1e-9)
 
 
@@ -331,6 +339,11 @@ def main(argv: list[str] | None = None) -> int:
                              "for a large head on the CPU; 0: as stored, bf16); not with --quantize-head")
     parser.add_argument("--head-ab", action="store_true",
                         help="also time the quantized model with its LM head as stored (bf16), same alternated pairs")
+    parser.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                        help="time the loops by wall clock, or by this thread's CPU time (a loaded machine; "
+                             "--threads 1 only)")
+    parser.add_argument("--prompt-tokens", type=int, default=0,
+                        help="prompt length: the chat prompt repeated / cut to this many tokens (0: as it is)")
     parser.add_argument("--device", default="cpu", help="run both models on this device (cuda: GPU comparison)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
                         help="dtype of both models (float16 for the GPU comparison)")
@@ -344,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--loop {unknown[0]!r}: choose from {', '.join(sorted(LOOPS))}")
     if args.tokens < 1 or min(thread_counts) < 1 or args.pairs < 1:
         parser.error("--tokens, --threads and --pairs must be >= 1")
+    if args.clock == "thread" and thread_counts != [1]:
+        parser.error("--clock thread measures one thread: use it with --threads 1")
+    CLOCK["now"] = time.thread_time if args.clock == "thread" else time.perf_counter
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"bench/decode.py --device {args.device} needs a CUDA device: torch.cuda.is_available() is "
                          "False")
@@ -370,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
         module.backend = args.backend
     prompt_ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
                                          return_tensors="pt", return_dict=True)["input_ids"]
+    if args.prompt_tokens > 0:
+        reps = -(-args.prompt_tokens // prompt_ids.shape[1])
+        prompt_ids = prompt_ids.repeat(1, reps)[:, :args.prompt_tokens]
     dtype = getattr(torch, args.dtype)
     if args.device != "cpu" or dtype != torch.bfloat16:
         original, quantized = original.to(args.device, dtype), quantized.to(args.device, dtype)
@@ -478,7 +497,7 @@ def _measure(args: dict, models: dict, prompt_ids: torch.Tensor, label: str, qmo
     print(f"  threads: {args.threads}; kernel backend: {args.backend or 'auto'} -> {', '.join(chosen) or '-'} "
           f"(usable: {', '.join(usable)}); torch {torch.__version__}")
     print(f"  protocol: 1 warm-up run per model, {args.pairs} alternating pairs, medians; ratio = median of "
-          "per-pair ratios")
+          f"per-pair ratios; clock: {args.clock}")
     print()
     print("| model | decode tok/s (median) | runs | prefill ms | param+buffer MB | RSS after load MB |")
     print("|---|---|---|---|---|---|")
@@ -491,6 +510,9 @@ def _measure(args: dict, models: dict, prompt_ids: torch.Tensor, label: str, qmo
     print()
     print(f"speed ratio quantized / bf16: {statistics.median(ratios):.2f}x (per pair: "
           f"{', '.join(f'{r:.2f}' for r in ratios)})")
+    prefill = [q[0] / o[0] for q, o in zip(timings["quantized"], timings["bf16 original"])]
+    print(f"prefill time quantized / bf16 ({prompt_ids.shape[1]} tokens): {statistics.median(prefill):.2f}x (per "
+          f"pair: {', '.join(f'{r:.2f}' for r in prefill)})")
     if args.touch_ab:
         ab = [a / b for a, b in zip(tps("quantized"), tps(untouched))]
         print(f"codebook touch on / off: {statistics.median(ab):.2f}x (per pair: {', '.join(f'{r:.2f}' for r in ab)})")

@@ -37,6 +37,15 @@ GGUF_TYPES = {"BF16": 32, "Q8_0": 7, "Q4_K_M": 15, "Q2_K": 10}  # llama_ftype va
 
 
 # ------------------------------------------------------------------------------------------------ workers
+CLOCK_ENV = "PEERS_CLOCK"  # "thread": the workers time by their calling thread's CPU time (--clock thread)
+
+
+def _now() -> float:
+    """Wall time, or with --clock thread the CPU time of the calling thread: at one thread both runtimes compute on
+    it, and other work on a shared machine does not inflate it."""
+    return time.thread_time() if os.environ.get(CLOCK_ENV) == "thread" else time.perf_counter()
+
+
 def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -96,14 +105,14 @@ class LlamaSide:
         def next_token() -> int:
             return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))))
 
-        start = time.perf_counter()
+        start = _now()
         llm.eval(prompt)
         ids = [next_token()]
-        first = time.perf_counter()
+        first = _now()
         for _ in range(tokens - 1):
             llm.eval([ids[-1]])
             ids.append(next_token())
-        end = time.perf_counter()
+        end = _now()
         return {"ids": ids, "prefill_s": first - start, "decode_s": end - first}
 
     def nll(self, windows: list[list[int]], threads: int) -> dict:
@@ -149,14 +158,14 @@ class TorchSide:
         torch.set_num_threads(threads)
         ids = torch.tensor([prompt])
         marks: list[float] = []
-        start = time.perf_counter()
+        start = _now()
         if loop == "lean":
             new = decode_loop(self.model, ids, tokens, eos_ids=(),
-                              on_token=lambda _ids: marks.append(time.perf_counter()))
+                              on_token=lambda _ids: marks.append(_now()))
         else:
             class Marks:
                 def put(self, _value) -> None:  # noqa: ANN001
-                    marks.append(time.perf_counter())
+                    marks.append(_now())
 
                 def end(self) -> None:
                     pass
@@ -273,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text", default="wiki", help="perplexity text (vptq_core.data)")
     parser.add_argument("--seqlen", type=int, default=512)
     parser.add_argument("--windows", type=int, default=4, help="perplexity windows (0: no perplexity)")
+    parser.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                        help="wall time, or each worker's decoding-thread CPU time (a loaded machine; --threads 1)")
     parser.add_argument("--worker", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -286,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--types {bad[0]!r}: choose from {', '.join(GGUF_TYPES)}")
     threads = [int(t) for t in args.threads.split(",")]
     loops = [x.strip() for x in args.loops.split(",")]
+    if args.clock == "thread" and threads != [1]:
+        parser.error("--clock thread measures one thread: use it with --threads 1")
+    os.environ[CLOCK_ENV] = args.clock  # the workers (subprocesses) inherit it
 
     sys.path.insert(0, str(ROOT))
     from vptq_core.data import eval_windows
@@ -333,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     print("peers: decode and perplexity against llama.cpp")
     print(f"  prompt {PROMPT!r} ({len(prompt)} tokens, our tokenizer's ids on both sides), {args.tokens} greedy "
           f"tokens, batch 1; threads {args.threads}; {args.rounds} rounds, order reversed on odd rounds, 1 warm-up "
-          "each; tok/s = (tokens - 1) / first-to-last new token; medians")
+          f"each; tok/s = (tokens - 1) / first-to-last new token; medians; clock: {args.clock}")
     print(f"  llama.cpp: {source.name} re-quantized by llama_model_quantize (allow_requantize); perplexity on "
           f"{len(windows)} windows x {args.seqlen} tokens of {args.text!r}; CPU: {_cpu()}; "
           f"load average {os.getloadavg()[0]:.1f} at the end; {time.time() - t0:.0f} s")

@@ -15,6 +15,11 @@ Same math as ``kernels.reference`` / ``kernels.cpu`` (see their docstrings), rep
   fed to ``at::native::cpublas::brgemm``; elsewhere tiles of ~480 outputs go through ``torch.mm``, in fp32 for bf16
   x on CPUs without bf16 dot products (AVX2-only: torch's bf16 GEMM there widens operands on the fly, 5-13x slower
   than MKL's fp32 GEMM on the same bf16-exact values).
+* Codebooks of at most 256 entries (main and residual) keep uint8 codes instead of 16-bit offsets (half the index
+  bytes a GEMV streams); the GEMV prefetches its index streams a few KB ahead.
+* The extension's ``vq_many(layers, x, silu_mul=False)`` / ``scalar_many(layers, x, silu_mul=False, act_mode=-1,
+  act_bits=8, act_scale=0.0)``: several prepared layers on one x in one call ([y, ...], or ``[silu(y0) * y1]``),
+  up to 8 tokens in one parallel region over all their rows; the outputs equal the single calls exactly.
 * ``prepare_scalar(codes_packed, scales, zeros, bias, bits, group_size, in_features)`` / ``scalar_linear(x,
   layer)``: the same for scalar codes (bits 1..8, any group size; codes repacked to 4- or 8-bit containers with
   each group padded to 32 codes). GEMV up to 4 tokens where the micro-kernel path exists (8 elsewhere; measured
@@ -58,7 +63,7 @@ CACHE_ENV_VAR = "VPTQ_NATIVE_CACHE"
 _NAME = "vptq_native"
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = ("native.cpp", "isa_scalar.cpp", "isa_avx2.cpp", "isa_avx512.cpp")
-_HEADERS = ("common.h", "kernels_body.h", "decoder_body.h", "search_body.h")
+_HEADERS = ("common.h", "kernels_body.h", "decoder_body.h", "search_body.h", "shared_input.h")
 # -fopenmp: at::parallel_for is inlined from ATen's OpenMP header, so the extension must be built with OpenMP to run
 # on torch's thread pool (the module then uses torch's own libgomp, already loaded by libtorch).
 _CFLAGS = ("-O3", "-DNDEBUG", "-fno-math-errno", "-fno-trapping-math", "-Wno-unused-function", "-fopenmp")

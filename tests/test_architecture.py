@@ -261,6 +261,7 @@ TEST_HOMES = {
     "test_browser.py": "studio",
     "test_jobs.py": "studio",
     "test_native_kernels.py": "kernels",
+    "test_lean_decoder_fused.py": "quant",
     "test_quantized_linear.py": "storage",
     "test_head_bits.py": "storage",
     "test_vptq_compat.py": "storage",

@@ -54,6 +54,11 @@ SMOKES: dict[str, Smoke] = {
         ("| model | decode tok/s (median) |", "speed ratio quantized / bf16", "| model | total | block linears |",
          "| model | linears | head | embedding row | norms | kv cache | total | ceiling × bf16 |", "| generate | 1 |")),
     "bench/peers.py": Smoke((), ("bench/peers.py needs llama.cpp: no --llama-python given",), returncode=1),
+    "bench/decode_profile.py": Smoke(
+        ("--shape", "tiny", "--layouts", "vptq2,scalar4-a8", "--tokens", "2", "--rounds", "1", "--variants",
+         "pf0:index_prefetch=0"),
+        ("| part | bf16 original fused | unfused |", "| gate_up+silu |", "| × bf16 (total) |",
+         "| vptq2 (head 16-bit) | pf0 | index_prefetch=0 |")),
     "bench/distill_step.py": Smoke(
         ("--model", TINY, "--threads", "1", "--seqlen", "32", "--steps", "1", "--warmup", "1", "--rounds", "1",
          "--variants", "float32"),
@@ -211,7 +216,7 @@ def _cuda_available() -> bool:
 
 def _native_reason(name: str) -> str | None:
     """Why a script that needs the native CPU kernels or oneDNN cannot run here (None: it can)."""
-    if name in ("bench/kernels.py", "bench/search.py"):
+    if name in ("bench/kernels.py", "bench/search.py", "bench/decode_profile.py"):
         from vptq_core.kernels import native
 
         usable, reason = native.status()

@@ -4,7 +4,8 @@
 // Prepared VQ layout (built once by native.cpp from the public tensors):
 //   * main vector rows r = 0..R-1 (R = ceil(out / v)) are grouped in blocks of NR_LAYOUT = 8 rows;
 //     indices idx[g][rb][c][8] (c = column in group g, 0..gs-1), each entry the ELEMENT offset
-//     (code * vp) of the centroid in its codebook, uint16 when every offset fits, else uint32;
+//     (code * vp) of the centroid in its codebook, uint16 when every offset fits, else uint32; with codebooks
+//     of at most 256 entries the code itself as uint8 (idx8: half the bytes of the stream a GEMV reads);
 //     rows past R (last block) hold offset 0.
 //   * codebooks padded to vp in {4, 8, 16} lanes per centroid (lanes >= v are 0) plus 16 spare lanes,
 //     kept both as fp32 and as bf16 (exact when the centroids are bf16-representable, else rounded).
@@ -25,6 +26,7 @@ struct VQArgs {
   // shape
   int64_t n_in = 0, out = 0, v = 0, vp = 0, G = 0, gs = 0, R = 0, RB = 0;
   int idx32 = 0;  // main/residual offsets are uint32 (else uint16)
+  int idx8 = 0;   // main/residual entries are uint8 CODES (offset = code * vp): codebooks of at most 256 entries
   bool res = false;
   const void* idx = nullptr;   // [G][RB][gs][8]
   const void* ridx = nullptr;  // same layout (residual)
@@ -57,6 +59,7 @@ struct VQCall {
   int64_t ys = 0;
   bool use_cb16 = false;  // GEMV reads the bf16 codebooks
   bool touch_codebooks = true;  // read every line of the codebooks once before the gathers (vq_main)
+  int64_t prefetch = 0;  // software prefetch distance of the index streams in bytes (0 = none; vq_rows)
 };
 
 // Scalar (RTN/GPTQ/LRQ) codes, prepared: each group of gs columns is padded to gsp (multiple of 32) codes;

@@ -256,6 +256,15 @@ static VN_FI typename VT<VP>::T ld_centroid(const float* p) {
   return VT<VP>::ld32(p);
 }
 
+// Entry -> element offset of its centroid: uint8 entries hold the code, wider ones the offset itself.
+template <int VP, typename IT>
+static VN_FI int64_t eoff(IT e) {
+  if constexpr (sizeof(IT) == 1)
+    return int64_t(e) * VP;
+  else
+    return int64_t(e);
+}
+
 // NR rows (rb*8 + roff ..) x TT tokens (t0 ..) over all groups of the main columns. NR = 16 reads blocks rb
 // and rb + 1 (the second only when rb + 1 < rb_end).
 template <int VP, int TT, bool C16, typename IT, bool RES, bool ONE = false>
@@ -278,12 +287,24 @@ static void vq_rows(const VQArgs& A, const VQCall& C, int64_t rb, int roff, int6
     const auto* rcb = RES ? opaque(codebook<C16>(A.rcb16, A.rcb32) + g * A.rcb_gs) : cb;
     const IT* p2 = p + d2;
     const IT* q2 = q + d2;
+    // Software prefetch of the index streams (C.prefetch bytes ahead, once per 64-byte line): without it the
+    // streams ran at a fraction of memory speed once a decode step's layers no longer fit the last-level cache.
+    const int64_t pf = C.prefetch;
+    constexpr int64_t kLineCols = 64 / int64_t(NR_LAYOUT * sizeof(IT));  // columns per 64-byte line
     for (int64_t c = 0; c < gs; ++c) {
+      if (pf > 0 && (c % kLineCols) == 0) {
+        __builtin_prefetch(reinterpret_cast<const char*>(p) + pf, 0, 3);
+        if (NR > NR_LAYOUT) __builtin_prefetch(reinterpret_cast<const char*>(p2) + pf, 0, 3);
+        if (RES) {
+          __builtin_prefetch(reinterpret_cast<const char*>(q) + pf, 0, 3);
+          if (NR > NR_LAYOUT) __builtin_prefetch(reinterpret_cast<const char*>(q2) + pf, 0, 3);
+        }
+      }
       typename W::B xb[TT];
       VN_UNROLL for (int t = 0; t < TT; ++t) xb[t] = W::bc(xg[t]);
       VN_UNROLL for (int r = 0; r < NR; ++r) {
-        T w = ld_centroid<VP>(cb + (r < NR_LAYOUT ? p[r] : p2[r]));
-        if (RES) w = W::add(w, ld_centroid<VP>(rcb + (r < NR_LAYOUT ? q[r] : q2[r])));
+        T w = ld_centroid<VP>(cb + eoff<VP>(r < NR_LAYOUT ? p[r] : p2[r]));
+        if (RES) w = W::add(w, ld_centroid<VP>(rcb + eoff<VP>(r < NR_LAYOUT ? q[r] : q2[r])));
         VN_UNROLL for (int t = 0; t < TT; ++t) acc[r][t] = W::fma(w, xb[t], acc[r][t]);
       }
       p += NR_LAYOUT;
@@ -419,24 +440,31 @@ static RowsFn pick_rows3(bool res, bool one) {
   }
   return res ? &vq_rows<VP, TT, C16, IT, true> : &vq_rows<VP, TT, C16, IT, false>;
 }
+// iw: bytes per index entry (1, 2 or 4)
+template <int VP, int TT, bool C16>
+static RowsFn pick_rows_it(int iw, bool res, bool one) {
+  if (iw == 4) return pick_rows3<VP, TT, C16, uint32_t>(res, one);
+  if (iw == 1) return pick_rows3<VP, TT, C16, uint8_t>(res, one);
+  return pick_rows3<VP, TT, C16, uint16_t>(res, one);
+}
 template <int VP, int TT>
-static RowsFn pick_rows2(bool c16, bool i32, bool res, bool one) {
-  if (c16) return i32 ? pick_rows3<VP, TT, true, uint32_t>(res, one) : pick_rows3<VP, TT, true, uint16_t>(res, one);
-  return i32 ? pick_rows3<VP, TT, false, uint32_t>(res, one) : pick_rows3<VP, TT, false, uint16_t>(res, one);
+static RowsFn pick_rows2(bool c16, int iw, bool res, bool one) {
+  return c16 ? pick_rows_it<VP, TT, true>(iw, res, one) : pick_rows_it<VP, TT, false>(iw, res, one);
 }
 template <int VP>
-static RowsFn pick_rows1(int tt, bool c16, bool i32, bool res, bool one) {
+static RowsFn pick_rows1(int tt, bool c16, int iw, bool res, bool one) {
   switch (tt) {
-    case 1: return pick_rows2<VP, 1>(c16, i32, res, one);
-    case 2: return pick_rows2<VP, 2>(c16, i32, res, one);
-    default: return pick_rows2<VP, 4>(c16, i32, res, one);
+    case 1: return pick_rows2<VP, 1>(c16, iw, res, one);
+    case 2: return pick_rows2<VP, 2>(c16, iw, res, one);
+    default: return pick_rows2<VP, 4>(c16, iw, res, one);
   }
 }
-static RowsFn pick_rows(int vp, int tt, bool c16, bool i32, bool res, bool one = false) {
+static int index_width(const VQArgs& A) { return A.idx8 ? 1 : (A.idx32 ? 4 : 2); }
+static RowsFn pick_rows(int vp, int tt, bool c16, int iw, bool res, bool one = false) {
   switch (vp) {
-    case 4: return pick_rows1<4>(tt, c16, i32, res, one);
-    case 8: return pick_rows1<8>(tt, c16, i32, res, one);
-    default: return pick_rows1<16>(tt, c16, i32, res, one);
+    case 4: return pick_rows1<4>(tt, c16, iw, res, one);
+    case 8: return pick_rows1<8>(tt, c16, iw, res, one);
+    default: return pick_rows1<16>(tt, c16, iw, res, one);
   }
 }
 static int rows_per_call(int vp, int tt) {
@@ -464,7 +492,7 @@ static void vq_main(const VQArgs& A, const VQCall& C, int64_t rb0, int64_t rb1, 
     if (A.res) touch_lines(C.use_cb16 ? static_cast<const void*>(A.rcb16) : A.rcb32, A.G * A.rcb_gs * es);
   }
 #if VN_LEVEL >= 2
-  if (nt >= 2 && nt <= 8 && A.vp <= 8 && !A.idx32) {
+  if (nt >= 2 && nt <= 8 && A.vp <= 8 && !A.idx32 && !A.idx8) {  // pair kernels: uint16 offsets only
     int nr = 8;
     const int G = int(16 / A.vp);
     PkFn fn = pick_pk(int(A.vp), int((nt + G - 1) / G), A.res, &nr);
@@ -489,8 +517,8 @@ static void vq_main(const VQArgs& A, const VQCall& C, int64_t rb0, int64_t rb1, 
   RowsFn fns[8], fns1[8];  // fns1: one block's rows, for an odd last block of the two-block kernels
   int nrs[8];
   for (int i = 0; i < np; ++i) {
-    fns[i] = pick_rows(int(A.vp), int(passes[i][1]), C.use_cb16, A.idx32 != 0, A.res);
-    fns1[i] = pick_rows(int(A.vp), int(passes[i][1]), C.use_cb16, A.idx32 != 0, A.res, true);
+    fns[i] = pick_rows(int(A.vp), int(passes[i][1]), C.use_cb16, index_width(A), A.res);
+    fns1[i] = pick_rows(int(A.vp), int(passes[i][1]), C.use_cb16, index_width(A), A.res, true);
     nrs[i] = rows_per_call(int(A.vp), int(passes[i][1]));
   }
   for (int64_t rb = rb0; rb < rb1; ++rb) {
@@ -604,10 +632,10 @@ static void vq_deq(const VQArgs& A, int64_t rb0, int64_t rb1, int64_t c0, int64_
         VN_UNROLL for (int r = 0; r < NR_LAYOUT; ++r) {
           E* dst = d + r * v;
           if (!RES && !NORM) {
-            std::memcpy(dst, cb + p[r], VP * sizeof(E));
+            std::memcpy(dst, cb + eoff<VP>(p[r]), VP * sizeof(E));
           } else {
-            typename W::T w = ld_centroid<VP>(cb + p[r]);
-            if (RES) w = W::add(w, ld_centroid<VP>(rcb + q[r]));
+            typename W::T w = ld_centroid<VP>(cb + eoff<VP>(p[r]));
+            if (RES) w = W::add(w, ld_centroid<VP>(rcb + eoff<VP>(q[r])));
             if (NORM) w = W::fma(w, sv, bv);
             if (OUT16)
               W::st16(reinterpret_cast<uint16_t*>(dst), w);
@@ -680,15 +708,20 @@ static void vq_odeq_pick(const VQArgs& A, int64_t o0, int64_t o1, int64_t c0, in
 
 static void vq_dequant(const VQArgs& A, int64_t rb0, int64_t rb1, int64_t c0, int64_t c1, bool use_rowmap,
                        void* T, int64_t ldt, bool bf16) {
-  const bool i32 = A.idx32 != 0;
+  const int iw = index_width(A);
   const int32_t* rm = use_rowmap ? A.rowmap : nullptr;
+#define VN_DEQ_IT(VP)                                                                   \
+  (iw == 4   ? vq_deq_pick<VP, uint32_t>(A, rb0, rb1, c0, c1, rm, T, ldt, bf16)        \
+   : iw == 1 ? vq_deq_pick<VP, uint8_t>(A, rb0, rb1, c0, c1, rm, T, ldt, bf16)         \
+             : vq_deq_pick<VP, uint16_t>(A, rb0, rb1, c0, c1, rm, T, ldt, bf16))
   if (c1 > A.osz) {
     switch (A.vp) {
-      case 4: i32 ? vq_deq_pick<4, uint32_t>(A, rb0, rb1, c0, c1, rm, T, ldt, bf16) : vq_deq_pick<4, uint16_t>(A, rb0, rb1, c0, c1, rm, T, ldt, bf16); break;
-      case 8: i32 ? vq_deq_pick<8, uint32_t>(A, rb0, rb1, c0, c1, rm, T, ldt, bf16) : vq_deq_pick<8, uint16_t>(A, rb0, rb1, c0, c1, rm, T, ldt, bf16); break;
-      default: i32 ? vq_deq_pick<16, uint32_t>(A, rb0, rb1, c0, c1, rm, T, ldt, bf16) : vq_deq_pick<16, uint16_t>(A, rb0, rb1, c0, c1, rm, T, ldt, bf16); break;
+      case 4: VN_DEQ_IT(4); break;
+      case 8: VN_DEQ_IT(8); break;
+      default: VN_DEQ_IT(16); break;
     }
   }
+#undef VN_DEQ_IT
   if (A.osz > 0 && c0 < A.osz) {
     const int64_t o0 = rb0 * NR_LAYOUT * A.v;
     const int64_t o1 = std::min<int64_t>(A.out, std::min<int64_t>(A.R, rb1 * NR_LAYOUT) * A.v);
@@ -725,13 +758,13 @@ static void vnni_pair(const VQArgs& A, int64_t ca, int64_t cb_, int64_t rb0, int
       uint16_t* dst = d + r * v2;
       alignas(32) uint16_t wa[16], wb[16];
       if (!RES && !NORM) {
-        std::memcpy(wa, cba + pa[r], VP * 2);
-        std::memcpy(wb, cbb + pb[r], VP * 2);
+        std::memcpy(wa, cba + eoff<VP>(pa[r]), VP * 2);
+        std::memcpy(wb, cbb + eoff<VP>(pb[r]), VP * 2);
       } else {
-        typename W::T a = W::ld16(cba + pa[r]), b = W::ld16(cbb + pb[r]);
+        typename W::T a = W::ld16(cba + eoff<VP>(pa[r])), b = W::ld16(cbb + eoff<VP>(pb[r]));
         if (RES) {
-          a = W::add(a, W::ld16(rcba + qa[r]));
-          b = W::add(b, W::ld16(rcbb + qb[r]));
+          a = W::add(a, W::ld16(rcba + eoff<VP>(qa[r])));
+          b = W::add(b, W::ld16(rcbb + eoff<VP>(qb[r])));
         }
         if (NORM) {
           a = W::fma(a, s0, b0);
@@ -767,6 +800,13 @@ static void vnni_pair(const VQArgs& A, int64_t ca, int64_t cb_, int64_t rb0, int
   }
 }
 
+// Element offset of the centroid of entry pos of an index stream of A's width.
+static int64_t entry_offset(const VQArgs& A, const void* stream, int64_t pos) {
+  if (A.idx8) return int64_t(static_cast<const uint8_t*>(stream)[pos]) * A.vp;
+  if (A.idx32) return int64_t(static_cast<const uint32_t*>(stream)[pos]);
+  return int64_t(static_cast<const uint16_t*>(stream)[pos]);
+}
+
 // Stored column c (any kind) into slot `half` of B rows, lane by lane, outputs [o0, o0 + nb).
 static void vnni_single(const VQArgs& A, int64_t c, int64_t o0, int64_t nb, int half, uint16_t* brow) {
   const bool norm = A.cscale != nullptr;
@@ -785,12 +825,10 @@ static void vnni_single(const VQArgs& A, int64_t c, int64_t o0, int64_t nb, int 
   for (int64_t o = o0; o < o1; ++o) {
     const int64_t r = o / A.v, t = o - r * A.v;
     const int64_t pos = A.colpos[c] + (r / NR_LAYOUT) * A.gs * NR_LAYOUT + r % NR_LAYOUT;
-    const int64_t e = A.idx32 ? int64_t(static_cast<const uint32_t*>(A.idx)[pos])
-                              : int64_t(static_cast<const uint16_t*>(A.idx)[pos]);
+    const int64_t e = entry_offset(A, A.idx, pos);
     float w = A.cb32[g * A.cb_gs + e + t];
     if (A.res) {
-      const int64_t er = A.idx32 ? int64_t(static_cast<const uint32_t*>(A.ridx)[pos])
-                                 : int64_t(static_cast<const uint16_t*>(A.ridx)[pos]);
+      const int64_t er = entry_offset(A, A.ridx, pos);
       w += A.rcb32[g * A.rcb_gs + er + t];
     }
     brow[2 * (o - o0) + half] = (norm || A.res) ? f32_to_bf16(norm ? w * s + b : w) : A.cb16[g * A.cb_gs + e + t];
@@ -806,13 +844,19 @@ static PairFn pick_pair2(bool res, bool norm) {
 
 static void vq_dequant_vnni(const VQArgs& A, int64_t rb0, int64_t rb1, int64_t j0, int64_t j1, uint16_t* B,
                             int64_t nb) {
-  const bool norm = A.cscale != nullptr, i32 = A.idx32 != 0;
+  const bool norm = A.cscale != nullptr;
+  const int iw = index_width(A);
   PairFn fn;
+#define VN_PAIR_IT(VP)                                      \
+  (iw == 4   ? pick_pair2<VP, uint32_t>(A.res, norm)       \
+   : iw == 1 ? pick_pair2<VP, uint8_t>(A.res, norm)        \
+             : pick_pair2<VP, uint16_t>(A.res, norm))
   switch (A.vp) {
-    case 4: fn = i32 ? pick_pair2<4, uint32_t>(A.res, norm) : pick_pair2<4, uint16_t>(A.res, norm); break;
-    case 8: fn = i32 ? pick_pair2<8, uint32_t>(A.res, norm) : pick_pair2<8, uint16_t>(A.res, norm); break;
-    default: fn = i32 ? pick_pair2<16, uint32_t>(A.res, norm) : pick_pair2<16, uint16_t>(A.res, norm); break;
+    case 4: fn = VN_PAIR_IT(4); break;
+    case 8: fn = VN_PAIR_IT(8); break;
+    default: fn = VN_PAIR_IT(16); break;
   }
+#undef VN_PAIR_IT
   const int64_t o0 = rb0 * NR_LAYOUT * A.v;
   for (int64_t j = j0; j < j1; j += 2) {
     uint16_t* brow = B + (j - j0) * nb;

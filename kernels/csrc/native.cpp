@@ -170,6 +170,10 @@ void unpack_rows(const int32_t* words, int64_t R, int64_t W, int64_t n, int bits
   }
 }
 
+// Index entries of codebooks with at most 256 entries: 1 uint8 codes (default), 0 uint16 offsets (measurements)
+int g_index8 = 1;
+// Software prefetch distance of the GEMV's index streams, bytes ahead (0 = off; set_index_prefetch)
+int64_t g_index_prefetch = 2048;
 // GEMV codebook choice at prepare time (measurements): 0 the rule below, 1 bf16 whenever exact, 2 always fp32
 int g_cb16 = 0;
 int g_touch = 1;  // a knob for measurements (VQCall::touch_codebooks)
@@ -231,12 +235,19 @@ std::shared_ptr<VQLayer> prepare_vq(std::vector<int64_t> spec, Tensor indices, T
   // alternated rounds, three runs: v4 k4096 at 4096x4096 0.44-0.58 with bf16 against 0.54-0.68 with fp32, SmolLM2's
   // shapes 0.43-0.67 against 0.49-0.65 (11 of 15 cells faster); an AVX-512 machine measured the opposite (0.46-0.86
   // with bf16 against 0.36-0.53, v4 k8192 and v12/v16 alike, with a costlier widening than today's). 16 lanes: fp32.
-  const bool wide_ok = vp == 8 || (vp == 4 && std::string(isa()->name) == "avx2");
-  L->gemv_cb16 = exact && (g_cb16 == 1 || (g_cb16 == 0 && wide_ok && (k + (res ? L->kr : 0)) * vp * 4 > 24 * 1024));
+  // AVX-512 with 4 lanes, measured again with today's widening on a Sapphire Rapids: bf16 at least as fast at every
+  // codebook size, faster at the small and the large ones (bench/results/decode_fused_spr.txt), so always.
+  const std::string level = isa()->name;
+  const bool wide_ok = vp == 8 || (vp == 4 && level == "avx2");
+  const bool always = vp == 4 && level == "avx512";
+  L->gemv_cb16 = exact && (g_cb16 == 1 || (g_cb16 == 0 && (always || (wide_ok && (k + (res ? L->kr : 0)) * vp * 4 >
+                                                                                      24 * 1024))));
 
-  // indices -> element offsets (code * vp), rows in blocks of 8
-  const bool i32 = (std::max<int64_t>(k, res ? L->kr : 0) - 1) * vp > 65535;
-  const at::ScalarType it = i32 ? at::kInt : at::kShort;
+  // indices -> element offsets (code * vp), rows in blocks of 8; codes themselves (uint8) when they fit a byte
+  const int64_t kmax = std::max<int64_t>(k, res ? L->kr : 0);
+  const bool i8 = g_index8 != 0 && kmax <= 256;
+  const bool i32 = !i8 && (kmax - 1) * vp > 65535;
+  const at::ScalarType it = i8 ? at::kByte : (i32 ? at::kInt : at::kShort);
   L->idx = at::zeros({G, RB, gs, vn::NR_LAYOUT}, it);
   if (res) L->ridx = at::zeros({G, RB, gs, vn::NR_LAYOUT}, it);
   {
@@ -251,7 +262,10 @@ std::shared_ptr<VQLayer> prepare_vq(std::vector<int64_t> spec, Tensor indices, T
           const uint64_t e = uint64_t(ent[size_t(r * gs + c)]);
           const int64_t pos = ((g * RB + rb) * gs + c) * vn::NR_LAYOUT + rr;
           const uint64_t i0 = (e & imask) * vp, i1 = (e >> ib) * vp;
-          if (i32) {
+          if (i8) {
+            L->idx.data_ptr<uint8_t>()[pos] = uint8_t(i0 / vp);
+            if (res) L->ridx.data_ptr<uint8_t>()[pos] = uint8_t(i1 / vp);
+          } else if (i32) {
             L->idx.data_ptr<int32_t>()[pos] = int32_t(i0);
             if (res) L->ridx.data_ptr<int32_t>()[pos] = int32_t(i1);
           } else {
@@ -326,6 +340,7 @@ std::shared_ptr<VQLayer> prepare_vq(std::vector<int64_t> spec, Tensor indices, T
   a.R = R;
   a.RB = RB;
   a.idx32 = i32;
+  a.idx8 = i8;
   a.res = res;
   a.idx = L->idx.data_ptr();
   a.ridx = res ? L->ridx.data_ptr() : nullptr;
@@ -460,6 +475,7 @@ Tensor vq_gemv(const VQLayer& L, const IO& io) {
   c.ys = ys;
   c.use_cb16 = L.gemv_cb16 && N == 1;
   c.touch_codebooks = g_touch != 0 && g_last_gemv.exchange(&L, std::memory_order_relaxed) != &L;
+  c.prefetch = g_index_prefetch;
   const vn::VQArgs& A = L.a;
   const float* bias = L.has_bias ? L.bias.data_ptr<float>() : nullptr;
   void* yp = y.data_ptr();
@@ -1035,6 +1051,8 @@ Tensor attend_op(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   return out;
 }
 
+#include "shared_input.h"
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1053,6 +1071,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("codebook_bf16_exact", &VQLayer::cb_exact_bf16)
       .def_readwrite("gemv_bf16_codebook", &VQLayer::gemv_cb16)
       .def_readonly("indices", &VQLayer::idx)
+      .def_property_readonly("index_bytes", [](const VQLayer& L) { return int64_t(L.idx.element_size()); })
       .def_readonly("res_indices", &VQLayer::ridx)
       .def_readonly("codebook", &VQLayer::cb32)
       .def_readonly("codebook_bf16", &VQLayer::cb16)
@@ -1104,6 +1123,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &attend_op, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cos"), py::arg("sin"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("pos"), py::arg("num_heads"), py::arg("scale"),
         "causal attention of new tokens fused with rotary embedding and the KV-cache write");
+  m.def("vq_many", &vq_many, py::arg("layers"), py::arg("x"), py::arg("silu_mul") = false,
+        py::call_guard<py::gil_scoped_release>(),
+        "several VQ layers on one x in one call (one parallel region for the GEMV); silu_mul: [silu(y0) * y1]");
+  m.def("scalar_many", &scalar_many, py::arg("layers"), py::arg("x"), py::arg("silu_mul") = false,
+        py::arg("act_mode") = -1, py::arg("act_bits") = 8, py::arg("act_scale") = 0.0,
+        py::call_guard<py::gil_scoped_release>(),
+        "scalar_linear of several layers on one x (x fake-quantized once when act_mode >= 0); silu_mul as vq_many");
   m.def("set_isa", &set_isa, py::arg("name"));
   m.def("isa", []() { return std::string(isa()->name); });
   m.def("cpu_isa", &cpu_isa);
@@ -1114,6 +1140,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_nb", [](int64_t n) { g_nb = std::max<int64_t>(1, n); });
   m.def("set_cb16", [](int64_t m) { g_cb16 = int(m); });
   m.def("set_touch", [](int64_t m) { g_touch = int(m); });
+  m.def("set_index8", [](int64_t m) { g_index8 = int(m); });
+  m.def("set_index_prefetch", [](int64_t n) { g_index_prefetch = std::max<int64_t>(0, n); });
   m.def("set_tile", [](int64_t n) { g_tile_outputs = std::max<int64_t>(16, n); });
   m.def("set_prefill", [](const std::string& mode) {
     TORCH_CHECK(mode == "auto" || mode == "mm" || mode == "brgemm" || mode == "fp32",

@@ -7,11 +7,14 @@ Per decoder layer, transformers' forward runs some fifty small tensor operations
 on a CPU, and its bf16 attention is several times slower than fp32 on CPUs without bf16 instructions. Here the
 linears (nn.Linear, or the quantized modules) are called exactly as the model calls them, and everything between
 them is four calls into the native extension (``kernels/csrc/decoder_body.h``): residual add + RMSNorm, attention
-fused with the rotary embedding and the KV-cache write, SiLU(gate) * up. Each reproduces transformers' rounding to
-the model dtype step by step (tested against the model's own forward). Without the extension (no compiler, CUDA
-tensors) the same steps run as torch operations.
+fused with the rotary embedding and the KV-cache write, SiLU(gate) * up. Quantized linears on the native kernels
+skip their modules: q/k/v run in one native call, gate/up with the SiLU product in another
+(``kernels/csrc/shared_input.h``), o and down as their bare C++ layers (the same outputs, see ``LeanDecoder``).
+Each step reproduces transformers' rounding to the model dtype (tested against the model's own forward). Without
+the extension (no compiler, CUDA tensors) the same steps run as torch operations.
 
-Quantized and original models get the same forward, so a speed comparison between them stays fair.
+Quantized and original models get the same loop and the same operations between the linears, so a speed
+comparison between them measures the linears.
 ``LeanDecoder.for_model(model)`` returns None (with the reason in ``unsupported_reason``) for anything else; the
 decode loop then uses the model's own forward.
 """
@@ -78,6 +81,18 @@ def unsupported_reason(model: nn.Module, max_len: int | None = None) -> str:
     return ""
 
 
+def _call_each(linears: tuple, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(f(x) for f in linears)
+
+
+def _silu_mul_of(ops, gate, up, x: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: ANN001
+    return (ops.silu_mul(gate(x), up(x)),)
+
+
+def _silu_mul_pair(ops, both, x: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: ANN001
+    return (ops.silu_mul(*both(x)),)
+
+
 class _TorchOps:
     """The decoder-step operations as torch ops (transformers' formulas): the fallback of the native ones."""
 
@@ -117,6 +132,55 @@ class _TorchOps:
         out = F.scaled_dot_product_attention(q.to(work), keys.to(work), values.to(work), attn_mask=mask,
                                              scale=scale, enable_gqa=num_heads != kvh)
         return out.to(q.dtype).transpose(1, 2).reshape(b, t, num_heads * hd)
+
+
+def _native_layers(modules: tuple[nn.Module, ...], device: torch.device):  # noqa: ANN202
+    """The bound native C++ layers of quantized ``modules`` ([(kind, layer, act)], see ``lean_kernel`` of the
+    quantized modules), or None unless every one has one, none is hooked and all are of one kind and input
+    quantization (so one native call can run them on one shared input)."""
+    found = []
+    for module in modules:
+        lean_kernel = getattr(module, "lean_kernel", None)
+        if lean_kernel is None or _hooked(module):
+            return None
+        try:
+            kernel = lean_kernel(device)
+        except Exception:  # noqa: BLE001 - a module that cannot bind here: the module's own forward
+            return None
+        if kernel is None:
+            return None
+        found.append(kernel)
+    if len({(kind, act) for kind, _, act in found}) != 1:
+        return None
+    return found
+
+
+def _group_call(ext, modules: tuple[nn.Module, ...], device: torch.device, silu: bool):  # noqa: ANN001, ANN202
+    """One native call running ``modules`` on one input: x -> [y, ...] (with ``silu``: [silu(y0) * y1]), or None
+    (see ``_native_layers``)."""
+    found = _native_layers(modules, device)
+    if found is None:
+        return None
+    kind, _, act = found[0]
+    layers = [layer for _, layer, _ in found]
+    if kind == "vq":
+        return functools.partial(ext.vq_many, layers, silu_mul=silu)
+    if act is None:
+        return functools.partial(ext.scalar_many, layers, silu_mul=silu)
+    mode, bits, step = act
+    return functools.partial(ext.scalar_many, layers, silu_mul=silu, act_mode=mode, act_bits=bits, act_scale=step)
+
+
+def _single_call(module: nn.Module, device: torch.device):  # noqa: ANN202
+    """The native C++ layer of one quantized module as a call x -> y (no Python frame in between), or None."""
+    found = _native_layers((module,), device)
+    if found is None:
+        return None
+    kind, layer, act = found[0]
+    if act is None:
+        return layer
+    mode, bits, step = act
+    return functools.partial(layer.forward_act, mode=mode, bits=bits, scale=step)
 
 
 def _native_ops():  # noqa: ANN202
@@ -182,14 +246,38 @@ class LeanDecoder:
                                "extension needed)")
         self.ops = native if native is not None else _TorchOps
         self.ops_name = "native" if native is not None else "torch"
-        self.layers = []
+        # Per layer: (norm weight, eps, qkv: x -> (q, k, v), o, norm weight, eps, gate_up: x -> (silu(gate) * up,),
+        # down, scale). ``plain_layers`` calls the modules one by one; ``layers`` runs quantized modules that share an
+        # input in one native call (q/k/v, gate/up; see ``kernels/csrc/shared_input.h``) and the others as their
+        # bare C++ layers: the same outputs, without autograd (with autograd on, the plain ones run).
+        self.plain_layers, self.layers = [], []
+        silu_ops = native if native is not None else _TorchOps
+        ext = native
+        if ext is None and self.device.type == "cpu" and any(hasattr(m, "lean_kernel") for m in model.modules()):
+            ext = _native_ops()  # quantized linears on the native kernels, the rest in torch ops
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            self.layers.append((
-                weight(layer.input_layernorm), float(layer.input_layernorm.variance_epsilon),
-                *(linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)),
-                weight(layer.post_attention_layernorm), float(layer.post_attention_layernorm.variance_epsilon),
-                *(linear(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)), float(attn.scaling)))
+            q, k, v, o = (linear(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+            gate, up, down = (linear(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+            norms = (weight(layer.input_layernorm), float(layer.input_layernorm.variance_epsilon),
+                     weight(layer.post_attention_layernorm), float(layer.post_attention_layernorm.variance_epsilon))
+            plain_qkv = functools.partial(_call_each, (q, k, v))
+            plain_gate_up = functools.partial(_silu_mul_of, silu_ops, gate, up)
+            self.plain_layers.append((norms[0], norms[1], plain_qkv, o, norms[2], norms[3], plain_gate_up, down,
+                                      float(attn.scaling)))
+            fast = list(self.plain_layers[-1])
+            if ext is not None:
+                fast[2] = _group_call(ext, (attn.q_proj, attn.k_proj, attn.v_proj), self.device, False) or fast[2]
+                fast[3] = _single_call(attn.o_proj, self.device) or fast[3]
+                if native is not None:
+                    fast[6] = _group_call(ext, (mlp.gate_proj, mlp.up_proj), self.device, True) or fast[6]
+                else:
+                    both = _group_call(ext, (mlp.gate_proj, mlp.up_proj), self.device, False)
+                    fast[6] = functools.partial(_silu_mul_pair, silu_ops, both) if both else fast[6]
+                fast[7] = _single_call(mlp.down_proj, self.device) or fast[7]
+            self.layers.append(tuple(fast))
+        self.fused = sum(a is not b for fast, plain in zip(self.layers, self.plain_layers)
+                         for a, b in zip(fast, plain))  # calls replaced (for tests and benchmarks)
         self.num_heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
@@ -219,15 +307,18 @@ class LeanDecoder:
         cos, sin = self.cos[pos:pos + t], self.sin[pos:pos + t]
         x = self.embed(ids)
         delta = None
-        for i, (w1, e1, q, k, v, o, w2, e2, gate, up, down, scale) in enumerate(self.layers):
+        layers = self.plain_layers if torch.is_grad_enabled() else self.layers
+        for i, (w1, e1, qkv, o, w2, e2, gate_up, down, scale) in enumerate(layers):
             hn = ops.rms_norm(x, delta, w1, e1)
             if delta is not None:
                 x, hn = hn
             else:
                 hn = hn[0]
-            a = attend(q(hn), k(hn), v(hn), cos, sin, self.k_cache[i], self.v_cache[i], pos, self.num_heads, scale)
+            q, k, v = qkv(hn)
+            a = attend(q, k, v, cos, sin, self.k_cache[i], self.v_cache[i], pos, self.num_heads, scale)
             x, hn = ops.rms_norm(x, o(a), w2, e2)
-            delta = down(ops.silu_mul(gate(hn), up(hn)))
+            (h,) = gate_up(hn)
+            delta = down(h)
         if last_only and t > 1:
             x, delta = x[:, -1:], delta[:, -1:]
         _, h = ops.rms_norm(x, delta, self.final_weight, self.final_eps)

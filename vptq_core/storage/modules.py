@@ -192,6 +192,19 @@ class _BoundLinear(nn.Module):
         """Dense W [out, in] in the module dtype (for tests and evaluation; never used by ``forward``)."""
         return self._dequantize(self.spec, self.weights())
 
+    def lean_kernel(self, device: torch.device) -> tuple[str, object, tuple[int, int, float] | None] | None:
+        """For a decode loop that calls the native kernels itself (several layers on one input in one call):
+        ("vq" | "scalar", the bound native C++ layer, the input's fake quantization as (mode, bits, static step)
+        or None): the outputs of ``forward`` with autograd off; None where ``forward`` would not run the native
+        kernel on ``device`` (another backend)."""
+        kernel = self._bound(torch.empty(0, device=device))
+        if kernel.backend != "native":
+            return None
+        return self._LEAN_KIND, kernel.layer, self._lean_act()
+
+    def _lean_act(self) -> tuple[int, int, float] | None:
+        return None
+
 
 class VQLinear(_BoundLinear):
     """A VPTQ-quantized linear layer: ``y = x @ W.T + bias`` with ``W`` looked up from codebooks.
@@ -202,6 +215,7 @@ class VQLinear(_BoundLinear):
     """
 
     _INDEX = "indices"  # the buffer whose replacement means new tensors
+    _LEAN_KIND = "vq"
     _bind, _checked_linear, _dequantize = staticmethod(bind_vq), staticmethod(vq_linear), staticmethod(vq_dequantize)
 
     def __init__(
@@ -403,6 +417,7 @@ class ScalarQLinear(_BoundLinear):
     """
 
     _INDEX = "codes"  # the buffer whose replacement means new tensors
+    _LEAN_KIND = "scalar"
     _bind, _checked_linear = staticmethod(bind_scalar), staticmethod(scalar_linear)
     _dequantize = staticmethod(scalar_dequantize)
 
@@ -506,6 +521,14 @@ class ScalarQLinear(_BoundLinear):
             mode = backend_module("native").ACT_MODES[self.act_granularity]
             cached = self._act_native = (kernel, kernel.layer.forward_act, mode, self.act_bits, step)
         return cached[1](x, cached[2], cached[3], cached[4])
+
+    def _lean_act(self) -> tuple[int, int, float] | None:
+        if self.act_bits >= 16:
+            return None
+        if self.act_granularity == "tensor" and not bool(self.act_scale.reshape(()) > 0):
+            raise ValueError(f"scale must be positive, got {float(self.act_scale)}")
+        step = float(self.act_scale) if self.act_granularity == "tensor" else 0.0
+        return backend_module("native").ACT_MODES[self.act_granularity], int(self.act_bits), step
 
     def extra_repr(self) -> str:
         act = f", act_bits={self.act_bits}({self.act_granularity})" if self.act_bits < 16 else ""
