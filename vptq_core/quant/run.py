@@ -43,6 +43,7 @@ class Run:
     teacher: dict | None = None  # the original's top-k on the windows it wrote itself (``sampled_calibration``)
     start: float = field(default_factory=time.perf_counter)
     earlier_seconds: float = 0.0  # seconds the interrupted run had spent before this one resumed it
+    plan_windows: int = 0  # windows the plan hooks measure on (0: their own default; a time budget's plan)
 
     @property
     def resumed(self) -> bool:

@@ -109,13 +109,17 @@ def vptq_seconds(size: RunSize, config: VPTQConfig) -> float:
 
 def allocation_seconds(size: RunSize, config: VPTQConfig) -> float:
     """Rough seconds of measuring a per-layer plan (``sensitivity.plan_config``) before the first block: the
-    measured windows' forward and backward passes, and k-means over the ladder for each distinct layer shape; 0
+    measured windows' forward and backward passes (``size.plan_windows``, else ``SENSITIVITY_WINDOWS``, at most the
+    calibration's), and k-means over the ladder for each distinct layer shape; 0
     unless ``config.allocation`` is "sensitivity" and the config has no plan yet."""
     if config.allocation != "sensitivity" or config.layer_plan:
         return 0.0
     from .sensitivity import DISTORTION_ITERS, SENSITIVITY_WINDOWS, ladder
 
-    seconds = SENSITIVITY_WINDOWS * SENS_WINDOW_S * size.params * max(int(size.seqlen) - 1, 1)
+    windows = size.plan_windows or SENSITIVITY_WINDOWS
+    if size.samples > 0:
+        windows = min(windows, int(size.samples))
+    seconds = windows * SENS_WINDOW_S * size.params * max(int(size.seqlen) - 1, 1)
     fit = dataclasses.replace(config, kmeans_iters=DISTORTION_ITERS)
     for out_features, in_features in set(size.linear_shapes):
         for v, k in ladder(config):
