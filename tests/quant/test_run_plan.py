@@ -133,3 +133,17 @@ def test_the_speed_probe_stays_in_range_and_leaves_the_random_streams_alone():
     assert torch.equal(torch.rand(3), expected)
     lo, hi = run_plan.SPEED_RANGE
     assert lo <= speed <= hi
+
+
+def test_the_plans_sensitivity_windows_reach_the_measurement(tiny_model, calib_ids):
+    from vptq_core.quant.config import VPTQConfig
+    from vptq_core.quant.pipeline import quantize_model
+    from vptq_core.quant.run_plan import RunPlan
+
+    config = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=2, outlier_percent=0.0, bits_budget=4.0,
+                        allocation="sensitivity")
+    _, whole = quantize_model(tiny_model[0], calib_ids, "vptq", config)
+    assert whole.model_metrics["allocation"]["windows"] == calib_ids.shape[0]
+    plan = RunPlan(config, calib_ids.shape[0], 1, {}, 0.0, 1.0, 0.0)
+    _, planned = quantize_model(tiny_model[0], calib_ids, "vptq", config, plan=plan)
+    assert planned.model_metrics["allocation"]["windows"] == 1

@@ -77,6 +77,8 @@ def _worker(model_name: str, method: str, config, calib, out_dir: str, cancel_pa
                 on_layer=lambda r: (reports.append(r), events.put(("layer", len(reports) - 1))),
                 should_stop=lambda: os.path.exists(cancel_path),
                 on_start=lambda total: events.put(("start", total)), resume=resume,
+                on_progress=lambda *event: events.put(("progress", event)),
+                on_plan=lambda plan: events.put(("plan", plan)),
             )
             outcome["done"] = (str(out), summary)
         except BaseException as exc:  # noqa: BLE001 - reported to the job, which raises it there
@@ -139,6 +141,10 @@ def quantize_job(spaces, ctx, model_name: str, method: str, config, calib, out_d
             cancel_path.touch()
         if kind == "start":
             ctx.on_start(payload)
+        elif kind == "progress":
+            ctx.on_progress(*payload)
+        elif kind == "plan":
+            ctx.on_plan(payload)
         elif kind == "layer":
             report = LayerReport(**payload[1])
             reports.append(report)
