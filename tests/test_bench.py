@@ -54,6 +54,10 @@ SMOKES: dict[str, Smoke] = {
         ("| model | decode tok/s (median) |", "speed ratio quantized / bf16", "| model | total | block linears |",
          "| model | linears | head | embedding row | norms | kv cache | total | ceiling × bf16 |", "| generate | 1 |")),
     "bench/peers.py": Smoke((), ("bench/peers.py needs llama.cpp: no --llama-python given",), returncode=1),
+    "bench/run_stages.py": Smoke(
+        ("--shape", "tiny", "--method", "rtn", "--preset", "4.5 bits", "--samples", "2", "--seqlen", "32",
+         "--threads", "1"),
+        ("| stage | measured s | estimated s (reference) |", "| blocks |", "full depth (2 blocks)")),
     "bench/distill_step.py": Smoke(
         ("--model", TINY, "--threads", "1", "--seqlen", "32", "--steps", "1", "--warmup", "1", "--rounds", "1",
          "--variants", "float32"),
