@@ -60,7 +60,8 @@ def test_a_tight_budget_gives_up_the_cheapest_quality_first_and_says_why():
     assert rest["calibrate"] > 0.2 * budget
     assert [d.setting for d in plan.decisions if d.applied] == ["calib_sampled_share"]
     assert plan.config.calib_sampled_share == 0.0 and plan.samples == 32 and plan.plan_windows == 0
-    assert plan.decisions[0].reason.startswith("writing them ~86 s, over 20% of the 337 s budget")
+    assert plan.decisions[0].reason.startswith(
+        f"writing them ~{rest['calibrate']:.0f} s, over 20% of the {budget:.0f} s budget")
     assert "calibrate" not in plan.stages
     # on a device twice as fast the same budget leaves them in: the budget is this device's seconds
     fast = plan_run(VPTQ, SMOLLM2, dataclasses.replace(PRESET, time_budget=budget), speed=2.0)

@@ -220,19 +220,13 @@ def _stage_steps(run: Run, name: str) -> tuple[int, int]:
 
 
 def _report_progress(run: Run, progress: Progress) -> None:
-    """The run's own callbacks move ``progress`` on: a finished block, a finished linear (a fresher ETA), a
-    training step of the stage under way."""
-    on_block, on_layer, on_step = run.on_block, run.on_layer, run.on_step
+    """The run's own callbacks move ``progress`` on: a finished block, a training step of the stage under way."""
+    on_block, on_step = run.on_block, run.on_step
 
     def block_done(done: BlockDone) -> None:
         if on_block is not None:
             on_block(done)
         progress.advance(done.index + 1)
-
-    def layer_done(report) -> None:
-        on_layer(report)
-        if progress.stage == "blocks":
-            progress.advance(progress.done)
 
     def step_done(phase: str, step: int, steps: int, loss: float) -> None:
         if on_step is not None:
@@ -240,7 +234,7 @@ def _report_progress(run: Run, progress: Progress) -> None:
         if phase == progress.stage:
             progress.advance(step, steps)
 
-    run.on_block, run.on_layer, run.on_step = block_done, layer_done, step_done
+    run.on_block, run.on_step = block_done, step_done
 
 
 def start_run(model: nn.Module, calib_ids: torch.Tensor, method: str | Method, config,

@@ -110,7 +110,7 @@ def vptq_seconds(size: RunSize, config: VPTQConfig) -> float:
 def allocation_seconds(size: RunSize, config: VPTQConfig) -> float:
     """Rough seconds of measuring a per-layer plan (``sensitivity.plan_config``) before the first block: the
     measured windows' forward and backward passes (``size.plan_windows``, else ``SENSITIVITY_WINDOWS``, at most the
-    calibration's), and k-means over the ladder for each distinct layer shape; 0
+    calibration's), every linear's inverse Hessian, and k-means over the ladder for each distinct layer shape; 0
     unless ``config.allocation`` is "sensitivity" and the config has no plan yet."""
     if config.allocation != "sensitivity" or config.layer_plan:
         return 0.0
@@ -120,6 +120,8 @@ def allocation_seconds(size: RunSize, config: VPTQConfig) -> float:
     if size.samples > 0:
         windows = min(windows, int(size.samples))
     seconds = windows * SENS_WINDOW_S * size.params * max(int(size.seqlen) - 1, 1)
+    # each linear's damped inverse Hessian in the sweep's order, for its error feedback weight (as the block stage)
+    seconds += sum(LAYER_S + LAYER_HESSIAN_S * in_features ** 3 for _, in_features in size.linear_shapes)
     fit = dataclasses.replace(config, kmeans_iters=DISTORTION_ITERS)
     for out_features, in_features in set(size.linear_shapes):
         for v, k in ladder(config):
