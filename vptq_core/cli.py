@@ -306,8 +306,10 @@ def _quantize(args, config, calib, device, main: bool) -> int:
             bar.detail(f"{phase} loss {loss:.4g}")
 
     def on_plan(plan) -> None:
-        if main:  # one line per decision, before the run
-            for line in plan.lines():
+        for line in plan.lines() if main else ():  # one line per decision, before the run
+            if bar is not None:
+                bar.write(f"plan: {line}")
+            else:
                 print(f"plan: {line}", file=sys.stderr, flush=True)
 
     stream = "auto" if args.stream is None else args.stream

@@ -37,6 +37,11 @@ class StageBar:
             self._bar.n = done
             self._show()
 
+    def write(self, text: str) -> None:
+        """A line of its own above the bar."""
+        with self._lock:
+            self._bar.write(text, file=self._bar.fp)
+
     def detail(self, text: str) -> None:
         with self._lock:
             self._bar.set_postfix_str(text, refresh=False)
