@@ -70,6 +70,8 @@ def test_a_run_names_every_stage_it_goes_through_before_its_work(tiny_model, cal
     assert log[0] == ("progress", "calibrate")  # the first thing a caller hears names the stage
     first_layer = log.index(("layer", 0))
     assert ("progress", "blocks") in log[:first_layer]
+    # the writing counts in windows (of the 2 of 4 the blocks see that the model writes), step by step
+    assert [e[1] for e in events if e[0] == "calibrate"] == [0, 1, 2]
     # blocks count to the model's blocks, distillation to its steps
     assert [e[1:3] for e in events if e[0] == "blocks"][-1] == (2, 2)
     assert [e[1:3] for e in events if e[0] == "distill"][-1] == (3, 3)

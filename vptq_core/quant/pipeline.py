@@ -24,6 +24,7 @@ says for its config (``Method.needs``); the state the stages share is a ``run.Ru
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -41,7 +42,7 @@ from .progress import OnProgress, Progress
 from .results import BlockDone, OnLayer, OnStep, QuantizeResult, ResumePoint, ShouldStop
 from .run import Run
 from .run_plan import RunPlan
-from .sampling import sampled_calibration
+from .sampling import SAMPLE_BATCH, sampled_calibration
 from .source import BlockWeights
 from .trainable import dense_tensors
 
@@ -64,7 +65,8 @@ def calibrate(run: Run) -> None:
     topk = run.needs.teacher_topk if run.needs.after_model else 0
     def write() -> tuple:
         written: dict = {}
-        sampled = sampled_calibration(run.model, run.calib_ids, run.config, run.should_stop, topk=topk, info=written)
+        sampled = sampled_calibration(run.model, run.calib_ids, run.config, _counting_windows(run), topk=topk,
+                                      info=written)
         return sampled, written
 
     with run.result.timed("sample_calibration"):
@@ -77,6 +79,22 @@ def calibrate(run: Run) -> None:
     if topk:
         sampled, run.teacher = sampled
     run.calib_ids = sampled  # distillation after the blocks trains and checks on these same windows
+
+
+def _counting_windows(run: Run) -> Callable[[], bool]:
+    """``run.should_stop`` for the writing, which polls it before every token of each batch of ``SAMPLE_BATCH``
+    windows: the share of the tokens written so far moves the stage on, counted in windows."""
+    windows = written_rows(run.calib_ids.shape[0], run.config).numel()
+    steps = max(math.ceil(windows / SAMPLE_BATCH) * (run.calib_ids.shape[1] - 1), 1)
+    polls = [0]
+
+    def stop() -> bool:
+        polls[0] += 1
+        if run.progress is not None and windows * polls[0] // steps > windows * (polls[0] - 1) // steps:
+            run.progress.advance(windows * polls[0] // steps)
+        return run.should_stop()
+
+    return stop
 
 
 def plan(run: Run) -> None:
@@ -196,7 +214,7 @@ def quantize_model(
                     keep_states=keep_states, reference=reference, on_layer=on_layer or (lambda _r: None),
                     should_stop=shared_stop(should_stop or (lambda: False)), on_step=on_step, on_block=on_block,
                     skip=skip, capture_dtype=capture_dtype, on_metrics=on_metrics,
-                    plan_windows=plan.plan_windows if plan is not None else 0)
+                    plan_windows=plan.plan_windows if plan is not None else 0, progress=progress)
     _report_progress(run, progress)
     for stage in STAGES:
         if run.result.cancelled:
