@@ -11,6 +11,7 @@ plan as the command line would, at the measured speed and the preset's own time 
 
     python bench/run_stages.py --shape smollm2 --layers 4
     python bench/run_stages.py --shape qwen05b --layers 2 --json bench/results/run_stages.jsonl
+    python bench/run_stages.py --shape qwen05b --plan-only --speed 0.5   # what a run would choose, full depth
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def main() -> None:
     parser.add_argument("--distill-steps", type=int, default=4)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--json", help="append the raw row to this JSON-lines file")
+    parser.add_argument("--plan-only", action="store_true", help="print the full-depth plan's lines and stop")
+    parser.add_argument("--speed", type=float, help="the device speed the plan assumes (default: the probe's)")
     args = parser.parse_args()
 
     import torch
@@ -70,6 +73,11 @@ def main() -> None:
 
     method = methods.get(args.method)
     preset = method.make_config(method.preset(args.preset))
+    if args.plan_only:
+        speed = args.speed or measure_speed("cpu")
+        for line in plan_run(method, full_size(args.shape, args.samples, args.seqlen), preset, speed).lines():
+            print(f"plan: {line}")
+        return
     steps = min(args.distill_steps, preset.distill_iters) if preset.distill_iters else 0
     config = dataclasses.replace(preset, time_budget=0.0, distill_iters=steps)
     model = build_model(args.shape, args.layers, VOCAB[args.shape], 0)
@@ -77,7 +85,7 @@ def main() -> None:
     linear = sum(o * i for o, i in shapes)
     size = RunSize(shapes, sum(p.numel() for p in model.parameters()) - linear, args.samples, args.seqlen)
     calib = torch.randint(0, VOCAB[args.shape], (args.samples, args.seqlen), generator=torch.Generator().manual_seed(1))
-    speed = measure_speed("cpu")
+    speed = args.speed or measure_speed("cpu")
     plan = plan_run(method, size, config, speed)
     load = os.getloadavg()[0]
     marks: list[tuple[str, float]] = []
