@@ -27,10 +27,13 @@ class StageBar:
         self._at = time.monotonic()
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="progress-bar", daemon=True)
-        self._ticker.start()
+        if getattr(self._bar.fp, "isatty", lambda: False)():  # a log file gets the events, not a line a second
+            self._ticker.start()
 
     def on_progress(self, stage: str, done: int, total: int, eta_s: float | None) -> None:
         with self._lock:
+            if self._event is None or self._event[0] != stage:
+                self._bar.set_postfix_str("", refresh=False)  # the last stage's detail does not carry over
             if self._event is None or self._event[0] != stage or self._bar.total != total:
                 self._bar.reset(total=max(total, 1))
             self._event, self._at = (stage, done, total, eta_s), time.monotonic()
@@ -62,6 +65,7 @@ class StageBar:
 
     def close(self) -> None:
         self._stop.set()
-        self._ticker.join()
+        if self._ticker.is_alive():
+            self._ticker.join()
         with self._lock:
             self._bar.close()
