@@ -59,6 +59,10 @@ SMOKES: dict[str, Smoke] = {
          "pf0:index_prefetch=0"),
         ("| part | bf16 original fused | unfused |", "| gate_up+silu |", "| × bf16 (total) |",
          "| vptq2 (head 16-bit) | pf0 | index_prefetch=0 |")),
+    "bench/run_stages.py": Smoke(
+        ("--shape", "tiny", "--method", "rtn", "--preset", "4.5 bits", "--samples", "2", "--seqlen", "32",
+         "--threads", "1"),
+        ("| stage | measured s | estimated s (reference) |", "| blocks |", "full depth (2 blocks)")),
     "bench/distill_step.py": Smoke(
         ("--model", TINY, "--threads", "1", "--seqlen", "32", "--steps", "1", "--warmup", "1", "--rounds", "1",
          "--variants", "float32"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -22,9 +23,13 @@ from .quant import distributed, methods
 from .quant.blocks import blocks_prefix, decoder_blocks, total_linear_shapes
 from .quant.calib_windows import with_heldout
 from .quant.config import CalibConfig
+from .quant.cost import RunSize
+from .quant.distributed_once import once
 from .quant.embedding import TIED, EmbeddingParts, head_and_embedding_names, normed_block_outputs, quantize_embeddings
 from .quant.pipeline import quantize_model
+from .quant.progress import OnProgress, Progress
 from .quant.results import BlockDone
+from .quant.run_plan import RunPlan, measure_speed, plan_run
 from .quant.source import SafetensorsWeights
 from .resume import PartialRun, tensor_digest
 from .storage.checkpoint import pack_layer, quant_method_of, save_packed
@@ -82,11 +87,19 @@ def quantize_to_dir(
     embedding: bool = False,
     on_stage: Callable[[str], None] | None = None,
     on_metrics: Callable[[str, dict], None] | None = None,
+    on_progress: OnProgress | None = None,
+    on_plan: Callable[[RunPlan], None] | None = None,
 ) -> tuple[Path, dict]:
     """Load ``model_name``, quantize it with ``method``/``config`` on ``calib`` data, write the packed
     checkpoint to ``out_dir``. Returns (directory, summary). The stages, in order: load (``load_stage``), those of
     ``quantize_model`` (calibrate, plan, blocks, distill), embeddings (``embeddings_stage``), save
-    (``save_stage``), evaluate (``evaluate_after``); ``on_stage(name)`` as each one starts.
+    (``save_stage``), evaluate (``evaluate_after``); ``on_stage(name)`` as each one starts, ``on_progress(stage,
+    done, total, eta_s)`` as each one starts and advances (quant/progress.py).
+
+    Before the calibration windows are drawn, the run is planned for this model on this device
+    (``run_plan.plan_run``; ``plan_stage``): with a ``time_budget`` the plan chooses what fits it (fewer
+    calibration windows, a cheaper sensitivity measurement, no self-written calibration) and says why;
+    ``on_plan(plan)`` gets it before any other work, the report keeps it (``plan``).
 
     ``stream`` "auto" (default) quantizes a model stored as safetensors block by block from disk, so the run holds
     about one block whatever the model's size; ``True`` refuses other sources, ``False`` loads the whole model, as
@@ -100,21 +113,27 @@ def quantize_to_dir(
     ranks (``quant.distributed``, e.g. under torchrun) split each block's linears, every rank calling this with the
     same arguments (``device``: its own); rank 0 alone writes, to an ``out_dir`` every rank sees.
     """
-    stage = on_stage or (lambda _name: None)
+    progress = Progress(on_progress, on_stage)
     job = _DirRun(model_name, methods.get(method), config, calib, Path(out_dir), save_dtype,
                   EmbeddingParts(head=head, embedding=embedding))
     job.check(stream)
-    stage("load")
+    progress.start("load")
+    job.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     load_stage(job, stream)
+    plan_stage(job)
+    progress.planned = dict(job.plan.stages)
+    if on_plan is not None:
+        on_plan(job.plan)
+    calibration_stage(job)
     if on_start:
         on_start(len(total_linear_shapes(job.model)))
-    job.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     open_partial(job, resume)
     _, result = quantize_model(
-        job.model, job.calib_ids, job.method, config, on_layer=on_layer, should_stop=should_stop, device=job.device,
-        inplace=True, weights=job.source.weights if job.source is not None else None, capture_dtype=torch.float32,
-        on_block=job.persist, resume=job.point, keep_states=job.needs.reference, on_step=on_step, on_stage=on_stage,
-        reference=load_model(model_name, dtype="auto")[0] if job.needs.reference else None, on_metrics=on_metrics,
+        job.model, job.calib_ids, job.method, job.config, on_layer=on_layer, should_stop=should_stop,
+        device=job.device, inplace=True, weights=job.source.weights if job.source is not None else None,
+        capture_dtype=torch.float32, on_block=job.persist, resume=job.point, keep_states=job.needs.reference,
+        on_step=on_step, reference=load_model(model_name, dtype="auto")[0] if job.needs.reference else None,
+        on_metrics=on_metrics, plan=job.plan, progress=progress,
     )
     summary = job.summary(result)
     if result.cancelled:
@@ -125,12 +144,12 @@ def quantize_to_dir(
     report = job.report(result)
     layers = collect_layers(job, result)
     if job.parts.any:
-        stage("embeddings")
+        progress.start("embeddings")
         summary["embeddings"] = report["embeddings"] = embeddings_stage(job, layers)
-    stage("save")
+    progress.start("save")
     out = save_stage(job, layers, report)
     if evaluate_after:
-        stage("evaluate")
+        progress.start("evaluate")
         summary["eval"] = evaluate_stage(out, model_name, calib.seqlen)
     return out, summary
 
@@ -156,6 +175,7 @@ class _DirRun:
     device: str = "cpu"
     partial: PartialRun | None = None
     point: object = None  # the ``ResumePoint`` of an unfinished run, or None
+    plan: RunPlan | None = None  # what the run chose before it started (``plan_stage``)
 
     def check(self, stream: bool | str) -> None:
         """Refuse, before loading anything, what this method and config cannot do."""
@@ -194,6 +214,9 @@ class _DirRun:
         summary = result.summary()
         summary["resumed_from_block"] = self.point.blocks_done if self.point is not None else 0
         summary["streaming"] = self.stream_note
+        if self.plan is not None:
+            summary["plan"] = {"estimated_seconds": round(self.plan.seconds, 1),
+                               "decisions": [d.line() for d in self.plan.decisions]}
         if distributed.active():
             summary["ranks"] = distributed.world_size()
         return summary
@@ -202,6 +225,8 @@ class _DirRun:
         report = build_report(self.model_name, result, self.calib, self.device)
         report["streaming"] = self.stream_note
         report["resumed_from_block"] = self.point.blocks_done if self.point is not None else 0
+        if self.plan is not None:
+            report["plan"] = self.plan.to_dict()
         return report
 
 
@@ -225,7 +250,23 @@ def load_stage(job: _DirRun, stream: bool | str) -> None:
         job.model, job.tok = job.source.model, job.source.tokenizer
     else:
         job.model, job.tok = load_model(job.model_name, dtype="auto")
-    # with distillation, its held-out check windows are drawn on top of the calibration windows (``with_heldout``)
+
+
+def plan_stage(job: _DirRun) -> None:
+    """The run's plan for this model on this device (``run_plan.plan_run``; the device's speed measured by rank 0
+    for every rank): the config and the calibration windows the run goes on with."""
+    shapes = tuple(total_linear_shapes(job.model))
+    linear = sum(o * i for o, i in shapes)
+    size = RunSize(shapes, sum(p.numel() for p in job.model.parameters()) - linear, job.calib.samples,
+                   job.calib.seqlen)
+    speed = once("speed", lambda: measure_speed(job.device), lambda: False, job.device)
+    job.plan = plan_run(job.method, size, job.config, speed)
+    job.config = job.plan.config
+    job.calib = dataclasses.replace(job.calib, samples=job.plan.samples)
+
+
+def calibration_stage(job: _DirRun) -> None:
+    """The calibration windows (with distillation, its held-out check windows drawn on top: ``with_heldout``)."""
     calib = job.calib
     job.calib_ids = calibration_windows(job.tok, calib.text, with_heldout(calib.samples, job.config), calib.seqlen,
                                         calib.seed)

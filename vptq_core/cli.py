@@ -297,31 +297,34 @@ def _quantize(args, config, calib, device, main: bool) -> int:
 
     bar = None
     if not args.quiet and main:
-        from tqdm import tqdm
+        from .progress_bar import StageBar
 
-        bar = tqdm(unit="layer", desc="quantizing")
+        bar = StageBar()
 
     def on_layer(report) -> None:
         if bar is not None:
-            bar.set_postfix_str(f"block {report.block} {report.module} rel.proxy {report.rel_proxy_loss:.3g}")
-            bar.update(1)
-
-    def on_start(total: int) -> None:
-        if bar is not None:
-            bar.total = total
-            bar.refresh()
+            bar.detail(f"{report.module} rel.proxy {report.rel_proxy_loss:.3g}")
 
     def on_step(phase: str, step: int, steps: int, loss: float) -> None:
         if bar is not None:
-            bar.set_postfix_str(f"{phase} step {step}/{steps} loss {loss:.4g}")
+            bar.detail(f"{phase} loss {loss:.4g}")
+
+    def on_plan(plan) -> None:
+        for line in plan.lines() if main else ():  # one line per decision, before the run
+            if bar is not None:
+                bar.write(f"plan: {line}")
+            else:
+                print(f"plan: {line}", file=sys.stderr, flush=True)
 
     stream = "auto" if args.stream is None else args.stream
-    out, summary = quantize_to_dir(args.model, args.method, config, calib, args.out, device=device,
-                                   on_layer=on_layer, on_start=on_start, evaluate_after=args.eval,
-                                   resume=args.resume, stream=stream, on_step=on_step,
-                                   head=args.quantize_head, embedding=args.quantize_embedding)
-    if bar is not None:
-        bar.close()
+    try:
+        out, summary = quantize_to_dir(args.model, args.method, config, calib, args.out, device=device,
+                                       on_layer=on_layer, evaluate_after=args.eval, resume=args.resume, stream=stream,
+                                       on_step=on_step, head=args.quantize_head, embedding=args.quantize_embedding,
+                                       on_progress=bar.on_progress if bar is not None else None, on_plan=on_plan)
+    finally:
+        if bar is not None:
+            bar.close()
     if main:
         print(json.dumps({"out": str(out), **summary}, indent=2, default=str))
     return 0

@@ -1,6 +1,7 @@
 """End to end through the command line on the tiny model: quantize -> save -> eval."""
 
 import json
+import re
 
 import pytest
 
@@ -140,3 +141,23 @@ def test_help_shows_each_group_with_help_and_defaults(capsys):
     assert "--allocation {cap,sensitivity} how --bits-budget is spent" in text
     assert "--calib-sampled-share CALIB_SAMPLED_SHARE share (0..1)" in text and "--calib-text CALIB_TEXT" in text
     assert "--damp-percent" not in text and "--layer-plan" not in text  # --set only; internal
+
+
+def test_quantize_prints_its_plan_and_names_each_stage_on_the_bar(tmp_path, text_file, capsys, monkeypatch):
+    from vptq_core import api
+    from vptq_core.quant import cost
+
+    monkeypatch.setattr(api, "measure_speed", lambda device: 1.0)
+    monkeypatch.setattr(cost, "KD_SAMPLE_S", cost.KD_SAMPLE_S * 1e6)  # writing priced far over the budget
+    rc = main(["quantize", "--model", "tiny-random-llama", "--method", "rtn", "--bits", "4", "--calib-text", text_file,
+               "--calib-samples", "4", "--seqlen", "32", "--calib-sampled-share", "0.5", "--time-budget", "60",
+               "--out", str(tmp_path / "ckpt")])
+    assert rc == 0
+    captured = capsys.readouterr()
+    plan = re.findall(r"plan: [^\r\n]*", captured.err)
+    assert plan[0].startswith("plan: estimated ") and "time budget 60 s" in plan[0]
+    assert plan[1].startswith("plan: calib_sampled_share: 0.5 -> 0.0 (writing them ~")
+    bar = captured.err.replace("\r", "\n")
+    assert bar.index("loading the model") < bar.index("quantizing block 0/2") < bar.index("saving the checkpoint")
+    assert "quantizing block 2/2" in bar and "ETA" in bar
+    assert json.loads(captured.out)["plan"]["decisions"] == [line.removeprefix("plan: ") for line in plan[1:]]

@@ -82,8 +82,9 @@ def test_time_estimate_of_the_presets_matches_their_runs(monkeypatch):
     alone on the AMD machine; README "Quantization time"): the pipeline's seconds in quant_report.json. Those runs
     searched codebooks with the k-d tree, which the estimate prices when the search is forced to it."""
     monkeypatch.setenv("VPTQ_NEAREST", "kdtree")
+    from vptq_core.quant import run_plan
     from vptq_core.quant.vptq import PRESETS
-    from vptq_core.studio.estimate import time_estimate, vptq_layer_phases
+    from vptq_core.studio.estimate import plan_estimate, time_estimate, vptq_layer_phases
 
     info = model_info("smollm2-135m-instruct")
     # those runs checkpointed the blocks during distillation and had no time budget; "2.5 bits" capped every layer
@@ -101,13 +102,20 @@ def test_time_estimate_of_the_presets_matches_their_runs(monkeypatch):
     # whole runs: 416 s ("2.5 bits"), 440 s ("3.5 bits" with half self-written calibration)
     assert time_estimate(info, two, 32, 512) == pytest.approx(416, rel=0.1)
     assert time_estimate(info, three, 32, 512) == pytest.approx(440, rel=0.1)
-    # a time budget caps distillation at what the block stage leaves of it, never the block stage itself
+    # under a time budget the estimate is the run's plan (quant/run_plan.py): a budget that leaves distillation its
+    # share caps distillation at what the rest leaves of it
     no_kd = time_estimate(info, dataclasses.replace(two, distill_iters=0), 32, 512)
-    assert time_estimate(info, dataclasses.replace(two, time_budget=no_kd + 50), 32, 512) == pytest.approx(no_kd + 50)
-    # ... and a budget the self-written windows would take more than their share of leaves them out, as the run does
+    roomy = no_kd / (1 - run_plan.DISTILL_SHARE) + 10
+    long_kd = dataclasses.replace(two, distill_iters=80, time_budget=roomy)
+    assert time_estimate(info, dataclasses.replace(long_kd, time_budget=0.0), 32, 512) > roomy
+    assert time_estimate(info, long_kd, 32, 512) == pytest.approx(roomy)
+    # ... and a tighter one gives up the self-written windows, sensitivity windows, then calibration windows
     no_kd_text = time_estimate(info, dataclasses.replace(two, distill_iters=0, calib_sampled_share=0.0), 32, 512)
     assert no_kd_text < no_kd
-    assert time_estimate(info, dataclasses.replace(two, time_budget=60), 32, 512) == pytest.approx(no_kd_text)
+    tight = dataclasses.replace(two, time_budget=60)
+    plan = plan_estimate(info, tight, 32, 512)
+    assert time_estimate(info, tight, 32, 512) == pytest.approx(plan.seconds) and plan.seconds < no_kd_text
+    assert plan.config.calib_sampled_share == 0.0 and plan.samples == run_plan.MIN_SAMPLES
     # unchecked blocks (the "auto" setting where the activations fit) make the steps cheaper
     assert time_estimate(info, dataclasses.replace(two, distill_checkpointing=False), 32, 512) < time_estimate(
         info, two, 32, 512)

@@ -47,7 +47,7 @@ class Ctx:
 
     def __init__(self, out_dir: Path, stop_after: int | None = None) -> None:
         self.out_dir, self.job_id, self.stop_after = out_dir, "0123456789ab", stop_after
-        self.reports, self.phases, self.total = [], [], None
+        self.reports, self.phases, self.total, self.stages, self.plan = [], [], None, [], None
 
     def set_phase(self, text):
         self.phases.append(text)
@@ -57,6 +57,12 @@ class Ctx:
 
     def on_layer(self, report):
         self.reports.append(report)
+
+    def on_progress(self, stage, done, total, eta_s):
+        self.stages.append(stage)
+
+    def on_plan(self, plan):
+        self.plan = plan
 
     def should_stop(self):
         return self.stop_after is not None and len(self.reports) >= self.stop_after
@@ -82,6 +88,7 @@ def test_the_job_runs_in_one_gpu_call_with_progress(fake_spaces, tmp_path: Path)
     assert ctx.total == 14 and len(ctx.reports) == 14
     assert all(r.rel_output_error is not None for r in ctx.reports)  # filled in when each block ended
     assert any("ZeroGPU" in phase for phase in ctx.phases)
+    assert ctx.stages[0] == "load" and "blocks" in ctx.stages and ctx.plan is not None  # from inside the GPU call
     assert Path(result["checkpoint_dir"], "model.safetensors").is_file() and result["summary"]["layers"] == 14
 
 

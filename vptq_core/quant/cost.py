@@ -44,13 +44,15 @@ KD_SAMPLE_PASS_S = 50.0 / KD_TOKENS
 class RunSize(NamedTuple):
     """What the estimate knows of a run before it starts: the model's block-linear shapes and its other
     parameters, the calibration windows and their length. ``self_written``: the windows the original would
-    write itself are kept (False once they are priced out, as over their share of a time budget)."""
+    write itself are kept (False once they are priced out, as over their share of a time budget).
+    ``plan_windows``: the windows a plan hook measures on (0: its own default, e.g. ``SENSITIVITY_WINDOWS``)."""
 
     linear_shapes: tuple[tuple[int, int], ...]
     other_params: int
     samples: int
     seqlen: int
     self_written: bool = True
+    plan_windows: int = 0
 
     @property
     def linear_weights(self) -> int:
@@ -78,26 +80,40 @@ def estimate_seconds(method: Method, size: RunSize, config) -> float:
 
 
 def run_seconds(method: Method, size: RunSize, config) -> float:
-    """The stages' seconds, summed (see the module's docstring); a time budget caps the after-model hooks at what
-    the rest leaves of it, never the block stage, and leaves the self-written windows out when they would take
-    more than ``sampling.SAMPLING_BUDGET_SHARE`` of it, as the run does."""
+    """The stages' seconds, summed (``stage_seconds``, see the module's docstring)."""
+    return sum(stage_seconds(method, size, config).values())
+
+
+def stage_seconds(method: Method, size: RunSize, config) -> dict[str, float]:
+    """Seconds per stage of a run, in run order: "load" (starting, loading), "calibrate" (the windows the original
+    writes itself), "plan" (the plan hooks), "blocks" (the block forwards and the method's own block work),
+    "distill" (the after-model hooks) and "save". A time budget caps the after-model hooks at what the rest leaves
+    of it, never the block stage, and leaves the self-written windows out when they would take more than
+    ``sampling.SAMPLING_BUDGET_SHARE`` of it, as the run does. Stages a run does not go through are left out."""
     from .sampling import SAMPLING_BUDGET_SHARE
 
     config = method.for_model(config, size.linear_shapes)
     needs = method.needs(config)
     forwards = FP_CHAIN_FORWARDS if needs.fp_chain else 1.0
-    seconds = START_S + forwards * FORWARD_S * size.linear_weights * size.tokens + IO_S * size.params
-    seconds += (method.cost or rounding_seconds)(size, config)
-    seconds += sum(hook.cost(size, config) for hook in method.before_blocks if hook.cost and hook.phase in needs.plan)
-    writing = writing_seconds(size, config) if needs.sampled_share else 0.0
+    stages = {"load": START_S + IO_S * size.params / 2}
+    writing = writing_seconds(size, config) if needs.sampled_share and size.self_written else 0.0
     budget = needs.time_budget
     if budget > 0 and writing > SAMPLING_BUDGET_SHARE * budget:
         writing, size = 0.0, size._replace(self_written=False)
-    seconds += writing
-    after = sum(hook.cost(size, config) for hook in method.after_model if hook.cost and hook.phase in needs.after_model)
-    if budget > 0:
-        after = min(after, max(0.0, budget - seconds))
-    return seconds + after
+    if writing:
+        stages["calibrate"] = writing
+    hooks = [hook.cost(size, config) for hook in method.before_blocks if hook.cost and hook.phase in needs.plan]
+    if hooks:
+        stages["plan"] = sum(hooks)
+    stages["blocks"] = forwards * FORWARD_S * size.linear_weights * size.tokens + (method.cost or rounding_seconds)(
+        size, config)
+    after = [hook.cost(size, config) for hook in method.after_model if hook.cost and hook.phase in needs.after_model]
+    save = IO_S * size.params / 2
+    if after:
+        left = max(0.0, budget - sum(stages.values()) - save)
+        stages["distill"] = min(sum(after), left) if budget > 0 else sum(after)
+    stages["save"] = save
+    return stages
 
 
 def rounding_seconds(size: RunSize, _config: Any) -> float:

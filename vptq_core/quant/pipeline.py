@@ -24,6 +24,7 @@ says for its config (``Method.needs``); the state the stages share is a ``run.Ru
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -33,13 +34,15 @@ from torch import nn
 from . import methods
 from .bits import BitsInfo
 from .block_stage import quantize_blocks
-from .blocks import check_linear_shapes, total_linear_shapes
-from .calib_windows import layerwise_count
+from .blocks import check_linear_shapes, decoder_blocks, total_linear_shapes
+from .calib_windows import layerwise_count, written_rows
 from .distributed_once import once, shared_stop
 from .methods import Cancelled, Method, ModelContext, RunNeeds
+from .progress import OnProgress, Progress
 from .results import BlockDone, OnLayer, OnStep, QuantizeResult, ResumePoint, ShouldStop
 from .run import Run
-from .sampling import sampled_calibration
+from .run_plan import RunPlan
+from .sampling import SAMPLE_BATCH, sampled_calibration
 from .source import BlockWeights
 from .trainable import dense_tensors
 
@@ -62,7 +65,8 @@ def calibrate(run: Run) -> None:
     topk = run.needs.teacher_topk if run.needs.after_model else 0
     def write() -> tuple:
         written: dict = {}
-        sampled = sampled_calibration(run.model, run.calib_ids, run.config, run.should_stop, topk=topk, info=written)
+        sampled = sampled_calibration(run.model, run.calib_ids, run.config, _counting_windows(run), topk=topk,
+                                      info=written)
         return sampled, written
 
     with run.result.timed("sample_calibration"):
@@ -77,9 +81,27 @@ def calibrate(run: Run) -> None:
     run.calib_ids = sampled  # distillation after the blocks trains and checks on these same windows
 
 
+def _counting_windows(run: Run) -> Callable[[], bool]:
+    """``run.should_stop`` for the writing, which polls it before every token of each batch of ``SAMPLE_BATCH``
+    windows: the share of the tokens written so far moves the stage on, counted in windows."""
+    windows = written_rows(run.calib_ids.shape[0], run.config).numel()
+    steps = max(math.ceil(windows / SAMPLE_BATCH) * (run.calib_ids.shape[1] - 1), 1)
+    polls = [0]
+
+    def stop() -> bool:
+        polls[0] += 1
+        if run.progress is not None and windows * polls[0] // steps > windows * (polls[0] - 1) // steps:
+            run.progress.advance(windows * polls[0] // steps)
+        return run.should_stop()
+
+    return stop
+
+
 def plan(run: Run) -> None:
     """The method's plan hooks on the whole original model: each returns the config the run goes on with."""
     windows = run.calib_ids[: layerwise_count(run.calib_ids.shape[0], run.config)]  # the block stage's windows
+    if run.plan_windows and run.plan_windows < windows.shape[0]:  # a time budget's plan measures on fewer
+        windows = windows[torch.linspace(0, windows.shape[0] - 1, run.plan_windows).round().long().unique()]
     for hook in [hook for hook in run.method.before_blocks if hook.phase in run.needs.plan]:
         with run.result.timed(hook.phase):
             try:
@@ -152,6 +174,9 @@ def quantize_model(
     on_step: OnStep | None = None,
     on_stage: Callable[[str], None] | None = None,
     on_metrics: Callable[[str, dict], None] | None = None,
+    on_progress: OnProgress | None = None,
+    plan: RunPlan | None = None,
+    progress: Progress | None = None,
 ) -> tuple[nn.Module, QuantizeResult]:
     """Quantize every linear of every decoder block of ``model`` (a Hugging Face causal LM) on ``calib_ids``
     [n, seq] with ``method`` (a registered name or a ``Method``) and ``config`` (an instance of its config class),
@@ -162,7 +187,8 @@ def quantize_model(
     ``distributed_once``); ``device``: where blocks are processed ("cuda" when
     available); ``inplace``: quantize ``model`` itself instead of a copy; ``skip(full name)``: leave a linear as it
     is; ``on_stage(name)`` as each stage starts; ``on_metrics(phase, metrics)`` as each plan hook ends (e.g. the bit
-    plan by sensitivity, before the first block).
+    plan by sensitivity, before the first block); ``on_progress(stage, done, total, eta_s)`` as each stage starts and
+    advances (quant/progress.py: blocks done, distillation steps done, the seconds the run has left).
 
     For long runs and models larger than memory (``api.quantize_to_dir``): ``weights`` materialises each block of a
     model kept on the meta device when it is reached and releases it after (implies ``inplace``; the quantized
@@ -175,22 +201,58 @@ def quantize_model(
     ``on_step(phase, step, steps, loss)``, and keep their best check when stopped. The windows distillation holds
     out are held out of the block stage as well (``layerwise_count``).
 
+    ``plan``: a ``run_plan.RunPlan`` for this run (``api.quantize_to_dir`` makes one): its config is the one to
+    pass, its stage seconds give the ETA and its ``plan_windows`` the windows of the plan hooks' measurement;
+    ``progress``: a ``Progress`` the caller shares with stages of its own around this call (then ``on_stage`` and
+    ``on_progress`` are its).
+
     Returns (fake-quantized model whose linears hold the dequantized weights, ``QuantizeResult`` with the
     per-layer states to pack and save). Embeddings, norms and the LM head stay as they are.
     """
+    progress = progress or Progress(on_progress, on_stage, plan.stages if plan is not None else None)
     run = start_run(model, calib_ids, method, config, device, inplace, weights=weights, resume=resume,
                     keep_states=keep_states, reference=reference, on_layer=on_layer or (lambda _r: None),
                     should_stop=shared_stop(should_stop or (lambda: False)), on_step=on_step, on_block=on_block,
-                    skip=skip, capture_dtype=capture_dtype, on_metrics=on_metrics)
+                    skip=skip, capture_dtype=capture_dtype, on_metrics=on_metrics,
+                    plan_windows=plan.plan_windows if plan is not None else 0, progress=progress)
+    _report_progress(run, progress)
     for stage in STAGES:
         if run.result.cancelled:
             break
         if stage.applies(run):
-            if on_stage is not None:
-                on_stage(stage.name)
+            progress.start(stage.name, *_stage_steps(run, stage.name))
             stage.run(run)
     run.result.seconds = run.seconds()
     return run.model, run.result
+
+
+def _stage_steps(run: Run, name: str) -> tuple[int, int]:
+    """(total, done) of a stage as its progress counts it: windows written, blocks, distillation steps."""
+    if name == "calibrate":
+        return max(written_rows(run.calib_ids.shape[0], run.config).numel(), 1), 0
+    if name == "blocks":
+        return len(decoder_blocks(run.model)), run.resume.blocks_done if run.resume is not None else 0
+    if name == "distill":
+        return max(int(getattr(run.config, "distill_iters", 1) or 1), 1), 0
+    return 1, 0
+
+
+def _report_progress(run: Run, progress: Progress) -> None:
+    """The run's own callbacks move ``progress`` on: a finished block, a training step of the stage under way."""
+    on_block, on_step = run.on_block, run.on_step
+
+    def block_done(done: BlockDone) -> None:
+        if on_block is not None:
+            on_block(done)
+        progress.advance(done.index + 1)
+
+    def step_done(phase: str, step: int, steps: int, loss: float) -> None:
+        if on_step is not None:
+            on_step(phase, step, steps, loss)
+        if phase == progress.stage:
+            progress.advance(step, steps)
+
+    run.on_block, run.on_step = block_done, step_done
 
 
 def start_run(model: nn.Module, calib_ids: torch.Tensor, method: str | Method, config,

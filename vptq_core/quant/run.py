@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .methods import Method, RunNeeds
+from .progress import Progress
 from .results import BlockDone, OnLayer, OnStep, QuantizeResult, ResumePoint, ShouldStop
 from .source import BlockWeights
 
@@ -43,6 +44,8 @@ class Run:
     teacher: dict | None = None  # the original's top-k on the windows it wrote itself (``sampled_calibration``)
     start: float = field(default_factory=time.perf_counter)
     earlier_seconds: float = 0.0  # seconds the interrupted run had spent before this one resumed it
+    plan_windows: int = 0  # windows the plan hooks measure on (0: their own default; a time budget's plan)
+    progress: Progress | None = None  # the stage the run is in, for stages that count their own steps
 
     @property
     def resumed(self) -> bool:

@@ -38,9 +38,10 @@ KMEANS_ITER_S = 3.7e-3
 LAYER_S = 5e-3
 LAYER_WEIGHT_S = 23e-9
 LAYER_HESSIAN_S = 31e-12
-# The bit plan's measurement: one forward and backward pass (no weight gradients) per measured window, about one
-# distillation step per window.
-SENS_WINDOW_S = KD_STEP_S
+# The bit plan's measurement per measured window: the labels drawn from a forward pass, then a forward and backward
+# pass (no weight gradients) accumulating every linear's Hessian, about two distillation steps (bench/run_stages.py:
+# priced as one step, the measurement ran 1.4 to 2.2 times over the block stage's ratio to its estimate).
+SENS_WINDOW_S = 2 * KD_STEP_S
 
 
 def search_backend(d: int, k: int) -> str:
@@ -109,13 +110,19 @@ def vptq_seconds(size: RunSize, config: VPTQConfig) -> float:
 
 def allocation_seconds(size: RunSize, config: VPTQConfig) -> float:
     """Rough seconds of measuring a per-layer plan (``sensitivity.plan_config``) before the first block: the
-    measured windows' forward and backward passes, and k-means over the ladder for each distinct layer shape; 0
+    measured windows' forward and backward passes (``size.plan_windows``, else ``SENSITIVITY_WINDOWS``, at most the
+    calibration's), every linear's inverse Hessian, and k-means over the ladder for each distinct layer shape; 0
     unless ``config.allocation`` is "sensitivity" and the config has no plan yet."""
     if config.allocation != "sensitivity" or config.layer_plan:
         return 0.0
     from .sensitivity import DISTORTION_ITERS, SENSITIVITY_WINDOWS, ladder
 
-    seconds = SENSITIVITY_WINDOWS * SENS_WINDOW_S * size.params * max(int(size.seqlen) - 1, 1)
+    windows = size.plan_windows or SENSITIVITY_WINDOWS
+    if size.samples > 0:
+        windows = min(windows, int(size.samples))
+    seconds = windows * SENS_WINDOW_S * size.params * max(int(size.seqlen) - 1, 1)
+    # each linear's damped inverse Hessian in the sweep's order, for its error feedback weight (as the block stage)
+    seconds += sum(LAYER_S + LAYER_HESSIAN_S * in_features ** 3 for _, in_features in size.linear_shapes)
     fit = dataclasses.replace(config, kmeans_iters=DISTORTION_ITERS)
     for out_features, in_features in set(size.linear_shapes):
         for v, k in ladder(config):

@@ -20,6 +20,7 @@ from ..quant import methods
 from ..quant.blocks import block_linears, decoder_blocks, total_linear_shapes
 from ..quant.cost import RunSize, estimate_seconds, sampling_seconds
 from ..quant.distill_hook import distill_seconds
+from ..quant.run_plan import RunPlan, plan_run
 from ..quant.vptq_cost import allocation_seconds, vptq_layer_phases  # noqa: F401 - callers import it from here
 from ..storage.skeleton import empty_model
 from .queue import error_reason
@@ -190,9 +191,20 @@ def method_for(config) -> methods.Method:
 def time_estimate(info: ModelInfo, config, samples: int, seqlen: int,
                   method: str | methods.Method | None = None) -> float:
     """Rough seconds a run takes on a 2-core CPU like this project's (idle), as ``method`` prices it
-    (``quant.cost.estimate_seconds``: the method's own estimate, or its stages' costs summed)."""
+    (``quant.cost.estimate_seconds``: the method's own estimate, or its stages' costs summed); under a time budget,
+    the seconds of what the run's plan keeps (``plan_estimate``)."""
     method = methods.get(method) if method is not None else method_for(config)
+    if method.estimate_seconds is None and method.needs(config).time_budget > 0:
+        return plan_estimate(info, config, samples, seqlen, method).seconds
     return estimate_seconds(method, run_size(info, samples, seqlen), config)
+
+
+def plan_estimate(info: ModelInfo, config, samples: int, seqlen: int, method: str | methods.Method | None = None,
+                  speed: float = 1.0) -> RunPlan:
+    """The plan a run of ``info`` would make on a device ``speed`` times the reference machine
+    (``quant.run_plan.plan_run``): its seconds per stage and, under a time budget, what it gives up and why."""
+    method = methods.get(method) if method is not None else method_for(config)
+    return plan_run(method, run_size(info, samples, seqlen), config, speed)
 
 
 def allocation_estimate(info: ModelInfo, config, seqlen: int) -> float:

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..quant.progress import progress_text
+
 STATUSES = ("queued", "running", "done", "failed", "cancelled", "interrupted")
 ACTIVE = ("queued", "running")
 FINISHED = ("done", "failed", "cancelled", "interrupted")  # interrupted: cut off by a restart, can be resumed
@@ -101,6 +103,7 @@ class Job:
         self.forgotten = False  # owner gone: delete the outputs as soon as the job ends
         self.owner_hash: str | None = None  # reloaded after a restart: owned by whoever's identity hashes to this
         self.stop_reason: str | None = None  # why the job was stopped from inside (the memory ceiling)
+        self.progress_eta: tuple[float, float] | None = None  # (the run's ETA, when it was said): on_progress
 
     def snapshot(self, position: int = 0, running_ahead: int = 0, reports: bool = True) -> JobSnapshot:
         with self.lock:
@@ -109,7 +112,9 @@ class Job:
             rows = tuple(r.to_dict() for r in self.reports) if reports else ()
             current = f"block {self.reports[-1].block} · {self.reports[-1].module}" if self.reports else ""
             eta = None
-            if self.status == "running" and self.total_layers and done and self.layers_started is not None:
+            if self.status == "running" and self.progress_eta is not None:
+                eta = max(self.progress_eta[0] - (time.time() - self.progress_eta[1]), 0.0)
+            elif self.status == "running" and self.total_layers and done and self.layers_started is not None:
                 spent = time.time() - self.layers_started
                 eta = spent / done * max(self.total_layers - done, 0)
             return JobSnapshot(
@@ -147,17 +152,31 @@ class JobContext:
         with self._job.lock:
             self._job.total_layers = int(total_layers)
             self._job.layers_started = time.time()
-            self._job.phase = "quantizing"
+            if self._job.progress_eta is None:
+                self._job.phase = "quantizing"
 
     def on_layer(self, report) -> None:
         """Publish one finished layer (a ``LayerReport``; its ``rel_output_error`` may be filled in later)."""
         job = self._job
         with job.lock:
             job.reports.append(report)
+            if job.progress_eta is not None:  # the stage's own progress says where the run is
+                return
             if job.total_layers and len(job.reports) >= job.total_layers:
                 job.phase = "saving the checkpoint"
             else:
                 job.phase = "quantizing"
+
+    def on_progress(self, stage: str, done: int, total: int, eta_s: float | None) -> None:
+        """The run's stage, its count and the run's ETA (quant/progress.py) become the job's phase and ETA."""
+        with self._job.lock:
+            self._job.phase = progress_text(stage, done, total)
+            self._job.progress_eta = (float(eta_s), time.time()) if eta_s is not None else None
+
+    def on_plan(self, plan) -> None:
+        """The run's plan (``run_plan.RunPlan``) before it starts: ``extras["plan"]``, with its lines."""
+        with self._job.lock:
+            self._job.extras = {**self._job.extras, "plan": {**plan.to_dict(), "lines": plan.lines()}}
 
     def on_metrics(self, phase: str, metrics: dict) -> None:
         """A plan made before the first block (e.g. the bit plan by sensitivity): ``extras["model_metrics"]``."""

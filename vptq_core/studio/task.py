@@ -46,7 +46,7 @@ def quantization_task(model_name: str, method: str, config, calib, device: str =
             out, summary = quantize_to_dir(
                 model_name, method, config, used_calib, ctx.out_dir / "checkpoint", device=device,
                 on_layer=ctx.on_layer, should_stop=ctx.should_stop, on_start=ctx.on_start, resume=resume,
-                on_metrics=ctx.on_metrics,
+                on_metrics=ctx.on_metrics, on_progress=ctx.on_progress, on_plan=ctx.on_plan,
             )
         if summary.get("cancelled"):
             raise JobCancelled

@@ -212,6 +212,9 @@ def progress_html(snap: JobSnapshot | None, message: str = "", roots: Iterable[s
         parts.append(f"{cut.get('blocks_done', '?')} of {cut.get('blocks_total', '?')} blocks done when the app "
                      "restarted; press Resume to continue from the last finished block")
     text = " · ".join(html.escape(p) for p in parts)
+    if snap.status == "running":  # what the run's plan chose for its time budget, one line per decision
+        lines = (snap.extras.get("plan") or {}).get("lines", [])[1:]
+        text += "".join(f"<br>plan: {html.escape(line)}" for line in lines)
     error = (f'<div class="vq-error">{html.escape(scrub(snap.error, roots, [snap.owner, *hidden]))}</div>'
              if snap.error else "")
     return (f'<div class="vq-progress-wrap" data-status="{snap.status}"><div class="vq-progress">'

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from pathlib import Path
 
 from ..quant.results import LayerReport
@@ -27,6 +28,7 @@ from ..quant.results import LayerReport
 DURATION_ENV = "VPTQ_ZEROGPU_DURATION"
 MAX_DURATION_ENV = "VPTQ_ZEROGPU_MAX_DURATION"
 HEARTBEAT_S = 1.0
+PROGRESS_EVERY_S = 1.0  # progress events forwarded from the GPU worker, at most one a second per stage
 CANCEL_FILE = ".cancel"
 
 
@@ -77,6 +79,8 @@ def _worker(model_name: str, method: str, config, calib, out_dir: str, cancel_pa
                 on_layer=lambda r: (reports.append(r), events.put(("layer", len(reports) - 1))),
                 should_stop=lambda: os.path.exists(cancel_path),
                 on_start=lambda total: events.put(("start", total)), resume=resume,
+                on_progress=_progress_forwarder(events),
+                on_plan=lambda plan: events.put(("plan", plan)),
             )
             outcome["done"] = (str(out), summary)
         except BaseException as exc:  # noqa: BLE001 - reported to the job, which raises it there
@@ -114,6 +118,20 @@ def _worker(model_name: str, method: str, config, calib, out_dir: str, cancel_pa
         yield ("done", outcome["done"])
 
 
+def _progress_forwarder(events: queue.Queue):
+    """``on_progress`` that puts a stage's first and last event and at most one a ``PROGRESS_EVERY_S`` between
+    them on ``events``: each one crosses to the app's process."""
+    last: dict = {"stage": None, "at": 0.0}
+
+    def forward(stage: str, done: int, total: int, eta_s) -> None:
+        now = time.monotonic()
+        if stage != last["stage"] or done >= total or now - last["at"] >= PROGRESS_EVERY_S:
+            last.update(stage=stage, at=now)
+            events.put(("progress", (stage, done, total, eta_s)))
+
+    return forward
+
+
 _decorated: dict = {}
 
 
@@ -139,6 +157,10 @@ def quantize_job(spaces, ctx, model_name: str, method: str, config, calib, out_d
             cancel_path.touch()
         if kind == "start":
             ctx.on_start(payload)
+        elif kind == "progress":
+            ctx.on_progress(*payload)
+        elif kind == "plan":
+            ctx.on_plan(payload)
         elif kind == "layer":
             report = LayerReport(**payload[1])
             reports.append(report)

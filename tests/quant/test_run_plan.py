@@ -1,0 +1,150 @@
+"""The whole-run plan: every stage priced for this model on this device, and a time budget turned into choices."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from vptq_core.quant import methods, run_plan
+from vptq_core.quant.config import ScalarConfig
+from vptq_core.quant.cost import RunSize, run_seconds, stage_seconds
+from vptq_core.quant.run_plan import DISTILL_SHARE, MIN_SAMPLES, plan_run
+
+VPTQ = methods.get("vptq")
+
+
+def _shapes(hidden: int, kv: int, inter: int, blocks: int) -> tuple[tuple[int, int], ...]:
+    block = ((hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden), (inter, hidden), (inter, hidden),
+             (hidden, inter))
+    return block * blocks
+
+
+# SmolLM2-135M's and a 0.5B qwen2 model's block linears and other parameters (embedding, tied head, norms)
+SMOLLM2 = RunSize(_shapes(576, 192, 1536, 30), 28.4e6, 32, 512)
+QWEN05B = RunSize(_shapes(896, 128, 4864, 24), 136.2e6, 32, 512)
+PRESET = VPTQ.make_config(VPTQ.preset("2.5 bits"))
+
+
+def test_stage_seconds_sum_to_the_run_and_come_in_run_order():
+    stages = stage_seconds(VPTQ, SMOLLM2, PRESET)
+    assert list(stages) == ["load", "calibrate", "plan", "blocks", "distill", "save"]
+    assert sum(stages.values()) == pytest.approx(run_seconds(VPTQ, SMOLLM2, PRESET))
+    plain = stage_seconds(VPTQ, SMOLLM2, dataclasses.replace(PRESET, distill_iters=0, calib_sampled_share=0.0,
+                                                             allocation="cap", layer_bits_cap=2.5, bits_budget=0.0))
+    assert list(plain) == ["load", "blocks", "save"]  # stages a run does not go through are left out
+
+
+def test_without_a_budget_the_plan_only_prices_the_run_on_this_device():
+    config = dataclasses.replace(PRESET, time_budget=0.0)
+    plan = plan_run(VPTQ, QWEN05B, config, speed=2.0)
+    assert plan.config == config and plan.samples == 32 and plan.plan_windows == 0 and not plan.decisions
+    reference = stage_seconds(VPTQ, QWEN05B, config)
+    assert plan.stages == pytest.approx({name: s / 2.0 for name, s in reference.items()})
+    assert plan.requested_seconds == pytest.approx(plan.seconds)
+
+
+def test_a_budget_the_run_fits_changes_nothing():
+    roomy = dataclasses.replace(PRESET, time_budget=1e6)
+    plan = plan_run(VPTQ, SMOLLM2, roomy, speed=1.0)
+    assert plan.config == roomy and plan.samples == 32 and not plan.decisions
+    assert plan.seconds == pytest.approx(plan.requested_seconds)
+
+
+def test_a_tight_budget_gives_up_the_cheapest_quality_first_and_says_why():
+    rest = {name: s for name, s in stage_seconds(VPTQ, SMOLLM2, dataclasses.replace(PRESET, time_budget=0.0)).items()
+            if name != "distill"}
+    # a budget the self-written calibration would take over 20% of: it goes, as the run would leave it text
+    budget = (sum(rest.values()) - rest["calibrate"] * 0.5) / (1 - DISTILL_SHARE)
+    plan = plan_run(VPTQ, SMOLLM2, dataclasses.replace(PRESET, time_budget=budget))
+    assert rest["calibrate"] > 0.2 * budget
+    assert [d.setting for d in plan.decisions if d.applied] == ["calib_sampled_share"]
+    assert plan.config.calib_sampled_share == 0.0 and plan.samples == 32 and plan.plan_windows == 0
+    assert plan.decisions[0].reason.startswith(
+        f"writing them ~{rest['calibrate']:.0f} s, over 20% of the {budget:.0f} s budget")
+    assert "calibrate" not in plan.stages
+    # on a device twice as fast the same budget leaves them in: the budget is this device's seconds
+    fast = plan_run(VPTQ, SMOLLM2, dataclasses.replace(PRESET, time_budget=budget), speed=2.0)
+    assert fast.config.calib_sampled_share == 0.75 and fast.stages["calibrate"] == pytest.approx(rest["calibrate"] / 2)
+
+
+def test_a_large_model_on_a_slow_device_is_cut_down_in_order_to_the_floors():
+    plan = plan_run(VPTQ, QWEN05B, PRESET, speed=0.5)
+    applied = [d for d in plan.decisions if d.applied]
+    assert [d.setting for d in applied] == ["calib_sampled_share", "sensitivity_windows", "calib_samples"]
+    assert plan.plan_windows == 1 and plan.samples == MIN_SAMPLES and plan.config.calib_sampled_share == 0.0
+    assert applied[2].before == 32 and applied[2].after == MIN_SAMPLES
+    # nothing is left for distillation: the plan says so instead of promising its steps
+    forecast = plan.decisions[-1]
+    assert forecast.setting == "distill_iters" and not forecast.applied and forecast.after == 0
+    assert "over the 570 s budget already" in forecast.reason
+    assert plan.seconds < plan.requested_seconds
+    # the plan's own config is what the run goes on with; every other setting is the preset's
+    assert dataclasses.replace(plan.config, calib_sampled_share=PRESET.calib_sampled_share) == PRESET
+
+
+def test_a_faster_device_keeps_more_and_only_as_much_is_cut_as_must_be():
+    slow, fast = plan_run(VPTQ, QWEN05B, PRESET, speed=1.0), plan_run(VPTQ, QWEN05B, PRESET, speed=4.0)
+    assert fast.samples >= slow.samples and fast.plan_windows in (0, 1, 2, 4)
+    for plan in (slow, fast):
+        if plan.samples > MIN_SAMPLES:  # the windows kept are the most that fit with distillation's share
+            rest = {k: v for k, v in plan.stages.items() if k != "distill"}
+            assert sum(rest.values()) <= plan.budget
+            more = plan_run(VPTQ, QWEN05B._replace(samples=plan.samples + 1, plan_windows=plan.plan_windows),
+                            plan.config, speed=plan.speed)
+            assert more.samples <= plan.samples + 1
+
+
+def test_the_distillation_forecast_counts_the_steps_the_budget_leaves():
+    text = dataclasses.replace(PRESET, calib_sampled_share=0.0)
+    stages = stage_seconds(VPTQ, SMOLLM2, dataclasses.replace(text, time_budget=0.0))
+    rest = sum(v for k, v in stages.items() if k != "distill")
+    budget = rest / (1 - DISTILL_SHARE) + 1.0  # just room for distillation's share: nothing else is cut
+    assert stages["distill"] > DISTILL_SHARE * budget
+    plan = plan_run(VPTQ, SMOLLM2, dataclasses.replace(text, time_budget=budget))
+    (forecast,) = plan.decisions
+    assert forecast.setting == "distill_iters" and not forecast.applied and forecast.before == 80
+    share = (budget - rest) / stages["distill"]  # of distillation's seconds, part of them a fixed teacher pass
+    assert 0 < forecast.after < 80 and forecast.after == pytest.approx(80 * share, abs=80 * share * 0.25)
+    assert plan.seconds == pytest.approx(budget)
+
+
+def test_the_report_and_the_command_line_get_every_decision():
+    plan = plan_run(VPTQ, QWEN05B, PRESET, speed=0.5)
+    data = plan.to_dict()
+    assert data["budget_seconds"] == 570.0 and data["samples"] == MIN_SAMPLES and data["plan_windows"] == 1
+    assert [d["setting"] for d in data["decisions"]] == [d.setting for d in plan.decisions]
+    lines = plan.lines()
+    assert lines[0].startswith("estimated ") and "time budget 570 s" in lines[0]
+    assert lines[1:] == [d.line() for d in plan.decisions] and "calib_samples: 32 -> 8 (" in lines[3]
+
+
+def test_a_config_without_distillation_settings_is_only_priced():
+    plan = plan_run(methods.get("rtn"), SMOLLM2, ScalarConfig(bits=4), speed=1.0)
+    assert not plan.decisions and plan.budget == 0 and set(plan.stages) == {"load", "blocks", "save"}
+
+
+def test_the_speed_probe_stays_in_range_and_leaves_the_random_streams_alone():
+    import torch
+
+    torch.manual_seed(3)
+    expected = torch.rand(3)
+    torch.manual_seed(3)
+    speed = run_plan.measure_speed("cpu")
+    assert torch.equal(torch.rand(3), expected)
+    lo, hi = run_plan.SPEED_RANGE
+    assert lo <= speed <= hi
+
+
+def test_the_plans_sensitivity_windows_reach_the_measurement(tiny_model, calib_ids):
+    from vptq_core.quant.config import VPTQConfig
+    from vptq_core.quant.pipeline import quantize_model
+    from vptq_core.quant.run_plan import RunPlan
+
+    config = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=2, outlier_percent=0.0, bits_budget=4.0,
+                        allocation="sensitivity")
+    _, whole = quantize_model(tiny_model[0], calib_ids, "vptq", config)
+    assert whole.model_metrics["allocation"]["windows"] == calib_ids.shape[0]
+    plan = RunPlan(config, calib_ids.shape[0], 1, {}, 0.0, 1.0, 0.0)
+    _, planned = quantize_model(tiny_model[0], calib_ids, "vptq", config, plan=plan)
+    assert planned.model_metrics["allocation"]["windows"] == 1

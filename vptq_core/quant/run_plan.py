@@ -1,0 +1,250 @@
+"""A time budget as a plan for the whole run, made before it starts (docs/methods.md#time-budget).
+
+``plan_run`` prices every stage of a run for this model on this device (``cost.stage_seconds`` on the reference
+machine, divided by the device's ``speed``) and, when the config carries a ``time_budget``, chooses what fits it.
+Distillation buys the most quality per second, so the plan keeps for it the seconds of its ``distill_iters`` steps,
+at most ``DISTILL_SHARE`` of the budget, and makes room for them by giving up, in this order, only as much as it
+must: the self-written calibration windows, windows of the plan's sensitivity measurement (down to 1), and
+calibration windows (down to ``MIN_SAMPLES``). What still does not fit shortens distillation, which the run itself
+fits to what is left (``distill.plan_steps``). Each choice comes with its reason (``Decision``), which the command
+line prints, the app's job view shows and the report keeps (``plan``).
+
+``measure_speed`` is the one impure part: a short matrix-multiply probe on the run's device against the same probe
+on the reference machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .cost import RunSize, stage_seconds
+from .methods import Method
+from .sampling import SAMPLING_BUDGET_SHARE
+
+# What the plan keeps for distillation: the seconds of all its steps, but at most this share of the budget.
+DISTILL_SHARE = 0.4
+# Calibration windows the plan never goes below: fewer leave the Hessians of wide layers badly conditioned.
+MIN_SAMPLES = 8
+# The sensitivity measurement's windows the plan may step down to (the measurement's own default first).
+PLAN_WINDOWS = (4, 2, 1)
+# The probe: the median of PROBE_REPEATS timings (a machine shared with other work is slow on average, not at its
+# best moment) of PROBE_ITERS float32 products [PROBE_ROWS, PROBE_DIM] x
+# [PROBE_DIM, PROBE_DIM]; PROBE_REF_S is its time on the reference machine (2 cores, idle; bench/run_stages.py).
+PROBE_ROWS, PROBE_DIM, PROBE_ITERS, PROBE_REPEATS = 256, 1024, 2, 5
+PROBE_REF_S = 0.012
+SPEED_RANGE = (0.05, 100.0)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One choice of the plan: ``setting`` went from ``before`` to ``after`` (both as the report shows them) for
+    ``reason``. ``applied`` False: a forecast the run carries out itself (distillation's steps)."""
+
+    setting: str
+    before: Any
+    after: Any
+    reason: str
+    applied: bool = True
+
+    def line(self) -> str:
+        return f"{self.setting}: {self.before} -> {self.after} ({self.reason})"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What ``plan_run`` chose: the method ``config`` and calibration ``samples`` to run with, the windows of the
+    plan hooks' measurement (``plan_windows``, 0 = their default), the seconds per stage on this device in run
+    order (``stages``), and the decisions with their reasons."""
+
+    config: Any
+    samples: int
+    plan_windows: int
+    stages: dict[str, float]
+    budget: float
+    speed: float
+    requested_seconds: float  # the run as asked for, on this device, distillation's steps all counted
+    decisions: tuple[Decision, ...] = field(default_factory=tuple)
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.stages.values())
+
+    def lines(self) -> list[str]:
+        """What the command line prints before the run: the estimate, then one line per decision."""
+        head = f"estimated {self.seconds:.0f} s on this device (speed {self.speed:.2f}x the reference machine)"
+        if self.budget > 0:
+            head += f", time budget {self.budget:.0f} s"
+        return [head, *(d.line() for d in self.decisions)]
+
+    def to_dict(self) -> dict:
+        """The report's ``plan`` section."""
+        return {"budget_seconds": self.budget, "speed": round(self.speed, 3),
+                "requested_seconds": round(self.requested_seconds, 1), "estimated_seconds": round(self.seconds, 1),
+                "stages": {name: round(s, 1) for name, s in self.stages.items()}, "samples": self.samples,
+                "plan_windows": self.plan_windows, "decisions": [d.to_dict() for d in self.decisions]}
+
+
+def plan_run(method: Method, size: RunSize, config, speed: float = 1.0) -> RunPlan:
+    """The plan for a run of ``method`` / ``config`` on a model and calibration described by ``size`` on a device
+    ``speed`` times as fast as the reference machine (see the module's docstring). Pure: no clock, no model."""
+    speed = float(speed) if speed and speed > 0 else 1.0
+    budget = float(method.needs(config).time_budget)
+    free = _without_budget(config)
+    requested = _seconds(method, size, free, speed)
+    if budget <= 0:
+        return RunPlan(config, size.samples, size.plan_windows, _device_stages(method, size, config, speed), budget,
+                       speed, sum(requested.values()))
+    decisions: list[Decision] = []
+    for cut in (_cut_self_written, _cut_plan_windows, _cut_samples):
+        if _fits(method, size, free, speed, budget) and not (cut is _cut_self_written and _writing_over(
+                method, size, free, speed, budget)):
+            continue
+        size, free, decision = cut(method, size, free, speed, budget)
+        if decision is not None:
+            decisions.append(decision)
+    if hasattr(config, "calib_sampled_share"):
+        config = dataclasses.replace(config, calib_sampled_share=free.calib_sampled_share)
+    stages = _device_stages(method, size, config, speed)
+    decisions += _distill_forecast(method, size, free, speed, budget)
+    return RunPlan(config, size.samples, size.plan_windows, stages, budget, speed, sum(requested.values()),
+                   tuple(decisions))
+
+
+def _without_budget(config):
+    """``config`` with its time budget off: the stages' full seconds, distillation's steps all counted."""
+    return dataclasses.replace(config, time_budget=0.0) if hasattr(config, "time_budget") else config
+
+
+def _seconds(method: Method, size: RunSize, config, speed: float) -> dict[str, float]:
+    return {name: s / speed for name, s in stage_seconds(method, size, config).items()}
+
+
+def _device_stages(method: Method, size: RunSize, config, speed: float) -> dict[str, float]:
+    """The stages' seconds on this device under the config's own time budget (seconds on this device: the cost
+    models compare it with their reference-machine seconds, so it is scaled to those)."""
+    if getattr(config, "time_budget", 0.0):
+        config = dataclasses.replace(config, time_budget=config.time_budget * speed)
+    return _seconds(method, size, config, speed)
+
+
+def _rest_and_distill(method, size, config, speed) -> tuple[float, float]:
+    stages = _seconds(method, size, config, speed)
+    distill = stages.pop("distill", 0.0)
+    return sum(stages.values()), distill
+
+
+def _fits(method, size, config, speed, budget) -> bool:
+    rest, distill = _rest_and_distill(method, size, config, speed)
+    return rest + min(distill, DISTILL_SHARE * budget) <= budget
+
+
+def _over_text(method, size, config, speed, budget) -> str:
+    rest, distill = _rest_and_distill(method, size, config, speed)
+    keep = min(distill, DISTILL_SHARE * budget)
+    if keep > 0:
+        return f"the run before distillation ~{rest:.0f} s, distillation's share ~{keep:.0f} s, budget {budget:.0f} s"
+    return f"the run ~{rest:.0f} s, budget {budget:.0f} s"
+
+
+def _writing_over(method, size, config, speed, budget) -> bool:
+    """Writing the self-written windows would take more than the run lets it (``SAMPLING_BUDGET_SHARE``)."""
+    return _seconds(method, size, config, speed).get("calibrate", 0.0) > SAMPLING_BUDGET_SHARE * budget
+
+
+def _cut_self_written(method, size, config, speed, budget):
+    share = getattr(config, "calib_sampled_share", 0.0)
+    if not share:
+        return size, config, None
+    writing = _seconds(method, size, config, speed).get("calibrate", 0.0)
+    if _writing_over(method, size, config, speed, budget):
+        why = (f"writing them ~{writing:.0f} s, over {SAMPLING_BUDGET_SHARE:.0%} of the {budget:.0f} s budget (the "
+               "run would leave them text)")
+    else:
+        why = f"writing them ~{writing:.0f} s; {_over_text(method, size, config, speed, budget)}"
+    config = dataclasses.replace(config, calib_sampled_share=0.0)
+    return size, config, Decision("calib_sampled_share", share, 0.0, why)
+
+
+def _cut_plan_windows(method, size, config, speed, budget):
+    plan = _seconds(method, size, config, speed).get("plan", 0.0)
+    if not plan:
+        return size, config, None
+    before = min(size.plan_windows or PLAN_WINDOWS[0], max(size.samples, 1))
+    why = _over_text(method, size, config, speed, budget)
+    chosen = size
+    for windows in [w for w in PLAN_WINDOWS if w < before]:
+        chosen = size._replace(plan_windows=windows)
+        if _fits(method, chosen, config, speed, budget):
+            break
+    if chosen is size:
+        return size, config, None
+    after = _seconds(method, chosen, config, speed).get("plan", 0.0)
+    return chosen, config, Decision("sensitivity_windows", before, chosen.plan_windows,
+                                    f"measuring ~{plan:.0f} s -> ~{after:.0f} s; {why}")
+
+
+def _cut_samples(method, size, config, speed, budget):
+    before = int(size.samples)
+    if before <= MIN_SAMPLES:
+        return size, config, None
+    why = _over_text(method, size, config, speed, budget)
+    chosen = size
+    for samples in range(before - 1, MIN_SAMPLES - 1, -1):
+        chosen = size._replace(samples=samples)
+        if _fits(method, chosen, config, speed, budget):
+            break
+    blocks = _seconds(method, size, config, speed)["blocks"]
+    after = _seconds(method, chosen, config, speed)["blocks"]
+    return chosen, config, Decision("calib_samples", before, chosen.samples,
+                                    f"the block stage ~{blocks:.0f} s -> ~{after:.0f} s; {why}")
+
+
+def _distill_forecast(method, size, config, speed, budget) -> list[Decision]:
+    """How many of distillation's steps the plan expects to fit (the run fits them itself, to what is left)."""
+    steps = int(getattr(config, "distill_iters", 0) or 0)
+    rest, full = _rest_and_distill(method, size, config, speed)
+    if not steps or not full or rest + full <= budget:
+        return []
+    left = max(budget - rest, 0.0)
+    one = _rest_and_distill(method, size, dataclasses.replace(config, distill_iters=1), speed)[1]
+    per_step = (full - one) / (steps - 1) if steps > 1 else full
+    fit = 0 if left < one else min(steps, 1 + math.floor((left - one) / max(per_step, 1e-9)))
+    why = (f"distillation ~{full:.0f} s for {steps} steps; the budget leaves it ~{left:.0f} s after ~{rest:.0f} s "
+           "before it" if left > 0 else f"the run before distillation ~{rest:.0f} s is over the {budget:.0f} s "
+           "budget already")
+    return [Decision("distill_iters", steps, fit, why, applied=False)]
+
+
+def measure_speed(device: torch.device | str = "cpu") -> float:
+    """How many times faster than the reference machine ``device`` multiplies float32 matrices now (the probe of
+    the module's docstring: the median of a few timings), within ``SPEED_RANGE``."""
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(0)  # the run's own random streams stay untouched
+    a = torch.rand(PROBE_ROWS, PROBE_DIM, generator=gen).to(device)
+    b = (torch.rand(PROBE_DIM, PROBE_DIM, generator=gen) / PROBE_DIM).to(device)
+    times = []
+    for repeat in range(PROBE_REPEATS + 1):  # the first one warms up
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(PROBE_ITERS):
+            a = (a @ b).clamp_(-1.0, 1.0)
+        _sync(device)
+        if repeat:
+            times.append(time.perf_counter() - t0)
+    typical = sorted(times)[len(times) // 2]
+    lo, hi = SPEED_RANGE
+    return min(max(PROBE_REF_S / max(typical, 1e-9), lo), hi)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
