@@ -5,7 +5,7 @@ arguments every block is called with); ``run_block`` / ``run_batched`` run one b
 ``hessians_and_targets`` runs the original block once, accumulating one Hessian per distinct linear input
 (q/k/v share one, gate/up share one) and keeping the block's outputs as the targets.
 
-The block stage's forwards run in ``block_dtype``: bfloat16 autocast where the hardware multiplies bf16 (the
+The block stage's forwards run in ``block_dtype``: bfloat16 autocast on a CPU that multiplies bf16 (the
 matmuls and the Hessian products in bf16, the residual stream and the Hessian sums in float32), else float32
 (docs/methods.md#block-stage-precision).
 """
@@ -174,9 +174,12 @@ BATCH = 8  # calibration windows per block call: a batched forward is much faste
 
 
 def block_dtype(device: torch.device | str = "cpu") -> torch.dtype:
-    """The dtype the block stage runs blocks in on ``device``: ``$VPTQ_BLOCK_DTYPE`` ("auto" when unset: bf16
-    where ``device`` multiplies it in hardware, else float32; or "bfloat16" / "float32")."""
+    """The dtype the block stage runs blocks in on ``device``: ``$VPTQ_BLOCK_DTYPE`` ("auto" when unset: bf16 on
+    a CPU that multiplies it in hardware, else float32; or "bfloat16" / "float32"). A GPU stays float32 unless
+    told: its float32 forwards cost little, and its runs keep matching a float32 CPU run to float rounding."""
     value = (os.environ.get(BLOCK_DTYPE_ENV) or "auto").strip().lower()
+    if value == "auto" and torch.device(device).type != "cpu":
+        return torch.float32
     try:
         return compute_dtype(value, device)
     except ValueError:
