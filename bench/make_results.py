@@ -59,10 +59,10 @@ SECTIONS = (
     Section("Kernels", ("kernels_*.txt", "search_*.txt", "packed_dense_*.txt"),
             "`bench/kernels.py` (lookup kernels against dense bf16 `F.linear`, per call), `bench/search.py` "
             "(nearest-centroid search) and `bench/packed_dense.py` (float32 linears with packed weights)."),
-    Section("Quantization time", ("quant_cost_*", "sampling_*.txt", "distill_step_*.txt"),
+    Section("Quantization time", ("quant_cost_*", "sampling_*.txt", "distill_step_*.txt", "stage_profile_*.txt"),
             "`bench/quant_cost.py` (the cost model behind the time shown before a run), `bench/sampling.py` "
-            "(the original model writing calibration windows) and `bench/distill_step.py` (one distillation "
-            "step)."),
+            "(the original model writing calibration windows), `bench/distill_step.py` (one distillation "
+            "step) and `bench/stage_profile.py` (the block stage's pieces, float32 against bf16)."),
     Section("Other measurements", ("*",), "Every other result file."),
 )
 

@@ -150,6 +150,10 @@ SMOKES: dict[str, Smoke] = {
         ("--shapes", "tiny", "--layers", "1", "--samples", "2", "--seqlen", "16", "--vocab", "64", "--threads", "1",
          "--method", "rtn", "--settings", '{"bits": 4, "group_size": 32}'),
         ("| shape | blocks | block weights |", "| tiny | 1 |")),
+    "bench/stage_profile.py": Smoke(
+        ("--shape", "tiny", "--samples", "2", "--seqlen", "16", "--threads", "1", "--repeats", "1"),
+        ("| piece | float32 s | bf16 path s | float32 / bf16 |", "| hessians_targets |",
+         "| inverse factor by reversed Cholesky vs float64, worst input |")),
     "bench/search.py": Smoke(
         ("--cells", "4:256:64", "--rounds", "1", "--layer-shapes", "64x32"),
         ("| d | k | queries | native ms | kdtree ms |", "| layer | config | auto s | k-d tree s |", "| 64x32 |")),

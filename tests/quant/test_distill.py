@@ -205,7 +205,8 @@ def test_quantize_to_dir_distils_and_writes_the_distilled_model(tmp_path, tiny_m
     from vptq_core.quant.config import CalibConfig
 
     model, _ = tiny_model
-    cfg = dataclasses.replace(TINY, distill_iters=4, distill_lr=0.17, distill_norm_lr=3e-3, distill_holdout=0.0,
+    # a step that lowers the check KL at every one of the 4 steps whether the block stage ran in float32 or bf16
+    cfg = dataclasses.replace(TINY, distill_iters=4, distill_lr=0.05, distill_norm_lr=3e-3, distill_holdout=0.0,
                               distill_eval_every=1, distill_topk=16)
     steps = []
     out, summary = quantize_to_dir("tiny-random-llama", "vptq", cfg, CalibConfig(samples=4, seqlen=32),

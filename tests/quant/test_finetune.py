@@ -7,7 +7,7 @@ import torch
 from vptq_core.quant.blocks import decoder_blocks
 from vptq_core.quant.config import VPTQConfig
 from vptq_core.quant.finetune import finetune_block_centroids
-from vptq_core.quant.forward import capture_block_inputs, run_batched, run_block
+from vptq_core.quant.forward import block_dtype, capture_block_inputs, run_batched, run_block
 from vptq_core.quant.methods import Cancelled
 from vptq_core.quant.pipeline import quantize_model
 from vptq_core.storage.checkpoint import load_quantized, save_quantized
@@ -141,7 +141,7 @@ def test_fp_chain_targets_are_the_original_models_own_block_outputs(tiny_model, 
         hidden, kwargs = capture_block_inputs(model, ids)
         fp_outputs = []
         for b, block in enumerate(decoder_blocks(model)):
-            hidden = run_batched(block, hidden, kwargs.at(b))
+            hidden = run_batched(block, hidden, kwargs.at(b), block_dtype("cpu"))  # the block stage's dtype
             fp_outputs.append(hidden.clone())
     seen: dict[str, list[torch.Tensor]] = {"fp": [], "quantized": []}
     vptq = methods.get("vptq")

@@ -20,7 +20,15 @@ from .blocks import block_linears, blocks_prefix, decoder_blocks
 from .calib_windows import layerwise_count
 from .device import return_freed_memory
 from .distributed_once import once
-from .forward import BlockKwargs, capture_block_inputs, hessians_and_targets, kwargs_to, run_batched, run_block
+from .forward import (
+    BlockKwargs,
+    block_dtype,
+    capture_block_inputs,
+    hessians_and_targets,
+    kwargs_to,
+    run_batched,
+    run_block,
+)
 from .methods import BlockContext, Cancelled, QuantResult
 from .results import BlockDone, LayerReport, OnLayer, QuantizeResult, ResumePoint
 from .run import Run
@@ -83,10 +91,11 @@ def quantize_block(run: Run, b: int, block: nn.Module, prefix: str, inps: torch.
     orig_device = next(block.parameters()).device
     block.to(run.device, torch.float32)
     linears = {n: m for n, m in block_linears(block).items() if not (run.skip and run.skip(f"{name}.{n}"))}
+    dtype = block_dtype(run.device)  # bf16 forwards and Hessian products where the hardware has them
     with result.timed("hessians_targets"):
-        hessians, targets = hessians_and_targets(block, linears, inps, block_kwargs)
+        hessians, targets = hessians_and_targets(block, linears, inps, block_kwargs, dtype)
         if fp_inps is not None:
-            fp_inps = run_batched(block, fp_inps, block_kwargs)  # the original model's block outputs
+            fp_inps = run_batched(block, fp_inps, block_kwargs, dtype)  # the original model's block outputs
     ctx = BlockContext(
         index=b, prefix=prefix, block=block, linears=linears, hessians=hessians, inputs=inps,
         targets=fp_inps if fp_inps is not None else targets,
@@ -97,7 +106,7 @@ def quantize_block(run: Run, b: int, block: nn.Module, prefix: str, inps: torch.
     _quantize_and_hook(ctx)
     hessians.clear()  # ctx.hessians is this dict: free the Hessians before the pass-B activations
     with result.timed("block_outputs"):
-        outs = run_batched(block, inps, block_kwargs)
+        outs = run_batched(block, inps, block_kwargs, dtype)
     err = float(((outs - targets) ** 2).sum() / (targets**2).sum().clamp(min=1e-20))
     ctx.targets = targets = None
     for rep in ctx.reports:

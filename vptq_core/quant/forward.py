@@ -4,15 +4,25 @@
 arguments every block is called with); ``run_block`` / ``run_batched`` run one block on [n, seq, hidden];
 ``hessians_and_targets`` runs the original block once, accumulating one Hessian per distinct linear input
 (q/k/v share one, gate/up share one) and keeping the block's outputs as the targets.
+
+The block stage's forwards run in ``block_dtype``: bfloat16 autocast on a CPU that multiplies bf16 (the
+matmuls and the Hessian products in bf16, the residual stream and the Hessian sums in float32), else float32
+(docs/methods.md#block-stage-precision).
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
 
 import torch
 from torch import nn
 
 from .blocks import decoder_blocks
+from .device import compute_dtype
 from .hessian import HessianAccumulator, SharedInputs
+
+BLOCK_DTYPE_ENV = "VPTQ_BLOCK_DTYPE"  # "auto" (default), "bfloat16" or "float32": the block stage's forwards
 
 
 class _StopForward(Exception):
@@ -163,11 +173,35 @@ HESSIAN_SKIP_TOKENS = 0  # positions left out of Hessians (the first is an atten
 BATCH = 8  # calibration windows per block call: a batched forward is much faster than one window at a time
 
 
-def run_batched(block: nn.Module, inps: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """``block`` on every window of ``inps`` [n, seq, hidden], ``BATCH`` windows per call."""
+def block_dtype(device: torch.device | str = "cpu") -> torch.dtype:
+    """The dtype the block stage runs blocks in on ``device``: ``$VPTQ_BLOCK_DTYPE`` ("auto" when unset: bf16 on
+    a CPU that multiplies it in hardware, else float32; or "bfloat16" / "float32"). A GPU stays float32 unless
+    told: its float32 forwards cost little, and its runs keep matching a float32 CPU run to float rounding."""
+    value = (os.environ.get(BLOCK_DTYPE_ENV) or "auto").strip().lower()
+    if value == "auto" and torch.device(device).type != "cpu":
+        return torch.float32
+    try:
+        return compute_dtype(value, device)
+    except ValueError:
+        raise ValueError(f"${BLOCK_DTYPE_ENV} must be auto, bfloat16 or float32, got {value!r}") from None
+
+
+def autocast_to(dtype: torch.dtype, device: torch.device | str):
+    """A context running the forwards inside in ``dtype``: bf16 autocast (matmuls and attention in bf16, what
+    the block adds to its float32 input stays float32), or nothing for float32."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)
+
+
+def run_batched(block: nn.Module, inps: torch.Tensor, kwargs: dict,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``block`` on every window of ``inps`` [n, seq, hidden], ``BATCH`` windows per call; ``dtype``: float32,
+    or bfloat16 for bf16 autocast (``autocast_to``). The outputs come in ``inps``' dtype."""
     outs = torch.empty_like(inps)
-    for i in range(0, inps.shape[0], BATCH):
-        outs[i : i + BATCH] = run_block(block, inps[i : i + BATCH], kwargs)
+    with autocast_to(dtype, inps.device):  # one context: autocast casts each weight to bf16 once, not per batch
+        for i in range(0, inps.shape[0], BATCH):
+            outs[i : i + BATCH] = run_block(block, inps[i : i + BATCH], kwargs)
     return outs
 
 
@@ -186,10 +220,10 @@ def kwargs_to(kwargs: dict, device: torch.device, dtype: torch.dtype) -> dict:
     return {k: move(v) for k, v in kwargs.items()}
 
 
-
-
-def hessians_and_targets(block: nn.Module, linears: dict, inps: torch.Tensor, kwargs: dict):
-    """Run the original block: Hessians per distinct linear input, and the outputs (targets)."""
+def hessians_and_targets(block: nn.Module, linears: dict, inps: torch.Tensor, kwargs: dict,
+                         dtype: torch.dtype = torch.float32):
+    """Run the original block once: Hessians per distinct linear input, and the outputs (targets). ``dtype``:
+    float32, or bfloat16 for the forward under bf16 autocast and the Hessian products in bf16 (float32 sums)."""
     accumulators: dict[str, HessianAccumulator] = {}
     groups = SharedInputs()  # linears fed the very same tensor share one Hessian (the block's inputs held)
 
@@ -198,14 +232,14 @@ def hessians_and_targets(block: nn.Module, linears: dict, inps: torch.Tensor, kw
             x = args[0]
             if groups.owner_of(name, x) == name:
                 if name not in accumulators:
-                    accumulators[name] = HessianAccumulator(x.shape[-1], device=x.device)
+                    accumulators[name] = HessianAccumulator(x.shape[-1], device=x.device, dtype=dtype)
                 accumulators[name].add_batch(x[:, HESSIAN_SKIP_TOKENS:])
 
         return hook
 
     handles = [m.register_forward_hook(make_hook(n)) for n, m in linears.items()]
     try:
-        targets = run_batched(block, inps, kwargs)
+        targets = run_batched(block, inps, kwargs, dtype)
     finally:
         for h in handles:
             h.remove()
