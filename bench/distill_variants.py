@@ -100,6 +100,8 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=16)
     parser.add_argument("--seqlen", type=int, default=512, help="tokens per calibration and evaluation window")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--split", default="dev", choices=("dev", "test"),
+                        help="the evaluation split: dev to choose settings, test to report")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     method, config, _ = ROWS[args.row]
@@ -162,7 +164,8 @@ def main() -> None:
         qb = copy.deepcopy(qmodel).to(torch.bfloat16)
         out = {}
         for text in ("wiki", "pydocs"):
-            ev = evaluate(qb, tok, text=text, seqlen=args.seqlen, max_windows=args.windows, reference=reference)
+            ev = evaluate(qb, tok, text=text, seqlen=args.seqlen, max_windows=args.windows, reference=reference,
+                          split=args.split)
             out[text] = {"perplexity": ev.perplexity, "ratio": ev.perplexity / ev.reference_perplexity,
                          "kl": ev.kl_divergence, "top1": ev.top1_agreement, "bf16": ev.reference_perplexity}
         return out
