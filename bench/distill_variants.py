@@ -100,6 +100,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=16)
     parser.add_argument("--seqlen", type=int, default=512, help="tokens per calibration and evaluation window")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-baseline", action="store_true", help="skip the undistilled row (\"none\")")
     parser.add_argument("--split", default="dev", choices=("dev", "test"),
                         help="the evaluation split: dev to choose settings, test to report")
     args = parser.parse_args()
@@ -170,7 +171,7 @@ def main() -> None:
                          "kl": ev.kl_divergence, "top1": ev.top1_agreement, "bf16": ev.reference_perplexity}
         return out
 
-    for name, overrides in [("none", {})] + variants:
+    for name, overrides in ([] if args.no_baseline else [("none", {})]) + variants:
         if (args.row, name) in done:
             continue
         qmodel, own = quantized()
