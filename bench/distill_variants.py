@@ -6,8 +6,9 @@ seed 0); distillation also gets the held-out check windows drawn on top of them,
 default); its layer states are cached under ``--cache`` (safetensors + JSON) so later runs skip the quantization.
 Each variant distils a fresh copy of that quantized model with the row's distillation settings overridden by the
 variant's, then the model is evaluated in bf16 against the bf16 original on ``--windows`` held-out windows of the
-same length of wiki (odd articles) and of Python's docs (pydocs, odd topics: another domain). Results are appended
-to ``--results`` (one JSON line per variant; a variant already there is skipped).
+same length of wiki and of Python's docs (pydocs, another domain), from ``--split``: "dev" (default) to choose
+settings, "test" to report. Results are appended to ``--results`` (one JSON line per variant; a variant already
+there is skipped). VPTQ rows take the discrete code updates as variants too (``distill_code_every=4,...``).
 
     python bench/distill_variants.py --row vptq-2.5-alloc-kd64 \\
         --variants calib64:distill_data=calibration sampled64:distill_data=sampled \\
@@ -184,7 +185,8 @@ def main() -> None:
                 metrics = distill(qmodel, model, own, calib, cfg, known_teacher=known if fits else None)
         rec = {"model": args.model, "row": args.row, "variant": name, "overrides": overrides, "config": cfg.to_dict(),
                "quant": meta, "distill": metrics, "scores": scores(qmodel), "load": os.getloadavg(),
-               "threads": args.threads, "calib_samples": args.calib_samples, "windows": args.windows}
+               "threads": args.threads, "calib_samples": args.calib_samples, "windows": args.windows,
+               "split": args.split}
         with open(results, "a") as f:
             f.write(json.dumps(rec) + "\n")
         s = rec["scores"]
