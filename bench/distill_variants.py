@@ -101,6 +101,9 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=16)
     parser.add_argument("--seqlen", type=int, default=512, help="tokens per calibration and evaluation window")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--distill-seqlen", type=int, default=0,
+                        help="distil on the first N tokens of each calibration window (0: all of them)")
+    parser.add_argument("--eval-seqlen", type=int, default=0, help="tokens per evaluation window (0: --seqlen)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the undistilled row (\"none\")")
     parser.add_argument("--split", default="dev", choices=("dev", "test"),
                         help="the evaluation split: dev to choose settings, test to report")
@@ -166,7 +169,8 @@ def main() -> None:
         qb = copy.deepcopy(qmodel).to(torch.bfloat16)
         out = {}
         for text in ("wiki", "pydocs"):
-            ev = evaluate(qb, tok, text=text, seqlen=args.seqlen, max_windows=args.windows, reference=reference,
+            ev = evaluate(qb, tok, text=text, seqlen=args.eval_seqlen or args.seqlen, max_windows=args.windows,
+                          reference=reference,
                           split=args.split)
             out[text] = {"perplexity": ev.perplexity, "ratio": ev.perplexity / ev.reference_perplexity,
                          "kl": ev.kl_divergence, "top1": ev.top1_agreement, "bf16": ev.reference_perplexity}
@@ -182,11 +186,14 @@ def main() -> None:
             with torch.enable_grad():
                 # the written windows' teacher was kept at the row's top-k: another top-k takes its own teacher pass
                 fits = known is not None and known["logp"].shape[-1] == cfg.distill_topk
-                metrics = distill(qmodel, model, own, calib, cfg, known_teacher=known if fits else None)
+                fits = fits and not args.distill_seqlen
+                short = calib[:, : args.distill_seqlen] if args.distill_seqlen else calib
+                metrics = distill(qmodel, model, own, short, cfg, known_teacher=known if fits else None)
         rec = {"model": args.model, "row": args.row, "variant": name, "overrides": overrides, "config": cfg.to_dict(),
                "quant": meta, "distill": metrics, "scores": scores(qmodel), "load": os.getloadavg(),
                "threads": args.threads, "calib_samples": args.calib_samples, "windows": args.windows,
-               "split": args.split}
+               "split": args.split, "distill_seqlen": args.distill_seqlen or args.seqlen,
+               "eval_seqlen": args.eval_seqlen or args.seqlen}
         with open(results, "a") as f:
             f.write(json.dumps(rec) + "\n")
         s = rec["scores"]
