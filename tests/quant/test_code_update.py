@@ -16,6 +16,12 @@ KD = {"distill_iters": 6, "distill_lr": 0.17, "distill_norm_lr": 3e-3, "distill_
       "train_dtype": "float32"}
 
 
+@pytest.fixture
+def no_cap(monkeypatch):
+    """Proposals that reach the wanted centroids whatever their distance."""
+    monkeypatch.setattr("vptq_core.quant.code_update.MOVE_CAP", float("inf"))
+
+
 @pytest.fixture(scope="module")
 def windows() -> torch.Tensor:
     return torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(2))
@@ -41,7 +47,7 @@ def _crafted(layer: CodeLinear, moves: dict[int, int], norm_scale: torch.Tensor 
     return rms_g / rms_cb
 
 
-def test_a_crafted_gradient_moves_exactly_the_vectors_it_points_elsewhere():
+def test_a_crafted_gradient_moves_exactly_the_vectors_it_points_elsewhere(no_cap):
     st = random_vq_state(32, 24, vector_len=4, num_centroids=16, group_num=2, seed=3)
     layer = CodeLinear(st)
     start = layer._rows.clone()
@@ -57,7 +63,7 @@ def test_a_crafted_gradient_moves_exactly_the_vectors_it_points_elsewhere():
     assert layer.grad is None and layer.propose(step, 0.5) is None  # the gradient is used once
 
 
-def test_the_share_keeps_the_vectors_that_gain_most():
+def test_the_share_keeps_the_vectors_that_gain_most(no_cap):
     st = random_vq_state(16, 16, vector_len=4, num_centroids=16, seed=4)
     layer = CodeLinear(st)
     codebook = layer.params["centroids"].detach().reshape(-1, 4)
@@ -69,7 +75,7 @@ def test_the_share_keeps_the_vectors_that_gain_most():
     assert sorted(gains[p] for p in positions.tolist()) == sorted(gains.values())[-4:]  # (ties: either one)
 
 
-def test_the_gain_is_measured_in_weight_space_under_normalisation():
+def test_the_gain_is_measured_in_weight_space_under_normalisation(no_cap):
     """With weight_scale the proposal is found in codebook space and the gain weighs each column by scale²."""
     st = random_vq_state(16, 8, vector_len=4, num_centroids=16, norm=True, seed=5)
     layer = CodeLinear(st)
@@ -78,6 +84,29 @@ def test_the_gain_is_measured_in_weight_space_under_normalisation():
     step = _crafted(layer, moves, norm_scale=scale)
     positions, rows = layer.propose(step, share=1.0)
     assert dict(zip(positions.tolist(), rows.tolist(), strict=True)) == moves
+
+
+def test_a_far_proposal_is_clipped_to_the_cap():
+    """One vector with a huge gradient: clipped, its proposal stays within MOVE_CAP x a centroid's RMS length,
+    so it moves to a centroid near its own, not the far one the gradient points at."""
+    from vptq_core.quant.code_update import MOVE_CAP
+
+    st = random_vq_state(16, 16, vector_len=4, num_centroids=16, seed=7)
+    layer = CodeLinear(st)
+    codebook = layer.params["centroids"].detach().reshape(-1, 4)
+    old = int(layer._rows[3])
+    far = int((codebook - codebook[old]).norm(dim=1).argmax())
+    cap = MOVE_CAP * float(codebook.pow(2).mean().sqrt()) * 2
+    g = torch.zeros(4, 16, 4)
+    g[0, 3] = (codebook[old] - codebook[far]) * 100
+    layer.grad = g.permute(0, 2, 1).reshape(16, 16)
+    got = layer.propose(1.0, share=1.0)
+    target = codebook[old] + cap * (codebook[far] - codebook[old]) / (codebook[far] - codebook[old]).norm()
+    nearest = int((codebook - target).norm(dim=1).argmin())
+    if nearest == old:
+        assert got[0].numel() == 0
+    else:
+        assert got[0].tolist() == [3] and got[1].tolist() == [nearest] and nearest != far
 
 
 def test_codes_of_a_worse_check_are_not_kept():

@@ -9,12 +9,12 @@ proposed weight, the current one moved against the gradient, is searched (``kmea
     gain = s² (||c_old - t||² - ||c_new - t||²)       (the squared distance to the proposal saved, in weight space)
 
 ``eta`` makes the move relative: ``distill_code_step`` times the codebook's RMS, over the RMS of ``s * g`` of the
-layer's vectors. Of the vectors whose nearest centroid changed, at most ``distill_code_share`` of the layer's
-vectors, those with the largest gain, take the new code; the others keep theirs, so a step never moves much of the
-model at once. The distance is Euclidean in weight space (no Hessian), which is what the first-order step plus a
-proximal term minimises. The residual codes and the outlier columns stay as they are (a main code's proposal
-already holds the residual fixed: it cancels out of ``t``), and so do the vectors of a partial last row (rows
-past the layer's outputs, whose padding would count in the distance).
+layer's vectors; one vector's move is clipped to ``MOVE_CAP`` times the RMS length of a centroid. Of the vectors whose
+nearest centroid changed, at most ``distill_code_share`` of the layer's vectors, those with the largest gain, take the
+new code; the others keep theirs, so a step never moves much of the model at once. The distance is Euclidean in weight
+space (no Hessian), which is what the first-order step plus a proximal term minimises. The residual codes and the
+outlier columns stay as they are (a main code's proposal already holds the residual fixed: it cancels out of ``t``), and
+so do the vectors of a partial last row (rows past the layer's outputs, whose padding would count in the distance).
 
 The codes follow the held-out checks as the codebooks do: the codes of the kept check are the ones written into
 the layer states (``CodeUpdates.finish``), in the states' own index dtype, so the packed format holds them.
@@ -31,6 +31,10 @@ from vptq_core.kernels.reference import as_index
 from .kmeans import CodebookSearch
 from .states import VQLayerState
 from .trainable import CodebookLinear, trainable_linear
+
+# The longest proposed move of one vector, in units of its codebook's RMS x sqrt(vector length) (the RMS length of
+# a centroid).
+MOVE_CAP = 0.5
 
 
 class _Tap(torch.autograd.Function):
@@ -94,9 +98,15 @@ class CodeLinear(CodebookLinear):
         g_rms = float(g.pow(2).mean().sqrt())
         if g_rms == 0.0:
             return None
-        eta = step * float(codebook.pow(2).mean().sqrt()) / g_rms
+        cb_rms = float(codebook.pow(2).mean().sqrt())
+        move = g * (step * cb_rms / g_rms)  # [full, cols, v]
+        # a few vectors' gradients are many times the layer's RMS: unclipped, their proposals land far outside the
+        # region the linear step describes, and re-assigning them (they gain most) wrecks the layer
+        cap = MOVE_CAP * cb_rms * math.sqrt(v)
+        norms = move.norm(dim=-1, keepdim=True)
+        move = move * torch.clamp(cap / norms.clamp_min(1e-30), max=1.0)
         old = self.codes()[:full]  # [full, cols]
-        target = codebook[old] - eta * g  # [full, cols, v]
+        target = codebook[old] - move
         new = torch.empty_like(old)
         for group in range(G):
             part = slice(group * gs, (group + 1) * gs)
