@@ -1,12 +1,17 @@
 """Discrete code updates of VPTQ layers during end-to-end distillation: the codes move too, not only the codebooks
 (docs/methods.md#discrete-code-updates).
 
-Every ``distill_code_every`` steps, the step's gradient of each VPTQ layer's weight is kept (``CodeLinear``, the
-trainable form with a gradient tap) and, for every main vector, the nearest centroid of its codebook to a
-proposed weight, the current one moved against the gradient, is searched (``kmeans.CodebookSearch``):
+Every ``distill_code_every`` steps, the gradient of each VPTQ layer's weight summed over the steps since the last
+update (``CodeLinear``, the trainable form with a gradient tap) is used: for every main vector, the nearest
+centroid of its codebook to a proposed weight, the current one moved against the gradient, is searched
+(``kmeans.CodebookSearch``):
 
     t = c_old - eta * s * g      (codebook space; s: the column's ``weight_scale``, 1 without normalisation)
-    gain = s² (||c_old - t||² - ||c_new - t||²)       (the squared distance to the proposal saved, in weight space)
+    gain = h s² (||c_old - t||² - ||c_new - t||²)     (the squared distance to the proposal saved, in weight space)
+
+with ``g`` divided by ``h``, the column's share of the diagonal of the layer's Hessian (the mean squared input of
+the steps since the last update, relative to the layer's mean): a Newton step on that diagonal, the distance
+weighted by it.
 
 ``eta`` makes the move relative: ``distill_code_step`` times the codebook's RMS, over the RMS of ``s * g`` of the
 layer's vectors; one vector's move is clipped to ``MOVE_CAP`` times the RMS length of a centroid. Of the vectors whose
@@ -59,6 +64,14 @@ class CodeLinear(CodebookLinear):
         super().__init__(state, bias, device)
         self.armed = False
         self.grad: torch.Tensor | None = None
+        self.x_sq: torch.Tensor | None = None  # sum of the squared inputs per stored column while armed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed and torch.is_grad_enabled():
+            xs = x.detach().float().reshape(-1, x.shape[-1]).pow(2).sum(0)
+            xs = xs if self._perm is None else xs[self._perm]
+            self.x_sq = xs if self.x_sq is None else self.x_sq + xs
+        return super().forward(x)
 
     def stored_weight(self) -> torch.Tensor:
         weight = super().stored_weight()
@@ -79,6 +92,7 @@ class CodeLinear(CodebookLinear):
         """From the kept gradient (then dropped): (flat positions in ``_rows``, their new codebook rows) of the
         vectors to re-assign, at most ``share`` of the layer's vectors; None without a gradient."""
         grad, self.grad = self.grad, None
+        x_sq, self.x_sq = self.x_sq, None
         if grad is None:
             return None
         spec = self.spec
@@ -93,7 +107,11 @@ class CodeLinear(CodebookLinear):
             scale = (scale if self._perm is None else scale[self._perm])[spec.outlier_size :]
         else:
             scale = torch.ones(cols, device=g.device)
-        g = g.view(full, v, cols).permute(0, 2, 1) * scale.view(1, cols, 1)  # [full, cols, v]: codebook space
+        # the diagonal of the layer's Hessian (the inputs' second moments) per column: the step is Newton's on
+        # that diagonal, the distance weighted by it, so columns that see large inputs move little
+        h = x_sq[spec.outlier_size :] if x_sq is not None else torch.ones(cols, device=g.device)
+        h = (h / h.mean().clamp_min(1e-30)).clamp_min(1e-6)
+        g = g.view(full, v, cols).permute(0, 2, 1) * (scale / h).view(1, cols, 1)  # [full, cols, v]: codebook space
         codebook = self.params["centroids"].detach().float().reshape(G * k, v)
         g_rms = float(g.pow(2).mean().sqrt())
         if g_rms == 0.0:
@@ -114,7 +132,7 @@ class CodeLinear(CodebookLinear):
             found = search(target[:, part].reshape(-1, v).contiguous())
             new[:, part] = found.view(full, gs) + group * k
         gain = ((codebook[old] - target).pow(2).sum(-1) - (codebook[new] - target).pow(2).sum(-1))
-        gain = gain * scale.view(1, cols).pow(2)
+        gain = gain * (scale.pow(2) * h).view(1, cols)
         gain = torch.where((new != old) & (gain > 0), gain, torch.zeros_like(gain)).flatten()
         most = max(1, math.floor(share * self._rows.numel()))
         top = torch.topk(gain, min(most, gain.numel()))
@@ -156,14 +174,16 @@ class CodeUpdates:
         return layer
 
     def before_step(self) -> None:
-        """Before a step's loss: arm the taps when this step is due for a code update."""
+        """Before a step's loss: arm the taps (the gradients add up until the next code update: one window's
+        gradient alone is noisy)."""
         self._steps += 1
-        due = self._steps % self.every == 0
         for layer in self.layers.values():
-            layer.armed = due
+            layer.armed = True
 
     def after_step(self) -> None:
-        """After a step's update: re-assign the codes the armed step's gradient proposes."""
+        """After a step's update: on a due step, re-assign the codes the gradients since the last update propose."""
+        if self._steps % self.every:
+            return
         with torch.no_grad():
             for layer in self.layers.values():
                 layer.armed = False
