@@ -6,8 +6,9 @@ seed 0); distillation also gets the held-out check windows drawn on top of them,
 default); its layer states are cached under ``--cache`` (safetensors + JSON) so later runs skip the quantization.
 Each variant distils a fresh copy of that quantized model with the row's distillation settings overridden by the
 variant's, then the model is evaluated in bf16 against the bf16 original on ``--windows`` held-out windows of the
-same length of wiki (odd articles) and of Python's docs (pydocs, odd topics: another domain). Results are appended
-to ``--results`` (one JSON line per variant; a variant already there is skipped).
+same length of wiki and of Python's docs (pydocs, another domain), from ``--split``: "dev" (default) to choose
+settings, "test" to report. Results are appended to ``--results`` (one JSON line per variant; a variant already
+there is skipped). VPTQ rows take the discrete code updates as variants too (``distill_code_every=4,...``).
 
     python bench/distill_variants.py --row vptq-2.5-alloc-kd64 \\
         --variants calib64:distill_data=calibration sampled64:distill_data=sampled \\
@@ -100,6 +101,12 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=16)
     parser.add_argument("--seqlen", type=int, default=512, help="tokens per calibration and evaluation window")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--distill-seqlen", type=int, default=0,
+                        help="distil on the first N tokens of each calibration window (0: all of them)")
+    parser.add_argument("--eval-seqlen", type=int, default=0, help="tokens per evaluation window (0: --seqlen)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the undistilled row (\"none\")")
+    parser.add_argument("--split", default="dev", choices=("dev", "test"),
+                        help="the evaluation split: dev to choose settings, test to report")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     method, config, _ = ROWS[args.row]
@@ -162,12 +169,14 @@ def main() -> None:
         qb = copy.deepcopy(qmodel).to(torch.bfloat16)
         out = {}
         for text in ("wiki", "pydocs"):
-            ev = evaluate(qb, tok, text=text, seqlen=args.seqlen, max_windows=args.windows, reference=reference)
+            ev = evaluate(qb, tok, text=text, seqlen=args.eval_seqlen or args.seqlen, max_windows=args.windows,
+                          reference=reference,
+                          split=args.split)
             out[text] = {"perplexity": ev.perplexity, "ratio": ev.perplexity / ev.reference_perplexity,
                          "kl": ev.kl_divergence, "top1": ev.top1_agreement, "bf16": ev.reference_perplexity}
         return out
 
-    for name, overrides in [("none", {})] + variants:
+    for name, overrides in ([] if args.no_baseline else [("none", {})]) + variants:
         if (args.row, name) in done:
             continue
         qmodel, own = quantized()
@@ -177,10 +186,14 @@ def main() -> None:
             with torch.enable_grad():
                 # the written windows' teacher was kept at the row's top-k: another top-k takes its own teacher pass
                 fits = known is not None and known["logp"].shape[-1] == cfg.distill_topk
-                metrics = distill(qmodel, model, own, calib, cfg, known_teacher=known if fits else None)
+                fits = fits and not args.distill_seqlen
+                short = calib[:, : args.distill_seqlen] if args.distill_seqlen else calib
+                metrics = distill(qmodel, model, own, short, cfg, known_teacher=known if fits else None)
         rec = {"model": args.model, "row": args.row, "variant": name, "overrides": overrides, "config": cfg.to_dict(),
                "quant": meta, "distill": metrics, "scores": scores(qmodel), "load": os.getloadavg(),
-               "threads": args.threads, "calib_samples": args.calib_samples, "windows": args.windows}
+               "threads": args.threads, "calib_samples": args.calib_samples, "windows": args.windows,
+               "split": args.split, "distill_seqlen": args.distill_seqlen or args.seqlen,
+               "eval_seqlen": args.eval_seqlen or args.seqlen}
         with open(results, "a") as f:
             f.write(json.dumps(rec) + "\n")
         s = rec["scores"]

@@ -248,13 +248,14 @@ def render_variants(name: str, records: list[dict]) -> str:
         distill = r.get("distill") if isinstance(r.get("distill"), dict) else {}
         line += [_check_kl(distill), fmt(distill.get("seconds"), 0)]
         body.append(line)
-        key = (r.get("model") or DEFAULT_MODEL, r.get("row", ""), r.get("windows"), r.get("threads"))
+        key = (r.get("model") or DEFAULT_MODEL, r.get("row", ""), r.get("windows"), r.get("threads"),
+               r.get("calib_samples"), r.get("split"), r.get("distill_seqlen"), r.get("eval_seqlen"))
         if r["variant"] != "none":
             commands.setdefault(key, []).append(f"{r['variant']}:{_overrides_text(r.get('overrides'))}")
         else:
             commands.setdefault(key, [])
     lines = []
-    for (model, row, windows, threads), variants in commands.items():
+    for (model, row, windows, threads, calib_samples, split, distill_len, eval_len), variants in commands.items():
         parts = ["python bench/distill_variants.py"]
         if model != DEFAULT_MODEL:
             parts.append(f"--model {model}")
@@ -263,6 +264,14 @@ def render_variants(name: str, records: list[dict]) -> str:
             parts.append(f"--windows {windows}")
         if threads:
             parts.append(f"--threads {threads}")
+        if calib_samples and calib_samples != 32:
+            parts.append(f"--calib-samples {calib_samples}")
+        if split:
+            parts.append(f"--split {split}")
+        if distill_len and distill_len != 512:
+            parts.append(f"--distill-seqlen {distill_len}")
+        if eval_len and eval_len != 512:
+            parts.append(f"--eval-seqlen {eval_len}")
         parts.append(f"--results bench/results/{name}")
         if variants:
             parts.append("--variants " + " ".join(variants))

@@ -69,7 +69,8 @@ SMOKES: dict[str, Smoke] = {
         ("| variant | median s per step | × first row | steps timed |", "| float32 |")),
     "bench/distill_variants.py": Smoke(
         ("--model", TINY, "--row", "rtn-2", "--variants", "kd1:distill_iters=1", "--calib-samples", "2",
-         "--seqlen", "32", "--windows", "1", "--threads", "1", "--cache", "{root}/distill_variants/cache",
+         "--seqlen", "32", "--distill-seqlen", "16", "--windows", "1", "--threads", "1",
+         "--cache", "{root}/distill_variants/cache",
          "--results", "{root}/distill_variants/results.jsonl"),
         ("| variant | settings | wiki ppl | x bf16 |", "| kd1 |", "| none |")),
     "bench/finetune.py": Smoke(

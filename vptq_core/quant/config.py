@@ -132,6 +132,19 @@ class DistillSettings(ConfigBase):
     distill_topk: int = setting(64, lo=1, hi=1 << 20, help="the teacher's top tokens per position the KL keeps "
                                 "(the rest: one bucket)")
     distill_holdout: float = setting(0.125, lo=0.0, hi=0.5, help="share of the calibration windows held out")
+    # Discrete updates of the VPTQ main codes during distillation (quant/code_update.py): every this many steps,
+    # each vector's nearest centroid to its weight moved against its gradient is found, and the vectors that gain
+    # most move to it. 0 = the codes stay fixed.
+    distill_code_every: int = setting(0, lo=0, hi=1000000, zero="off",
+                                      help="VPTQ: distillation steps between discrete code updates (0: codes fixed)")
+    distill_code_share: float = setting(0.02, lo=0.0, hi=1.0, lo_open=True,
+                                        help="VPTQ: share of each layer's vectors a code update may re-assign "
+                                        "(those that gain most)")
+    # Relative, as distill_lr: the proposed move of a layer's vectors is this times its codebook's RMS (in RMS
+    # over the vectors), along the negative gradient.
+    distill_code_step: float = setting(0.25, lo=0.0, hi=100.0, lo_open=True,
+                                       help="VPTQ: the code update's proposed move along the negative gradient, "
+                                       "relative to the codebook's RMS")
     # Activation checkpointing of the decoder blocks during distillation: "auto" = off when the saved
     # activations of one step fit a quarter of the free memory of the device (student.use_checkpointing).
     distill_checkpointing: bool | str = setting("auto", choices=(True, False, "auto"),

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from .calib_windows import holdout_count
+from .code_update import CodeUpdates
 from .config import DistillSettings
 from .device import compute_dtype
 from .sampling import SAMPLE_BATCH, sample_windows
@@ -275,6 +276,8 @@ def _train(qmodel: nn.Module, states: dict, data: _Data, config: DistillSettings
     metrics["checkpointing"] = checkpointing
     student = Student(qmodel, checkpointing)
     check_head(student, qmodel, windows)
+    codes = (CodeUpdates(config.distill_code_every, config.distill_code_share, config.distill_code_step)
+             if config.distill_code_every else None)  # discrete code updates (code_update.py)
 
     def heldout_kl() -> float:
         with torch.no_grad():
@@ -283,17 +286,23 @@ def _train(qmodel: nn.Module, states: dict, data: _Data, config: DistillSettings
                 total += float(student.kl_sum(windows[i : i + 1], teacher, torch.tensor([i], device=device)))
         kl = total / (data.heldout.numel() * tokens)
         metrics.setdefault("kl_before", kl)  # the first check: the starting point
+        if codes is not None:
+            codes.checked(kl)
         return kl
 
     batches = (data.where[rows] for rows in minibatches(data.where.numel(), config.distill_batch, config.seed))
 
     def step_loss() -> torch.Tensor:
         rows = next(batches)
+        if codes is not None:
+            codes.before_step()
         return student.kl_sum(windows[rows], teacher, rows) / (rows.numel() * tokens)
 
     def step_done(step: int, value: float) -> None:
         if not math.isfinite(value):
             raise FloatingPointError(f"distillation loss is {value} at step {step}")
+        if codes is not None:
+            codes.after_step()
         metrics.setdefault("train_kl_first", value)
         metrics["train_kl_last"] = value
         metrics["steps"] = step
@@ -301,6 +310,8 @@ def _train(qmodel: nn.Module, states: dict, data: _Data, config: DistillSettings
             on_step(step, value)
 
     def make(name: str, linear: nn.Module) -> nn.Module:
+        if codes is not None:
+            return codes.linear(name, states[name], linear.bias, device)
         return trainable_linear(states[name], linear.bias, device)
 
     try:
@@ -313,6 +324,8 @@ def _train(qmodel: nn.Module, states: dict, data: _Data, config: DistillSettings
                     groups, step_loss, heldout_kl, config.distill_iters, eval_every=eval_every(config),
                     warmup_fraction=WARMUP_FRACTION, device=device, dtype=compute_dtype(config.train_dtype, device),
                     should_stop=should_stop, on_step=step_done, deadline=deadline, on_plan=on_plan)
+            if codes is not None:
+                metrics.update(codes_moved=codes.finish(result.best_index), code_updates=codes.changed)
             write_back(linears, trainables, states)
     finally:
         for p, dt in zip(dense, dense_dtypes, strict=True):
