@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 
 REPEAT_NGRAM = 4
-# Above this share of repeated 4-grams a written window counts as degenerate (bench/sampling.py --repetition).
+# Above this share of repeated 4-grams a written window counts as degenerate: above every text window of the
+# calib splits and every ordinary sample of the original measured (bench/sampling.py --repetition; the figures are
+# in bench/results/sampling_dtype_spr.txt), far below a loop's share.
 MAX_REPEATED_SHARE = 0.5
 
 
