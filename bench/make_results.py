@@ -48,7 +48,10 @@ SECTIONS = (
     Section("Quality vs bits", ("quality_*.jsonl",),
             "Rows of `bench/quality.py`: the model quantized on wiki calibration windows, then evaluated in bf16 "
             "against the bf16 original on held-out wiki and on Python's documentation (pydocs, another domain). "
-            "KL is the mean KL(P_bf16 ‖ P_quant) per token; top-1 the agreement of the greedy next token."),
+            "KL is KL(P_bf16 ‖ P_quant) per token; top-1 / same top the agreement of the greedy next token; Δp the "
+            "change of the probability of the original's top token. Tables with seeds use the evaluation protocol "
+            "of [methods.md](methods.md#evaluation-protocol) (test split, dev split for choosing settings); the "
+            "others are marked as the old protocol."),
     Section("Distillation variants", ("distill_*.jsonl",),
             "Rows of `bench/distill_variants.py`: one quantization of a `bench/quality.py` row, distilled once "
             "per variant (its settings override the row's), evaluated as above. Check KL: the held-out check "
@@ -145,14 +148,23 @@ def _windows(record: dict) -> int | None:
 
 
 def _quality_command(name: str, records: list[dict]) -> list[str]:
-    """One `bench/quality.py` command per distinct (model, calibration windows, evaluation windows, threads)."""
+    """One `bench/quality.py` command per distinct (model, calibration windows, evaluation windows, threads, seeds,
+    calibration-window evaluation)."""
+    seeds_of: dict[str, list[int]] = {}
+    for r in records:
+        if isinstance(r.get("seed"), int):
+            seeds_of.setdefault(str(r["row"]), []).append(r["seed"])
     groups: dict[tuple, list[str]] = {}
     for r in records:
         calib = r.get("calib") if isinstance(r.get("calib"), dict) else {}
-        key = (r.get("model") or DEFAULT_MODEL, calib.get("samples"), _windows(r), r.get("threads"))
-        groups.setdefault(key, []).append(str(r["row"]))
+        seeds = tuple(sorted(set(seeds_of.get(str(r["row"]), []))))
+        skip = "scores" in r and r.get("calib_perplexity") is None
+        key = (r.get("model") or DEFAULT_MODEL, calib.get("samples"), _windows(r), r.get("threads"), seeds, skip)
+        rows = groups.setdefault(key, [])
+        if str(r["row"]) not in rows:
+            rows.append(str(r["row"]))
     commands = []
-    for (model, samples, windows, threads), rows in groups.items():
+    for (model, samples, windows, threads, seeds, skip), rows in groups.items():
         parts = ["python bench/quality.py"]
         if model != DEFAULT_MODEL:
             parts.append(f"--model {model}")
@@ -162,13 +174,87 @@ def _quality_command(name: str, records: list[dict]) -> list[str]:
             parts.append(f"--windows {windows}")
         if threads:
             parts.append(f"--threads {threads}")
+        if seeds and seeds != (0,):
+            parts.append("--seeds " + " ".join(str(s) for s in seeds))
+        if skip:
+            parts.append("--skip-calib-eval")
         parts.append("--rows " + " ".join(rows))
         parts.append(f"--results bench/results/{name}")
         commands.append(" ".join(parts))
     return commands
 
 
+OLD_PROTOCOL = ("**Old protocol**: evaluated on the first 16 windows of the odd documents (today's dev and test "
+                "splits together), one seed; these figures do not compare with the test-split tables.")
+SPLIT_TEXTS = ("wiki", "pydocs")
+
+
+def _spread(values: list[float], digits: int = 3, scale: float = 1.0, sign: str = "") -> str:
+    """Mean and, over more than one value, min–max."""
+    vals = [scale * v for v in values]
+    text = f"{sum(vals) / len(vals):{sign}.{digits}f}"
+    if len(vals) > 1:
+        text += f" ({min(vals):{sign}.{digits}f}–{max(vals):{sign}.{digits}f})"
+    return text
+
+
+def _split_cells(group: list[dict], text: str) -> list[str]:
+    def values(split: str, stat: str) -> list[float]:
+        got = [r["scores"].get(f"{text}/{split}") for r in group]
+        return [g[stat] for g in got if isinstance(g, dict) and g.get(stat) is not None]
+
+    def ratios(split: str) -> list[float]:
+        return [a / b for a, b in zip(values(split, "perplexity"), values(split, "reference_perplexity"))]
+
+    def mean(stat: str, digits: int, scale: float = 1.0, sign: str = "") -> str:
+        got = values("test", stat)
+        return f"{scale * sum(got) / len(got):{sign}.{digits}f}" if got else "—"
+
+    if not values("test", "perplexity"):
+        return ["—"] * 7
+    dev = ratios("dev")
+    return [_spread(ratios("test")) + "×", _spread(values("test", "kl_divergence")), mean("kl_median", 4),
+            mean("kl_p99", 2), mean("delta_p_mean", 2, 100, "+") + "%", mean("top1_agreement", 1, 100) + "%",
+            _spread(dev) + "×" if dev else "—"]
+
+
+def render_quality_seeds(name: str, records: list[dict]) -> str:
+    """Rows of the split protocol: per row, mean (min–max) over its seeds on the test split of both texts, and
+    × bf16 on their dev split."""
+    groups: dict[str, dict[object, dict]] = {}
+    for r in records:  # a later record of a (row, seed) replaces an earlier one
+        groups.setdefault(str(r["row"]), {})[r.get("seed")] = r
+    headers = ["row", "what", "seeds", "total bits"]
+    for text in SPLIT_TEXTS:
+        headers += [f"{text} test × bf16", "KL mean", "KL median", "KL p99", "Δp mean", "same top",
+                    f"{text} dev × bf16"]
+    headers.append("seconds")
+    body = []
+    for row, by_seed in groups.items():
+        group = [by_seed[k] for k in sorted(by_seed, key=lambda s: s if isinstance(s, int) else -1)]
+        line = [row, group[0].get("label", ""), " ".join(str(r.get("seed", "—")) for r in group),
+                fmt(sum(r["total_bits"] for r in group) / len(group))]
+        for text in SPLIT_TEXTS:
+            line += _split_cells(group, text)
+        line.append(_spread([r.get("quant_seconds") or 0.0 for r in group], 0))
+        body.append(line)
+    reference = sorted({"; ".join(f"{text} test {fmt(r['scores'][f'{text}/test']['reference_perplexity'])}"
+                                  for text in SPLIT_TEXTS if f"{text}/test" in r["scores"]) for r in records})
+    models = sorted({r.get("model") or DEFAULT_MODEL for r in records})
+    protocols = sorted({str(r.get("protocol", "")) for r in records if r.get("protocol")})
+    intro = (source_line(name) + f" Model: {', '.join(models)}. bf16 perplexity: {' / '.join(reference)}. "
+             "Test split (headline) and dev split of each text; mean and min–max over the seeds (KL median, p99, "
+             "Δp and same top: means).")
+    parts = [intro]
+    if protocols:
+        parts.append(code_block([f"evaluation: {p}" for p in protocols]))
+    parts += [table(headers, body), commands_block(_quality_command(name, records))]
+    return "\n\n".join(parts)
+
+
 def render_quality(name: str, records: list[dict]) -> str:
+    if any(isinstance(r.get("scores"), dict) for r in records):
+        return render_quality_seeds(name, [r for r in records if isinstance(r.get("scores"), dict)])
     latest: dict[str, dict] = {}
     for r in records:  # a later record of a row replaces an earlier one, as bench/quality.py reads the file
         latest[str(r["row"])] = r
@@ -200,7 +286,7 @@ def render_quality(name: str, records: list[dict]) -> str:
         f", pydocs {fmt(r['ood_bf16_perplexity'])}" if r.get("ood_bf16_perplexity") else "") for r in rows})
     models = sorted({r.get("model") or DEFAULT_MODEL for r in rows})
     parts = [source_line(name) + f" Model: {', '.join(models)}. bf16 perplexity: {'; '.join(reference)}.",
-             table(headers, body), commands_block(_quality_command(name, rows))]
+             OLD_PROTOCOL, table(headers, body), commands_block(_quality_command(name, rows))]
     return "\n\n".join(parts)
 
 
@@ -293,8 +379,8 @@ def render_jsonl(path: Path, name: str) -> str:
 # ---------------------------------------------------------------------------------------------- presets log
 RUN_HEAD = re.compile(r"^== (?:\((?P<env>[^)]*)\) )?(?:(?P<date>\d{4}-\d\d-\d\d) )?(?P<time>\d\d:\d\d:\d\d) "
                       r"(?P<name>[\w.-]+): (?P<args>.*)$")
-EVAL_LINE = re.compile(r"^\s*(?P<text>wiki|pydocs)\s+(?P<ppl>[\d.]+) \(bf16 (?P<bf16>[\d.]+)\) = (?P<ratio>[\d.]+)x"
-                       r"(?:, KL (?P<kl>[\d.]+))?")
+EVAL_LINE = re.compile(r"^\s*(?P<text>wiki|pydocs)\s+(?:(?P<split>test|dev|eval)\s+)?(?P<ppl>[\d.]+) "
+                       r"\(bf16 (?P<bf16>[\d.]+)\) = (?P<ratio>[\d.]+)x(?:, KL (?P<kl>[\d.]+))?")
 
 
 @dataclass
@@ -322,7 +408,8 @@ class Run:
             match = EVAL_LINE.match(line)
             if match:
                 kl = f", KL {match['kl']}" if match["kl"] else ""
-                scores[match["text"]] = f"{match['ratio']}×{kl}"
+                split = f" ({match['split']} split)" if match["split"] else ""
+                scores[match["text"]] = f"{match['ratio']}×{kl}{split}"
         return [self.when, self.name, f"`{self.args}`", f"{bits[1]} / {bits[2]}" if bits else "—",
                 scores.get("wiki", "—"), scores.get("pydocs", "—"),
                 f"{steps[1]} of {steps[2]}, {steps[3]} → {steps[4]} ({steps[5]})" if steps else "—",
@@ -381,6 +468,10 @@ def render_presets_log(path: Path, name: str) -> str:
     headers = ["time (UTC)", "run", "arguments", "bits: total / index", "wiki × bf16", "pydocs × bf16",
                "distillation steps, check KL (best step)", "pipeline s", "wall", "peak RSS"]
     parts = [source_line(name)]
+    if not any(EVAL_LINE.match(line) and EVAL_LINE.match(line)["split"] for g in groups for run in g.runs
+               for line in run.lines):
+        parts.append("**Old protocol**: evaluated on the first windows of the odd documents (today's dev and test "
+                     "splits together), one seed per run; these figures do not compare with the test-split tables.")
     for group in groups:
         if group.notes:
             parts.append(code_block(group.notes))

@@ -1,5 +1,6 @@
 """Summary of one `bench/preset_run.sh` run: wall time and peak memory, bits, phase timings, the sensitivity plan,
-the distillation's check KL, and perplexity against bf16 on both held-out texts.
+the distillation's check KL, and perplexity against bf16 on the held-out split `eval` used (test by default) of
+both texts, with the KL statistics (mean, median, p99) and Δp of the original's top token.
 
 usage: python bench/preset_summary.py NAME [NAME ...]   (env OUT, default /tmp/presets, as for preset_run.sh)
 """
@@ -33,8 +34,11 @@ def summary(root: Path, name: str) -> str:
     for text in ("wiki", "pydocs"):
         e = json.loads((root / f"{name}_{text}.json").read_text())
         ratio = e["perplexity"] / e["reference_perplexity"]
-        lines.append(f"  {text:6s} {e['perplexity']:.3f} (bf16 {e['reference_perplexity']:.3f}) = {ratio:.3f}x, "
-                     f"KL {e['kl_divergence']:.4f}, top-1 {100 * e['top1_agreement']:.2f}%")
+        split = f"{e['split']} " if e.get("split") else ""  # the held-out split `eval` used (test by default)
+        stats = (f", KL median {e['kl_median']:.4f}, p99 {e['kl_p99']:.3f}, Δp {100 * e['delta_p_mean']:+.2f}%"
+                 if e.get("kl_median") is not None else "")
+        lines.append(f"  {text:6s} {split}{e['perplexity']:.3f} (bf16 {e['reference_perplexity']:.3f}) = "
+                     f"{ratio:.3f}x, KL {e['kl_divergence']:.4f}, top-1 {100 * e['top1_agreement']:.2f}%{stats}")
     return "\n".join(lines)
 
 

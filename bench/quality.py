@@ -1,13 +1,17 @@
 """Quality vs bits on SmolLM2-135M-Instruct: bf16, RTN, GPTQ, VPTQ (and LRQ) with the same data and code.
 
-Each row quantizes the model with the block pipeline (calibration: bundled wiki, even articles), then
-evaluates the quantized model in bf16 against the bf16 original on held-out text of the same domain (wiki,
-odd articles) and of another domain (Python's documentation, odd topics: technical prose and code):
-perplexity, mean KL(P_bf16 || P_quant) and top-1 agreement. Results are appended to a JSON-lines file
-so an interrupted run resumes; the table is printed from that file.
+Each row quantizes the model with the block pipeline (calibration: the bundled wiki's "calib" split, windows drawn
+with the seed), then evaluates the quantized model in bf16 against the bf16 original on the held-out "dev" and
+"test" splits of the calibration's domain (wiki) and of another (pydocs: Python's documentation, technical prose
+and code); docs/methods.md#evaluation-protocol. Statistics as llama.cpp's ``--kl-divergence`` prints them:
+perplexity, KL(P_bf16 || P_quant) per token (mean, median, p99), Δp of the original's top token, same top token.
+With ``--seeds`` every row runs once per quantization seed (the calibration windows' and the method's) and the
+table shows the mean and the min–max over the seeds; the headline is the test split, dev is for choosing settings.
+Results are appended to a JSON-lines file (one line per row and seed) so an interrupted run resumes; the table is
+printed from that file.
 
-    python bench/quality.py                       # every row (tens of minutes on 2 cores)
-    python bench/quality.py --rows rtn-3 vptq-2   # some rows
+    python bench/quality.py                                 # every row, seed 0 (hours on 2 cores)
+    python bench/quality.py --rows gptq-3 gptq-4 --seeds 0 1 2
     python bench/quality.py --list
 """
 
@@ -184,8 +188,41 @@ ROWS: dict[str, tuple[str, object, str]] = {
 }
 
 
-def run_row(key: str, model, tok, calib: torch.Tensor, args) -> dict:
+TEXTS = ("wiki", "pydocs")  # the calibration's domain, another
+SPLITS = ("test", "dev")  # test: the reported figures; dev: for choosing settings
+STATS = ("perplexity", "reference_perplexity", "kl_divergence", "kl_median", "kl_p99", "delta_p_mean",
+         "delta_p_p01", "delta_p_p99", "top1_agreement")
+
+
+def scores(qmodel, tok, args, splits: tuple[str, ...] = SPLITS) -> tuple[dict, str]:
+    """``qmodel`` (bf16) against the bf16 original on each split of each text -> ({"wiki/test": {stat: value}},
+    the test split's protocol line)."""
+    out, protocol = {}, ""
+    for text in TEXTS:
+        for split in splits:
+            ev = evaluate(qmodel, tok, text=text, seqlen=args.seqlen, max_windows=args.windows,
+                          reference=args.reference, split=split)
+            out[f"{text}/{split}"] = {**{k: getattr(ev, k) for k in STATS}, "windows": ev.windows,
+                                      "tokens": ev.tokens}
+            protocol = protocol or ev.protocol()
+    return out, protocol
+
+
+def flat(found: dict) -> dict:
+    """The test split's figures under the keys older readers of the results know (wiki plain, pydocs ``ood_``)."""
+    out = {}
+    for text, prefix in (("wiki", ""), ("pydocs", "ood_")):
+        got = found.get(f"{text}/test")
+        if got:
+            out.update({f"{prefix}perplexity": got["perplexity"], f"{prefix}bf16_perplexity":
+                        got["reference_perplexity"], f"{prefix}kl": got["kl_divergence"],
+                        f"{prefix}top1": got["top1_agreement"]})
+    return out
+
+
+def run_row(key: str, model, tok, calib: torch.Tensor, args, seed: int = 0) -> dict:
     method, config, label = ROWS[key]
+    config = dataclasses.replace(config, seed=seed)
     t0 = time.perf_counter()
     kd_iters = getattr(config, "distill_iters", 0)
     before_kd = None
@@ -207,11 +244,8 @@ def run_row(key: str, model, tok, calib: torch.Tensor, args) -> dict:
             result.timings["sample_calibration"] = sample_s
         quant_only = time.perf_counter() - t0
         qb = copy.deepcopy(qmodel).to(torch.bfloat16)
-        before_kd = {"quant_seconds": quant_only}
-        for text, prefix in (("wiki", ""), ("pydocs", "ood_")):
-            ev = evaluate(qb, tok, text=text, seqlen=args.seqlen, max_windows=args.windows, reference=args.reference)
-            before_kd.update({f"{prefix}perplexity": ev.perplexity, f"{prefix}kl": ev.kl_divergence,
-                              f"{prefix}top1": ev.top1_agreement})
+        found, _ = scores(qb, tok, args, splits=("test",))
+        before_kd = {"quant_seconds": quant_only, "scores": found, **flat(found)}
         del qb
         t1 = time.perf_counter()
         with torch.enable_grad():
@@ -225,27 +259,27 @@ def run_row(key: str, model, tok, calib: torch.Tensor, args) -> dict:
     if args.save_dir:
         from vptq_core.storage.checkpoint import save_quantized
 
-        save_quantized(model, tok, result.states, Path(args.save_dir) / key, dtype=torch.bfloat16,
+        name = key if seed == args.seeds[0] else f"{key}-seed{seed}"
+        save_quantized(model, tok, result.states, Path(args.save_dir) / name, dtype=torch.bfloat16,
                        report={"model": {"source": args.model}, "summary": result.summary()})
     qmodel = qmodel.to(torch.bfloat16)
-    ev = evaluate(qmodel, tok, text="wiki", seqlen=args.seqlen, max_windows=args.windows, reference=args.reference)
+    found, protocol = scores(qmodel, tok, args)
     # The calibration windows themselves (seen while quantizing), against the original on the same windows:
     # the gap to the held-out numbers shows how much a method fitted its calibration text.
     seen = None if args.skip_calib_eval else evaluate(qmodel, tok, windows=calib[: args.calib_samples],
                                                        reference=args.reference)
-    other = evaluate(qmodel, tok, text="pydocs", seqlen=args.seqlen, max_windows=args.windows,
-                     reference=args.reference)
     return {
-        "ood_text": "pydocs", "ood_perplexity": other.perplexity, "ood_bf16_perplexity": other.reference_perplexity,
-        "ood_kl": other.kl_divergence, "ood_top1": other.top1_agreement, "timings": result.summary()["timings"],
+        "row": key, "seed": seed, "eval_split": "test", "scores": found, **flat(found), "ood_text": "pydocs",
+        "timings": result.summary()["timings"],
         "calib_perplexity": seen and seen.perplexity, "calib_kl": seen and seen.kl_divergence,
         "calib_bf16_perplexity": seen and seen.reference_perplexity,
-        "model": args.model, "row": key, "label": label, "method": method, "config": config.to_dict(),
+        "model": args.model, "label": label, "method": method, "config": config.to_dict(),
         "before_distill": before_kd, "model_metrics": result.model_metrics, "load": os.getloadavg(),
         "index_bits": result.bits.index_bits_per_weight, "total_bits": result.bits.total_bits_per_weight,
-        "perplexity": ev.perplexity, "kl": ev.kl_divergence, "top1": ev.top1_agreement,
-        "bf16_perplexity": ev.reference_perplexity, "quant_seconds": seconds, "threads": torch.get_num_threads(),
-        "calib": {"samples": args.calib_samples, "seqlen": args.calib_seqlen}, "protocol": ev.protocol(),
+        "quant_seconds": seconds, "threads": torch.get_num_threads(), "windows": args.windows,
+        "calib": {"samples": args.calib_samples, "seqlen": args.calib_seqlen, "text": "wiki", "split": "calib",
+                  "seed": seed},
+        "protocol": protocol,
         "layers": [
             {k: r.to_dict()[k] for k in ("name", "rel_proxy_loss", "rel_weight_error", "rel_output_error")}
             for r in result.reports
@@ -253,30 +287,82 @@ def run_row(key: str, model, tok, calib: torch.Tensor, args) -> dict:
     }
 
 
-def print_table(results: list[dict], bf16_ppl: float | None, model: str) -> None:
-    print(f"\n{model}, bundled wiki text. Protocol: calibration = even articles, "
-          "random windows; evaluation = odd articles, non-overlapping windows; quantized and original both bf16.")
-    if results:
-        print(f"evaluation: {results[0]['protocol']}; calibration: {results[0]['calib']}; "
-              f"threads: {results[0]['threads']}")
-    header = (f"| {'row':<50} | idx bits | total bits | wiki ppl | × bf16 | KL | top-1 | pydocs ppl | × bf16 | KL "
-              "| top-1 | quant s | calib windows |")
-    print(header)
-    print("|" + "---|" * 13)
-    if bf16_ppl:
-        ood = next((r["ood_bf16_perplexity"] for r in results if "ood_bf16_perplexity" in r), None)
-        ood_text = f"{ood:.2f}" if ood else "-"
-        print(f"| {'bf16 original':<50} | 16 | 16 | {bf16_ppl:.2f} | 1.00 | 0 | 100% | {ood_text} | 1.00 | 0 | 100% "
-              "| - | - |")
-    for r in results:
-        if "ood_perplexity" in r:
-            ood = (f"{r['ood_perplexity']:.2f} | {r['ood_perplexity'] / r['ood_bf16_perplexity']:.2f} | "
-                   f"{r['ood_kl']:.3f} | {r['ood_top1']:.1%}")
-        else:
-            ood = "- | - | - | -"
-        print(f"| {r['label']:<50} | {r['index_bits']:.2f} | {r['total_bits']:.2f} | {r['perplexity']:.2f} | "
-              f"{r['perplexity'] / r['bf16_perplexity']:.2f} | {r['kl']:.3f} | {r['top1']:.1%} | {ood} | "
-              f"{r['quant_seconds']:.0f} | {r['calib']['samples']} |")
+def spread(values: list[float], digits: int = 3) -> str:
+    """The mean of ``values`` and, over more than one, their min–max: "1.234 (1.220–1.250)"."""
+    text = f"{sum(values) / len(values):.{digits}f}"
+    if len(values) > 1:
+        text += f" ({min(values):.{digits}f}–{max(values):.{digits}f})"
+    return text
+
+
+def by_row(records: list[dict]) -> dict[str, list[dict]]:
+    """Records of the new protocol (per-split scores) grouped by row, each row's seeds in order."""
+    rows: dict[str, list[dict]] = {}
+    for r in records:
+        if isinstance(r.get("scores"), dict):
+            rows.setdefault(r["row"], []).append(r)
+    return {k: sorted(v, key=lambda r: r.get("seed") or 0) for k, v in rows.items()}
+
+
+def row_cells(group: list[dict], text: str) -> list[str]:
+    """``text``'s test split: × bf16 and KL mean (mean and min–max over the seeds), KL median and p99, Δp of the
+    original's top token and same top token (means over the seeds); and × bf16 on its dev split."""
+    def values(split: str, stat: str) -> list[float]:
+        return [r["scores"][f"{text}/{split}"][stat] for r in group if f"{text}/{split}" in r["scores"]]
+
+    def ratios(split: str) -> list[float]:
+        return [a / b for a, b in zip(values(split, "perplexity"), values(split, "reference_perplexity"))]
+
+    if not values("test", "perplexity"):
+        return ["-"] * 7
+    def mean(stat: str, digits: int, scale: float = 1.0, sign: str = "") -> str:
+        got = values("test", stat)
+        return f"{scale * sum(got) / len(got):{sign}.{digits}f}"
+
+    dev = ratios("dev")
+    return [spread(ratios("test")), spread(values("test", "kl_divergence")), mean("kl_median", 4),
+            mean("kl_p99", 2), mean("delta_p_mean", 2, 100, "+") + "%", mean("top1_agreement", 1, 100) + "%",
+            spread(dev) if dev else "-"]
+
+
+def print_table(records: list[dict], model: str) -> None:
+    groups = by_row(records)
+    old = sorted({r["row"] for r in records if not isinstance(r.get("scores"), dict)})
+    first = next(iter(groups.values()), [{}])[0]
+    print(f"\n{model}. Protocol: calibration = windows of the wiki 'calib' split (seeded); evaluation = the held-out "
+          "'test' split (headline) and 'dev' split of wiki (the calibration's domain) and pydocs (another), "
+          "windows spread over each split; quantized and original both bf16; mean (min–max) over the seeds.")
+    if first:
+        print(f"evaluation: {first['protocol']}; calibration: {first['calib']['samples']} x "
+              f"{first['calib']['seqlen']} tokens; threads: {first['threads']}")
+    header = ["row", "seeds", "total bits"]
+    for text in TEXTS:
+        header += [f"{text} test × bf16", "KL mean", "KL median", "KL p99", "Δp mean", "same top",
+                   f"{text} dev × bf16"]
+    header.append("quant s")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for key, group in groups.items():
+        line = [key, " ".join(str(r.get("seed", 0)) for r in group),
+                f"{sum(r['total_bits'] for r in group) / len(group):.2f}"]
+        for text in TEXTS:
+            line += row_cells(group, text)
+        line.append(spread([r["quant_seconds"] for r in group], 0))
+        print("| " + " | ".join(line) + " |")
+    if old:
+        print(f"(old protocol, not shown: {', '.join(old)}: evaluated on the first windows of dev and test together)")
+
+
+def read_results(files: list[Path]) -> dict[tuple[str, int | None], dict]:
+    """Records by (row, seed); a later file's, or a later line's, replaces an earlier one."""
+    done = {}
+    for file in files:
+        if file.is_file():
+            for line in file.read_text().splitlines():
+                if line.strip():
+                    rec = json.loads(line)
+                    done[(rec["row"], rec.get("seed"))] = rec
+    return done
 
 
 def main() -> None:
@@ -285,6 +371,9 @@ def main() -> None:
                         help="model to quantize (a built-in name such as gemma3-270m, a directory or a .gguf file); "
                              "keep one results file per model")
     parser.add_argument("--rows", nargs="*", default=list(ROWS), help="rows to run (default: all)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0],
+                        help="quantization seeds (calibration windows and the method's own); each row runs once per "
+                             "seed, the table shows mean and min–max")
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--results", nargs="+", default=["bench/results/quality.jsonl"],
                         help="JSON-lines files: new rows are appended to the first; the table reads them all "
@@ -293,12 +382,13 @@ def main() -> None:
     parser.add_argument("--calib-samples", type=int, default=32)
     parser.add_argument("--calib-seqlen", type=int, default=512)
     parser.add_argument("--seqlen", type=int, default=512)
-    parser.add_argument("--windows", type=int, default=16)
+    parser.add_argument("--windows", type=int, default=16, help="evaluation windows per text and split")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--table-only", action="store_true")
     parser.add_argument("--skip-calib-eval", action="store_true",
                         help="do not evaluate on the calibration windows themselves (saves time)")
-    parser.add_argument("--save-dir", help="also write each row's packed checkpoint under DIR/ROW")
+    parser.add_argument("--save-dir", help="also write each row's packed checkpoint under DIR/ROW (DIR/ROW-seedN for "
+                                           "the seeds after the first)")
     args = parser.parse_args()
     if args.list:
         for key, (_, _, label) in ROWS.items():
@@ -307,36 +397,37 @@ def main() -> None:
     unknown = [r for r in args.rows if r not in ROWS]
     if unknown:
         parser.error(f"unknown rows {unknown}; allowed: {', '.join(ROWS)}")
+    if any(seed < 0 for seed in args.seeds):
+        parser.error(f"seeds must be >= 0, got {args.seeds}")
     if args.threads:
         torch.set_num_threads(args.threads)
     path = Path(args.results[0])
     path.parent.mkdir(parents=True, exist_ok=True)
-    done = {}
-    for file in [Path(p) for p in args.results[1:]] + [path]:
-        if file.is_file():
-            for line in file.read_text().splitlines():
-                rec = json.loads(line)
-                done[rec["row"]] = rec
+    done = read_results([Path(p) for p in args.results[1:]] + [path])
     if not args.table_only:
         model, tok = load_model(args.model, dtype=torch.float32)
         args.reference, _ = load_model(args.model, dtype=torch.bfloat16)
         # enough windows for every row; a row takes the first ones (one seed stream: the first n of more are
         # the n windows themselves)
         most = max(with_heldout(args.calib_samples, ROWS[key][1]) for key in args.rows)
-        calib = calibration_windows(tok, "wiki", most, args.calib_seqlen, seed=0)
-        for key in args.rows:
-            if key in done and not args.rerun:
-                continue
-            rec = run_row(key, model, tok, calib, args)
-            done[key] = rec
-            with open(path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-            print(f"{key}: ppl {rec['perplexity']:.2f} (bf16 {rec['bf16_perplexity']:.2f}) "
-                  f"bits {rec['index_bits']:.2f}/{rec['total_bits']:.2f} in {rec['quant_seconds']:.0f}s", flush=True)
-    rows = [done[k] for k in ROWS if k in done and k in args.rows]
-    print_table(rows, rows[0]["bf16_perplexity"] if rows else None, args.model)
+        for seed in args.seeds:
+            calib = calibration_windows(tok, "wiki", most, args.calib_seqlen, seed=seed)
+            for key in args.rows:
+                if (key, seed) in done and not args.rerun:
+                    continue
+                rec = run_row(key, model, tok, calib, args, seed)
+                done[(key, seed)] = rec
+                with open(path, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                print(f"{key} seed {seed}: wiki test {rec['perplexity'] / rec['bf16_perplexity']:.3f}x bf16, "
+                      f"pydocs test {rec['ood_perplexity'] / rec['ood_bf16_perplexity']:.3f}x; bits "
+                      f"{rec['index_bits']:.2f}/{rec['total_bits']:.2f} in {rec['quant_seconds']:.0f}s", flush=True)
+    order = {k: i for i, k in enumerate(ROWS)}
+    chosen = [rec for (row, seed), rec in done.items() if row in args.rows and (seed in args.seeds or seed is None)]
+    chosen.sort(key=lambda r: (order.get(r["row"], len(order)), r.get("seed") or 0))
+    print_table(chosen, args.model)
     if os.environ.get("QUALITY_JSON"):
-        print(json.dumps(rows))
+        print(json.dumps(chosen))
 
 
 if __name__ == "__main__":

@@ -81,7 +81,8 @@ SMOKES: dict[str, Smoke] = {
     "bench/generalisation.py": Smoke(
         (f"{{root}}/quality/ckpt/{QUALITY_ROW}", "--original", TINY, "--seqlen", "32", "--windows", "1",
          "--threads", "1"),
-        ("| checkpoint | text | ppl | bf16 ppl |", f"| {QUALITY_ROW} | python docs |"), after="bench/quality.py"),
+        ("| checkpoint | text | ppl | bf16 ppl | ppl × bf16 | KL mean | KL median |", f"| {QUALITY_ROW} | pydocs |",
+         "test split of each text"), after="bench/quality.py"),
     # every step starts as on a GPU and refuses in one line; the table has a "skipped: no CUDA" row per step
     "bench/gpu.sh": Smoke((), ("| step | status | seconds | figures |",
                                *(f"| {step} | skipped: no CUDA" for step in (
@@ -136,8 +137,8 @@ SMOKES: dict[str, Smoke] = {
         ("--model", TINY, "--rows", QUALITY_ROW, "--calib-samples", "2", "--calib-seqlen", "32", "--seqlen", "32",
          "--windows", "1", "--threads", "1", "--results", "{root}/quality/results.jsonl", "--save-dir",
          "{root}/quality/ckpt"),
-        ("| idx bits | total bits | wiki ppl | × bf16 | KL | top-1 | pydocs ppl |", "| bf16 original ",
-         "VPTQ v6 k4096 + distillation 32 steps")),
+        ("| row | seeds | total bits | wiki test × bf16 | KL mean | KL median | KL p99 | Δp mean | same top |",
+         f"| {QUALITY_ROW} | 0 | ", "'test' split (headline)")),
     "bench/quant_cost.py": Smoke(
         ("--model", TINY, "--block", "0", "--quick", "--grid", "2:16", "--threads", "1"),
         ("| layer | settings | k-means s | pred | sweep s |", "whole layer measured / predicted")),

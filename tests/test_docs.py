@@ -236,3 +236,28 @@ def test_make_results_reads_a_presets_log(tmp_path):
             "| 48 of 48, 0.7069 → 0.5322 (48) | 378.98 | 6:26.83 | 4.06 GB |") in page
     assert "machine X, 2 vCPUs" in page and "the code of some commit" in page
     assert page.count("| s25f |") == 1  # a block logged twice is shown once
+
+
+def test_make_results_shows_seeds_on_the_test_split_and_marks_the_old_protocol(tmp_path):
+    make_results = load_make_results()
+
+    def scores(ratio: float) -> dict:
+        one = {"perplexity": 20.0 * ratio, "reference_perplexity": 20.0, "kl_divergence": ratio - 1, "kl_median": 0.1,
+               "kl_p99": 2.0, "delta_p_mean": -0.02, "top1_agreement": 0.8}
+        return {f"{text}/{split}": one for text in ("wiki", "pydocs") for split in ("test", "dev")}
+
+    rows = [{"row": "gptq-3", "label": "GPTQ 3-bit", "seed": seed, "scores": scores(ratio), "perplexity": 1.0,
+             "bf16_perplexity": 1.0, "index_bits": 3.0, "total_bits": 3.5, "quant_seconds": 100.0 + seed,
+             "threads": 2, "calib": {"samples": 32}, "calib_perplexity": None, "windows": 16}
+            for seed, ratio in ((0, 1.2), (1, 1.4))]
+    (tmp_path / "quality_new.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    old = {"row": "rtn-4", "perplexity": 30.0, "bf16_perplexity": 24.0, "index_bits": 4.0, "total_bits": 4.5}
+    (tmp_path / "quality_old.jsonl").write_text(json.dumps(old) + "\n", encoding="utf-8")
+    page, shown, _ = make_results.build(tmp_path)
+    assert shown == ["quality_new.jsonl", "quality_old.jsonl"]
+    assert ("| gptq-3 | GPTQ 3-bit | 0 1 | 3.50 | 1.300 (1.200–1.400)× | 0.300 (0.200–0.400) | 0.1000 | 2.00 | -2.00% "
+            "| 80.0% | 1.300 (1.200–1.400)× |") in page
+    assert ("python bench/quality.py --threads 2 --seeds 0 1 --skip-calib-eval --rows gptq-3 "
+            "--results bench/results/quality_new.jsonl") in page
+    new, old_part = page.split("### quality_old.jsonl")
+    assert "Old protocol" not in new.split("### quality_new.jsonl")[1] and "**Old protocol**" in old_part

@@ -345,8 +345,10 @@ def save_stage(job: _DirRun, layers: _Layers, report: dict) -> Path:
 
 
 def evaluate_stage(out: Path, model_name: str, seqlen: int) -> dict:
-    """Evaluate the written checkpoint against the original; the result is added to its report too."""
-    ev = evaluate_model(str(out), reference=model_name, seqlen=seqlen, max_windows=16).to_dict()
+    """Evaluate the written checkpoint against the original on the test split; the result (with its protocol) is
+    added to its report too."""
+    result = evaluate_model(str(out), reference=model_name, seqlen=seqlen, max_windows=16, split=DEFAULT_EVAL_SPLIT)
+    ev = {**result.to_dict(), "protocol": result.protocol()}  # names the held-out split the figures come from
     _merge_report(out, {"eval": ev})
     return ev
 

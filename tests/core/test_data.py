@@ -113,3 +113,16 @@ def test_evaluate_names_its_split_and_dev_differs_from_test(tiny_model):
     assert given.split is None and given.nll == test.nll
     with pytest.raises(ValueError, match="split must be one of test, dev, eval"):
         evaluate_model("tiny-random-llama", split="calib")
+
+
+def test_the_evaluation_after_quantizing_names_its_split(tmp_path):
+    import json
+
+    from vptq_core.api import quantize_to_dir
+    from vptq_core.quant.config import CalibConfig, ScalarConfig
+
+    _, summary = quantize_to_dir("tiny-random-llama", "rtn", ScalarConfig(bits=4, group_size=16),
+                                 CalibConfig(samples=2, seqlen=32), tmp_path / "q", device="cpu", evaluate_after=True)
+    assert summary["eval"]["split"] == "test" and "(test split)" in summary["eval"]["protocol"]
+    report = json.loads((tmp_path / "q" / "quant_report.json").read_text())
+    assert report["eval"]["split"] == "test" and report["eval"]["protocol"] == summary["eval"]["protocol"]

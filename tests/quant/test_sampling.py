@@ -69,10 +69,80 @@ def test_sampling_in_bf16_is_the_model_with_bf16_parameters(tiny_model, monkeypa
     for native, expected in ((True, torch.bfloat16), (False, None)):
         monkeypatch.setattr(sampling_mod, "native_bf16", lambda _device, _v=native: _v)
         assert sampling_mod.sampling_dtype(model, "auto") is expected
+        # the default is one precision on every machine: float32, whatever the hardware multiplies
+        assert sampling_mod.sampling_dtype(model) is None and sampling_mod.sampling_dtype(model, "float32") is None
+        assert sampling_mod.sampling_dtype(cast) is torch.float32  # a bf16 model is written from float32 copies
+    assert VPTQConfig().sample_dtype == ScalarConfig().sample_dtype == sampling_mod.DEFAULT_SAMPLE_DTYPE == "float32"
     with pytest.raises(ValueError, match="sample_dtype must be one of"):
         sampling_mod.sampling_dtype(model, "float16")
-    with pytest.raises(ValueError, match="sample_dtype must be 'auto', 'bfloat16' or 'model'"):
+    with pytest.raises(ValueError, match="sample_dtype must be 'float32', 'bfloat16', 'model' or 'auto'"):
         VPTQConfig(sample_dtype="fp16")
+
+
+def test_a_bf16_model_writes_in_float32_by_default(tiny_model):
+    """The default precision: a bf16 model writes the windows a float32 copy of it writes, its own parameters
+    untouched."""
+    model, _ = tiny_model
+    starts = torch.tensor([[5], [7]])
+    bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    widened = copy.deepcopy(bf16).float()
+    got = sample_windows(bf16, starts, 16, seed=1, dtype="float32")
+    assert torch.equal(got, sample_windows(widened, starts, 16, seed=1, dtype="model", pack=False))
+    assert all(p.dtype == torch.bfloat16 for p in bf16.parameters())
+
+
+def test_repeated_share_tells_a_loop_from_text():
+    from vptq_core.quant.repetition import MAX_REPEATED_SHARE, degenerate, repeated_share
+
+    loop = torch.tensor([11, 12, 13, 14, 15, 16, 17] * 40)  # a 7-token phrase over and over
+    stuck = torch.cat([torch.arange(100, 200), torch.full((180,), 9)])  # 100 tokens, then one token repeated
+    text = torch.randperm(5000, generator=torch.Generator().manual_seed(0))[:280]
+    assert repeated_share(loop) == pytest.approx((280 - 3 - 7) / (280 - 3))  # every 4-gram after the first 7 repeats
+    assert repeated_share(stuck) == pytest.approx((180 - 4) / (280 - 3))
+    assert repeated_share(text) == 0.0 and repeated_share(torch.tensor([1, 1, 1, 1])) == 0.0
+    assert degenerate(torch.stack([loop, stuck, text])).tolist() == [True, True, False]
+    assert repeated_share(loop) > MAX_REPEATED_SHARE > repeated_share(text)
+
+
+def test_degenerate_windows_are_redrawn_and_stay_text_when_they_stay_degenerate(tiny_model, windows, monkeypatch):
+    """sample_windows(max_repeated=...) draws a looping row again from a fresh generator (rows + REDRAW_ROWS), the
+    teacher with it; sampled_calibration keeps the text window for a row that loops after every redraw."""
+    model, _ = tiny_model
+    starts = torch.tensor([[5], [7], [9]])
+    plain, teacher = sample_windows(model, starts, 24, seed=3, topk=4)
+    real_write = sampling_mod._write
+    calls = []
+
+    def looping_first(reference, starts, seqlen, seed, batch, temperature, should_stop, topk, device, rows, *rest):
+        got = real_write(reference, starts, seqlen, seed, batch, temperature, should_stop, topk, device, rows, *rest)
+        calls.append(rows.tolist())
+        if len(calls) == 1:  # the first draw of row 1 loops
+            (got[0] if topk else got)[1] = torch.tensor([7, 1, 2] * 8)
+        return got
+
+    monkeypatch.setattr(sampling_mod, "_write", looping_first)
+    got, got_teacher = sample_windows(model, starts, 24, seed=3, topk=4, max_repeated=0.5)
+    assert calls == [[0, 1, 2], [1 + sampling_mod.REDRAW_ROWS]]
+    assert torch.equal(got[[0, 2]], plain[[0, 2]]) and not torch.equal(got[1], plain[1])
+    redrawn, redrawn_teacher = real_write(model, starts[1:2], 24, 3, 8, 1.0, None, 4, None,
+                                          torch.tensor([1 + sampling_mod.REDRAW_ROWS]), "model", True)
+    assert torch.equal(got[1:2], redrawn)
+    for key in ("logp", "index", "rest"):
+        assert torch.equal(got_teacher[key][[0, 2]], teacher[key][[0, 2]]), key
+        # redrawn alone, not in a batch of three: float rounding may differ
+        torch.testing.assert_close(got_teacher[key][1:2], redrawn_teacher[key].detach(), rtol=1e-4, atol=1e-5)
+    # without max_repeated nothing is screened
+    calls.clear()
+    assert torch.equal(sample_windows(model, starts, 24, seed=3, max_repeated=None)[1], torch.tensor([7, 1, 2] * 8))
+
+    def always_looping(reference, starts, seqlen, *args):
+        return torch.cat([starts, torch.full((starts.shape[0], seqlen - starts.shape[1]), 4)], dim=1)
+
+    monkeypatch.setattr(sampling_mod, "_write", always_looping)
+    cfg = ScalarConfig(bits=3, group_size=16, calib_sampled_share=0.5)
+    info: dict = {}
+    out = sampled_calibration(model, windows, cfg, info=info)
+    assert torch.equal(out, windows) and info == {"degenerate_kept_text": 4}
 
 
 def test_sampled_calibration_replaces_the_last_block_stage_windows(tiny_model, windows):

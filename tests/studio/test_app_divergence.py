@@ -116,3 +116,8 @@ def test_an_evaluation_shows_the_kl_statistics():
     assert ("KL per token: median 0.0200, p90 0.1000, p99 0.6000, max 2.5000 nats · Δp of the original's top "
             "token: mean -1.20%, p01 -40.00%, p99 +20.00%") in text
     assert "KL per token" not in views.eval_md({**ev, "kl_p99": None})  # evaluations stored before them
+    # the one-line protocol names the held-out split (evaluations stored before splits: the held-out documents)
+    assert ("4 windows × 512 tokens spread over the test split of the bundled Wikipedia (documents no calibration "
+            "uses) (2044 predicted tokens, 3 s)") in views.eval_md({**ev, "split": "test"})
+    assert "spread over the bundled Wikipedia's held-out documents" in text
+    assert "spread over the uploaded evaluation text" in views.eval_md({**ev, "text": "/tmp/x.txt"})

@@ -160,10 +160,10 @@ class DistillSettings(ConfigBase):
                                          "original model writes itself (sampled at temperature 1) instead of the "
                                          "calibration text")
     # The dtype windows are written in (calibration and distillation samples; sampling.sampling_dtype).
-    sample_dtype: str = setting("auto", choices=("auto", "bfloat16", "model"),
-                                help="dtype the windows are written in: auto = bf16 copies of a float32 model's "
-                                "weights where the hardware multiplies bf16 natively, else the model as it is; "
-                                "model = as loaded")
+    sample_dtype: str = setting("float32", choices=("float32", "bfloat16", "model", "auto"),
+                                help="dtype the windows are written in: float32 on every machine (the default: the "
+                                "same calibration everywhere), bfloat16, model = as loaded, auto = bf16 where the "
+                                "hardware multiplies bf16 natively, else the model as it is (differs by machine)")
     # Distillation runs as many of its steps as fit what is left (measured from its own first steps, its
     # learning-rate schedule planned over that many); the block-by-block stage is never cut short. The presets
     # use it so that they finish on time on slower machines too (docs/methods.md, "Time budget").

@@ -20,11 +20,17 @@ from torch import nn
 from .calib_windows import distill_settings, written_rows
 from .device import native_bf16
 from .packed_dense import packed_linears
+from .repetition import MAX_REPEATED_SHARE, degenerate
 from .teacher import stack_teacher, topk_of
 
 # Windows written at once: one batched decode step serves them all (bench/sampling.py compares batch sizes).
 SAMPLE_BATCH = 32
-SAMPLE_DTYPES = ("auto", "bfloat16", "model")
+# The precision windows are written in. The default is one precision on every machine, so a preset gives the same
+# calibration on every CPU: float32 (bf16 would be emulated, many times slower, where the CPU has no bf16
+# instructions; bench/sampling.py measures both). "auto" (bf16 only where the hardware multiplies it) differs by
+# machine and is kept as an explicit choice only.
+SAMPLE_DTYPES = ("float32", "bfloat16", "model", "auto")
+DEFAULT_SAMPLE_DTYPE = "float32"
 CALIB_SAMPLE_ROWS = 1 << 20  # generator row numbers of calibration samples (distillation's own start at 0)
 # Under a ``time_budget`` the windows the original writes itself may take at most this share of it, as
 # ``WritingProjection`` projects it from the tokens drawn so far; over it they stay text: a writing that takes
@@ -36,22 +42,28 @@ FIT_CHUNKS = 4  # runs of tokens whose median costs the growth is fitted to (``W
 # stay well under it (bench/sampling_projection.py), and a fit thrown off by a busy moment would otherwise give up
 # a writing that fits.
 GROWTH_CAP = 2.0
+# A degenerate written window (``repetition``) is drawn again at most this many times; redraw a of row r seeds its
+# generator as row r + a x REDRAW_ROWS, far from every row number a draw uses and within the 32 bits of a seed the
+# CPU generator keeps.
+REDRAWS = 2
+REDRAW_ROWS = 1 << 28
 
 
-def sampling_dtype(model: nn.Module, choice: str = "auto") -> torch.dtype | None:
-    """The dtype ``sample_windows`` runs ``model`` in: None = its own parameters as they are; bfloat16 = bf16
-    copies of its floating-point parameters (its buffers, e.g. rotary frequencies, untouched).
+def sampling_dtype(model: nn.Module, choice: str = DEFAULT_SAMPLE_DTYPE) -> torch.dtype | None:
+    """The dtype ``sample_windows`` runs ``model`` in: None = its own parameters as they are; a dtype = copies of
+    its floating-point parameters in that dtype (its buffers, e.g. rotary frequencies, untouched).
 
-    ``choice``: "model" (as it is), "bfloat16" (always bf16), "auto" (bf16 when the parameters are float32 on a
-    device that multiplies bf16 in hardware, ``device.native_bf16``; the model's own dtype elsewhere, where bf16
-    arithmetic would be emulated and slower)."""
+    ``choice``: "float32" (the default: float32 on every machine, copies only when the parameters are not float32),
+    "bfloat16" (always bf16), "model" (as it is), "auto" (bf16 when the parameters are float32 on a device that
+    multiplies bf16 in hardware, ``device.native_bf16``; the model's own dtype elsewhere: differs by machine)."""
     if choice not in SAMPLE_DTYPES:
         raise ValueError(f"sample_dtype must be one of {SAMPLE_DTYPES}, got {choice!r}")
     param = next(model.parameters())
-    if choice == "model" or param.dtype == torch.bfloat16:
+    want = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(choice)
+    if choice == "model" or param.dtype == want:
         return None
-    if choice == "bfloat16":
-        return torch.bfloat16
+    if want is not None:
+        return want
     if param.dtype != torch.float32:
         return None
     return torch.bfloat16 if native_bf16(param.device) else None
@@ -146,7 +158,9 @@ def sampled_calibration(model: nn.Module, calib_ids: torch.Tensor, config,
     after them stay text. ``calib_ids`` itself when ``calib_sampled_share`` is 0; None if ``should_stop`` turned
     true. With ``topk`` > 0 it returns (windows, known): ``known`` the teacher's top-k on the written windows,
     taken from the sampling's own logits, as ``distill(known_teacher=...)`` takes it ({"rows", "logp", "index",
-    "rest"} on the CPU; None when no window is written). With a ``time_budget`` the writing stops early and every
+    "rest"} on the CPU; None when no window is written). A written window stuck in a loop is drawn again
+    (``repetition``, ``sample_windows(max_repeated=...)``); one still degenerate after that stays text (``info`` gets
+    "degenerate_kept_text"). With a ``time_budget`` the writing stops early and every
     window stays text when it is projected to take more than ``SAMPLING_BUDGET_SHARE`` of the budget; ``info``
     (a dict) then gets "self_written": 0 and the projection."""
     rows = written_rows(calib_ids.shape[0], config)
@@ -174,7 +188,7 @@ def sampled_calibration(model: nn.Module, calib_ids: torch.Tensor, config,
 
     got = sample_windows(model, calib_ids[rows, :1], calib_ids.shape[1], seed=settings.seed, batch=SAMPLE_BATCH,
                          should_stop=stop, rows=rows + CALIB_SAMPLE_ROWS, topk=topk,
-                         device=torch.device("cpu"), dtype=settings.sample_dtype)
+                         device=torch.device("cpu"), dtype=settings.sample_dtype, max_repeated=MAX_REPEATED_SHARE)
     if got is None and over:
         if info is not None:
             info.update(over)
@@ -182,16 +196,21 @@ def sampled_calibration(model: nn.Module, calib_ids: torch.Tensor, config,
     if got is None:
         return None
     written, teacher = got if topk else (got, None)
+    keep = ~degenerate(written)  # still a loop after its redraws: the text window stays
+    if not bool(keep.all()) and info is not None:
+        info.update(degenerate_kept_text=int((~keep).sum()))
     out = calib_ids.clone()
-    out[rows] = written.to(out.dtype)
-    return (out, {"rows": rows, **teacher}) if topk else out
+    out[rows[keep]] = written[keep].to(out.dtype)
+    if not topk:
+        return out
+    return out, {"rows": rows[keep], **{key: value[keep.to(value.device)] for key, value in teacher.items()}}
 
 
 @torch.no_grad()
 def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed: int = 0, batch: int = 8,
                    temperature: float = 1.0, should_stop: Callable[[], bool] | None = None,
                    topk: int = 0, device: torch.device | None = None, rows: torch.Tensor | None = None,
-                   dtype: str = "model", pack: bool = True):
+                   dtype: str = "model", pack: bool = True, max_repeated: float | None = None):
     """Windows of ``seqlen`` tokens sampled from ``reference`` itself -> [n, seqlen] int64 on the CPU.
 
     Row i begins with ``starts[i]`` ([n, s] token ids, 1 <= s < seqlen; e.g. the BOS token, or a calibration
@@ -203,7 +222,10 @@ def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed
     ``device``), taken from the logits the sampling computed anyway. ``rows`` [n]: the row numbers that seed
     each row's generator (default 0..n-1), so any subset of a larger draw gets exactly that draw's rows.
     ``pack``: a float32 model on the CPU runs its linears through oneDNN with packed weights while sampling
-    (``packed_dense``); False: as it is.
+    (``packed_dense``); False: as it is. ``max_repeated``: a row whose share of repeated 4-grams exceeds it
+    (``repetition.repeated_share``, a degenerate loop) is drawn again, up to ``REDRAWS`` times, each time from its
+    own generator seeded afresh (``REDRAW_ROWS`` further on), so the redraws too are reproducible and independent of
+    the batch; a row still over it after the last is returned as drawn (the caller decides).
     """
     starts = torch.as_tensor(starts, dtype=torch.long)
     if starts.dim() != 2 or starts.shape[0] < 1 or not 1 <= starts.shape[1] < seqlen:
@@ -216,6 +238,30 @@ def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed
     if tuple(rows.shape) != (starts.shape[0],):
         raise ValueError(f"rows must name one row number per start, got shape {tuple(rows.shape)} for "
                          f"{starts.shape[0]} starts")
+    got = _write(reference, starts, seqlen, seed, batch, temperature, should_stop, topk, device, rows, dtype, pack)
+    for attempt in range(1, REDRAWS + 1):
+        if got is None or max_repeated is None:
+            break
+        windows, teacher = got if topk else (got, None)
+        bad = degenerate(windows, max_repeated).nonzero()[:, 0]
+        if not bad.numel():
+            break
+        again = _write(reference, starts[bad], seqlen, seed, batch, temperature, should_stop, topk, device,
+                       rows[bad] + attempt * REDRAW_ROWS, dtype, pack)
+        if again is None:
+            return None
+        new_windows, new_teacher = again if topk else (again, None)
+        windows[bad] = new_windows
+        if topk:
+            for key in teacher:
+                teacher[key][bad.to(teacher[key].device)] = new_teacher[key]
+    return got
+
+
+def _write(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed: int, batch: int, temperature: float,
+           should_stop: Callable[[], bool] | None, topk: int, device: torch.device | None, rows: torch.Tensor,
+           dtype: str, pack: bool):
+    """``sample_windows`` without the checks and the redraws: every row drawn once."""
     from .lean_decoder import LeanDecoder  # the decode loop, loaded only when windows are written
 
     ref_device = next(reference.parameters()).device

@@ -19,7 +19,7 @@ from .. import __version__
 from ..models import BUNDLED, GEMMA3, TINY_MODELS
 from ..quant import methods
 from .bit_plan import card_lines
-from .views import scrub_absolute
+from .views import eval_protocol, scrub_absolute
 
 CARD_NAME = "README.md"
 REPORT_NAME = "quant_report.json"
@@ -151,9 +151,7 @@ def model_card(ckpt: str | Path, source: str | None = None, evaluation: Mapping 
                   f"{_fmt(evaluation.get('kl_divergence'), 4)} | "
                   + (f"{100 * evaluation['top1_agreement']:.1f}%" if evaluation.get("top1_agreement") is not None
                      else "?") + " |", "",
-                  f"{evaluation.get('windows', '?')} windows × {evaluation.get('seqlen', '?')} tokens of the "
-                  f"{'bundled Wikipedia evaluation split' if evaluation.get('text') == 'wiki' else 'evaluation text'}"
-                  f" ({evaluation.get('tokens', '?')} predicted tokens)."]
+                  f"{eval_protocol(evaluation)} ({evaluation.get('tokens', '?')} predicted tokens)."]
     else:
         lines.append("Not evaluated yet (the app's *Evaluate vs the original* adds perplexity, KL and top-1 "
                      "agreement here).")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import gradio as gr
 
+from ..data import DEFAULT_EVAL_SPLIT
 from ..eval import evaluate
 from ..storage.archive import pack_checkpoint
 from ..storage.checkpoint import checkpoint_size
@@ -81,7 +82,8 @@ class Evaluation:
             raise ValueError(f"evaluation window length must be in 16..8192 tokens, got {seqlen}")
         progress(0.0, desc="loading the models")
         (qmodel, tok), original, _why, _source = self.models.run_models(job_id, owner)
-        result = evaluate(qmodel, tok, text="wiki", seqlen=seqlen, max_windows=windows,
+        # the held-out test split, as plots.RUNS_PROTOCOL says; the result records it (views.eval_protocol)
+        result = evaluate(qmodel, tok, text="wiki", seqlen=seqlen, max_windows=windows, split=DEFAULT_EVAL_SPLIT,
                           reference=original[0] if original else None,
                           on_window=lambda i, n: progress(i / n, desc=f"window {i}/{n}"))
         snap = self.shared.manager.set_extra(job_id, owner, "eval", result.to_dict())

@@ -15,6 +15,7 @@ def runs_section(page: Page) -> None:
             runs_table = gr.Dataframe(headers=plots.RUN_COLUMNS, value=[], interactive=False, max_height=260,
                                       show_label=False, scale=3, elem_id="runs-table")
             runs_plot = gr.Plot(plots.runs_figure([]), show_label=False, scale=2, elem_id="runs-plot")
+        gr.Markdown(f"<span class='vq-note'>{plots.RUNS_PROTOCOL}</span>")
         with gr.Row(equal_height=True):
             runs_btn = gr.Button("Refresh runs", size="sm", scale=1)
             delete_pick = gr.Dropdown([], value=None, label="run to delete", scale=3, allow_custom_value=True,

@@ -250,9 +250,21 @@ def eval_md(ev: Mapping | None) -> str:
                  f" nats/token · top-1 agreement **{100 * ev['top1_agreement']:.1f}%**")
     if ev.get("kl_p99") is not None:
         text += f"  \n{kl_stats_text(ev)}"
-    return (f"{text}  \n<span class='vq-note'>{ev['windows']} windows × {ev['seqlen']} tokens of the "
-            f"{'bundled Wikipedia' if ev['text'] == 'wiki' else 'uploaded'} evaluation text "
-            f"({ev['tokens']} predicted tokens, {ev['seconds']:.0f} s)</span>")
+    return (f"{text}  \n<span class='vq-note'>{eval_protocol(ev)} ({ev['tokens']} predicted tokens, "
+            f"{ev['seconds']:.0f} s)</span>")
+
+
+def eval_protocol(ev: Mapping) -> str:
+    """Where an evaluation's figures come from, in one line: its windows and the text and held-out split they
+    were spread over (docs/methods.md#evaluation-protocol)."""
+    names = {"wiki": "the bundled Wikipedia", "pydocs": "the bundled Python documentation"}
+    split = ev.get("split")
+    if ev.get("text") in names:
+        where = (f"the {split} split of {names[ev['text']]} (documents no calibration uses)" if split
+                 else f"{names[ev['text']]}'s held-out documents")
+    else:
+        where = "the uploaded evaluation text"
+    return f"{ev.get('windows', '?')} windows × {ev.get('seqlen', '?')} tokens spread over {where}"
 
 
 def runs_view(snaps: Iterable[JobSnapshot]) -> tuple[list[list], list[dict], list[tuple[str, str]]]:
