@@ -45,6 +45,7 @@ from .calib_windows import holdout_count
 from .code_update import CodeUpdates
 from .config import DistillSettings
 from .device import compute_dtype
+from .repetition import MAX_REPEATED_SHARE
 from .sampling import SAMPLE_BATCH, sample_windows
 from .states import ScalarLayerState, VQLayerState
 from .student import Student, check_head, checkpointed_blocks, use_checkpointing
@@ -155,7 +156,7 @@ def _training_data(reference: nn.Module, windows: torch.Tensor, config: DistillS
         starts = windows[plan.sample_rows % n_train, :1]
         got = sample_windows(reference, starts, windows.shape[1], seed=config.seed, batch=SAMPLE_BATCH,
                              should_stop=should_stop, topk=config.distill_topk, device=device,
-                             rows=plan.sample_rows, dtype=config.sample_dtype)
+                             rows=plan.sample_rows, dtype=config.sample_dtype, max_repeated=MAX_REPEATED_SHARE)
         metrics["sample_seconds"] = time.perf_counter() - t0
         if got is None:
             return None
