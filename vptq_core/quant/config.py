@@ -237,6 +237,11 @@ class VPTQConfig(DistillSettings):
                               help="how --bits-budget is spent: cap = the same index bits in every layer; "
                               "sensitivity = each layer's own vector length and codebook size, more bits where "
                               "the model's loss feels the error (measured before the first block)")
+    # Calibration windows (spread over the block stage's) the sensitivity measurement runs forward and backward
+    # on: its cost grows with them, while the layers' ranking that decides the plan settles with a few.
+    sensitivity_windows: int = setting(4, lo=1, hi=4096, label="sensitivity windows", group=VPTQ_GROUP, form=False,
+                                       help="calibration windows the bit plan by sensitivity measures on "
+                                       "(allocation sensitivity)")
     # The per-layer settings a "sensitivity" run chose: ((full module name, vector_len, num_centroids), ...);
     # filled by the run and kept in its recorded config (a config with a plan quantizes those layers so again).
     layer_plan: tuple = internal(())

@@ -113,9 +113,9 @@ def allocation_seconds(size: RunSize, config: VPTQConfig) -> float:
     unless ``config.allocation`` is "sensitivity" and the config has no plan yet."""
     if config.allocation != "sensitivity" or config.layer_plan:
         return 0.0
-    from .sensitivity import DISTORTION_ITERS, SENSITIVITY_WINDOWS, ladder
+    from .sensitivity import DISTORTION_ITERS, ladder
 
-    seconds = SENSITIVITY_WINDOWS * SENS_WINDOW_S * size.params * max(int(size.seqlen) - 1, 1)
+    seconds = config.sensitivity_windows * SENS_WINDOW_S * size.params * max(int(size.seqlen) - 1, 1)
     fit = dataclasses.replace(config, kmeans_iters=DISTORTION_ITERS)
     for out_features, in_features in set(size.linear_shapes):
         for v, k in ladder(config):
