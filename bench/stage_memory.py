@@ -59,6 +59,7 @@ class StageSampler(threading.Thread):
 
     def enter(self, name: str) -> None:
         self.sample()  # the stage before ends here
+        print(f"  {name} ({self.current() / GB:.2f} GB so far)", file=sys.stderr, flush=True)
         self.stage = name
         self.starts[name] = time.perf_counter()
         self.sample()
@@ -204,9 +205,9 @@ def main() -> None:
            str(work / "out"), "--method", args.method, "--preset", args.preset, "--settings", json.dumps(settings),
            "--samples", str(args.samples), "--seqlen", str(args.seqlen), "--threads", str(args.threads)]
     env = {**os.environ, "PYTHONPATH": tree}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree, check=False)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=tree, check=False)
     if proc.returncode != 0:
-        raise SystemExit(f"the run failed:\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"the run failed (exit {proc.returncode}): its errors are above")
     run = json.loads(proc.stdout.strip().splitlines()[-1])
     print("\n| stage | peak RSS | seconds |\n|---|---|---|")
     for stage, peak in run["peaks"].items():

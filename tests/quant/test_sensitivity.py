@@ -317,3 +317,18 @@ def test_a_plan_measured_on_fewer_windows_is_close_to_the_full_measurements(tiny
     assert metrics["windows"] == 2
     with pytest.raises(ValueError, match="sensitivity_windows must be"):
         VPTQConfig(sensitivity_windows=0)
+
+
+def test_the_loss_taken_a_few_positions_at_a_time_gives_the_same_measurement(tiny_model, calib_ids, monkeypatch):
+    from vptq_core.quant import block_backward
+
+    model, _ = tiny_model
+    windows = calib_ids[:2]
+    whole = {labels: measure(model, windows, 0.1, torch.device("cpu"), labels=labels, seed=5)
+             for labels in ("data", "sampled")}
+    monkeypatch.setattr(block_backward, "LOSS_CHUNK_BYTES", 10 * 4 * model.config.vocab_size)  # 10 positions
+    for labels, ref in whole.items():
+        parts = measure(model, windows, 0.1, torch.device("cpu"), labels=labels, seed=5)
+        for name, s in parts.items():
+            assert s.grad_sq == pytest.approx(ref[name].grad_sq, rel=1e-5), (labels, name)
+            assert s.feedback == ref[name].feedback

@@ -41,12 +41,13 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from .blocks import decoder_blocks
 from .calib_windows import holdout_count
 from .config import DistillSettings
 from .device import compute_dtype
 from .sampling import SAMPLE_BATCH, sample_windows
 from .states import ScalarLayerState, VQLayerState
-from .student import Student, check_head, checkpointed_blocks, use_checkpointing
+from .student import Student, check_head, checkpointed_blocks, kept_blocks, stored_dtype_modules
 from .teacher import stack_teacher, teacher_for
 from .train import minibatches, train_holdout
 from .trainable import CodebookLinear, dense_parameters, only_trainable, swapped_in, trainable_linear, write_back
@@ -270,11 +271,11 @@ def _train(qmodel: nn.Module, states: dict, data: _Data, config: DistillSettings
     dense_dtypes = [p.dtype for p in dense]
     was_training = qmodel.training
     qmodel.eval()
-    checkpointing = use_checkpointing(config.distill_checkpointing, sum(st.out_features for st in states.values()),
-                                      windows.shape[1] * config.distill_batch, device)
-    metrics["checkpointing"] = checkpointing
-    student = Student(qmodel, checkpointing)
-    check_head(student, qmodel, windows)
+    blocks = len(decoder_blocks(qmodel))
+    kept = kept_blocks(config.distill_checkpointing, sum(st.out_features for st in states.values()),
+                       windows.shape[1] * config.distill_batch, device, blocks)
+    metrics["checkpointing"] = kept < blocks
+    metrics["checkpointed_blocks"] = blocks - kept
 
     def heldout_kl() -> float:
         with torch.no_grad():
@@ -306,7 +307,10 @@ def _train(qmodel: nn.Module, states: dict, data: _Data, config: DistillSettings
     try:
         for p in dense:  # train 1-D tensors in float32 (put back in their dtype after)
             p.data = p.data.float()
-        with swapped_in(qmodel, list(states), make) as trainables, checkpointed_blocks(qmodel, checkpointing):
+        with (stored_dtype_modules(qmodel), swapped_in(qmodel, list(states), make) as trainables,
+              checkpointed_blocks(qmodel, kept)):
+            student = Student(qmodel, kept < blocks)
+            check_head(student, qmodel, windows)
             groups = _param_groups(trainables, dense, config, metrics)
             with only_trainable(qmodel, [p for group in groups for p in group["params"]]):
                 result = train_holdout(

@@ -149,14 +149,16 @@ def measure(model: nn.Module, windows: torch.Tensor, damp_percent: float, device
     gauges = _Gauges({name: model.get_submodule(name) for names in per_block for name in names})
     tokens = windows.shape[0] * windows.shape[1]
 
-    def loss_of(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def loss_of(logits: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Positions start.. of a window: their share of its mean next-token cross-entropy."""
         if labels == "data":
-            targets = ids[0, 1:]
+            targets = ids[0, start + 1 : start + 1 + logits.shape[0]]
         else:
             with torch.no_grad():
                 probs = torch.softmax(logits, dim=-1).cpu()
                 targets = torch.multinomial(probs, 1, generator=gen).squeeze(1).to(logits.device)
-        return torch.nn.functional.cross_entropy(logits, targets)
+        ce = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+        return ce / (ids.shape[1] - 1)
 
     handles = [m.register_forward_hook(gauges.hook(n)) for n, m in gauges.linears.items()]
     flags = {n: p.requires_grad for n, p in model.named_parameters()}  # by name: a move may swap the objects
