@@ -1,13 +1,15 @@
-"""Peak memory and time of each stage of a quantization run (``api.quantize_to_dir``), by default the VPTQ
-"2.5 bits" preset shortened to fit a shared machine: load, self-written calibration, the bit plan by sensitivity,
-the blocks, distillation, save.
+"""Peak memory and time of each stage of a quantization run that holds the whole model, by default the VPTQ
+"2.5 bits" preset shortened to fit a shared machine: load (the model and, for distillation, the original beside
+it, as ``api.quantize_to_dir`` loads them), self-written calibration, the bit plan by sensitivity, distillation.
 
 Protocol: every run is a fresh subprocess (``--tree``: the source tree it imports, e.g. an older checkout for a
-before / after pair) on ``--threads`` torch threads; its resident set is sampled from ``/proc/self/statm`` every
-20 ms by a thread that files each sample under the stage the run is in (``on_stage``), and ``ru_maxrss`` is read
-at the end. A stage's figure is the highest resident set seen while it ran (the process's whole footprint, what
-came before included); "baseline" is the footprint after the imports, before the run. Seconds per stage come
-from the same ``on_stage`` events; the plan's own split (measurement, distortion table) from the run's report.
+before / after pair) on ``--threads`` torch threads that calls the pipeline's own stage functions
+(``pipeline.STAGES``) in order; the block stage is replaced by random VQ layer states at each layer's planned
+settings (its memory is one block, streamed: ``bench/memory.py``; its time: ``bench/scaling.py``). The resident
+set is sampled from ``/proc/self/statm`` every 20 ms by a thread that files each sample under the stage the run is
+in, and ``ru_maxrss`` is read at the end. A stage's figure is the highest resident set seen while it ran (the
+process's whole footprint, what came before included); "baseline" is the footprint after the imports. The plan's
+own split (measurement, distortion table) comes from the run's metrics.
 
 Models: a built-in name (``smollm2-135m-instruct``, ``tiny-random-llama``) or a random-weight shape written to a
 safetensors directory one tensor at a time (``shape:qwen05b``: hidden 896, MLP 4864, 24 layers, vocabulary
@@ -111,39 +113,72 @@ def write_random_model(shape: str, directory: Path, seed: int = 0) -> int:
     return params
 
 
+def fake_states(run, seed: int = 0) -> dict:
+    """Random VQ layer states in the place of the block stage's, each layer at its settings (the plan's, when the
+    run made one), every block linear's weight set to its state's dequantized weight, as the block stage leaves
+    the model: what distillation starts from, without the block stage's time."""
+    sys.path.insert(0, str(Path(os.environ["PYTHONPATH"])))
+    from tests.factories import random_vq_state
+    from vptq_core.quant.blocks import block_linears, blocks_prefix, decoder_blocks
+
+    prefix, states = blocks_prefix(run.model), {}
+    for b, block in enumerate(decoder_blocks(run.model)):
+        for name in block_linears(block):
+            linear, full = block.get_submodule(name), f"{prefix}.{b}.{name}"
+            layer = run.config.for_layer(full)
+            state = random_vq_state(linear.in_features, linear.out_features, vector_len=layer.vector_len,
+                                    num_centroids=layer.num_centroids, perm=True, seed=seed + len(states))
+            state.centroids = state.centroids * float(linear.weight.detach().float().std())
+            linear.weight.data = state.dequantize().to(linear.weight.dtype)
+            states[full] = state
+    return states
+
+
 def worker(args) -> None:
-    """One run in this (fresh) process; prints one JSON line."""
+    """The stages of one run in this (fresh) process, each through the pipeline's own stage function; prints
+    one JSON line."""
     import torch
 
     torch.set_num_threads(args.threads)
-    from vptq_core.api import quantize_to_dir
-    from vptq_core.quant import methods
-    from vptq_core.quant.config import CalibConfig
+    from vptq_core.data import calibration_windows
+    from vptq_core.models import load_model
+    from vptq_core.quant import methods, pipeline
+    from vptq_core.quant.calib_windows import with_heldout
 
     method = methods.get(args.method)
     settings = {**method.presets[args.preset], **json.loads(args.settings)} if args.preset else json.loads(
         args.settings)
     config = methods.make_config(args.method, settings)
-    calib = CalibConfig(text="wiki", samples=args.samples, seqlen=args.seqlen, seed=0)
     sampler = StageSampler()
     baseline = sampler.current()
     sampler.start()
     t0 = time.perf_counter()
     sampler.enter("load")
-    _, summary = quantize_to_dir(args.dir, args.method, config, calib, args.out, device="cpu",
-                                 on_stage=sampler.enter)
+    model, tok = load_model(args.dir, dtype="auto")
+    reference = load_model(args.dir, dtype="auto")[0] if method.needs(config).reference else None
+    calib_ids = calibration_windows(tok, "wiki", with_heldout(args.samples, config), args.seqlen, 0)
+    run = pipeline.start_run(model, calib_ids, method, config, "cpu", True, reference=reference,
+                             on_layer=lambda _r: None, should_stop=lambda: False)
+    for stage in pipeline.STAGES:
+        if stage.name == "blocks":
+            sampler.enter("blocks (random states)")
+            run.result.states.update(fake_states(run))
+        elif stage.applies(run):
+            sampler.enter(stage.name)
+            stage.run(run)
     sampler.enter("end")
     sampler.stop()
     ends = sorted(sampler.starts.items(), key=lambda kv: kv[1])
     seconds = {name: later - start for (name, start), (_, later) in zip(ends, ends[1:], strict=False)}
-    metrics = summary.get("model_metrics") or {}
+    metrics = run.result.model_metrics
     plan = metrics.get("allocation") or {}
     print(json.dumps({
         "baseline": baseline, "peaks": {k: v for k, v in sampler.peaks.items() if k not in ("start", "end")},
         "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "seconds": seconds,
         "total_seconds": time.perf_counter() - t0, "plan_split": {k: plan[k] for k in (
             "measure_seconds", "distortion_seconds", "windows") if k in plan},
-        "distill_steps": (metrics.get("distill") or {}).get("steps")}))
+        "distill_steps": (metrics.get("distill") or {}).get("steps"),
+        "checkpointed_blocks": (metrics.get("distill") or {}).get("checkpointed_blocks")}))
 
 
 def model_dir(model: str, work: Path) -> tuple[str, int | None]:
@@ -217,7 +252,7 @@ def main() -> None:
     split = run["plan_split"]
     print(f"\nbaseline (after imports) {run['baseline'] / GB:.2f} GB; ru_maxrss {run['ru_maxrss'] / GB:.2f} GB; plan: "
           + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in split.items())
-          + f"; distillation steps {run['distill_steps']}")
+          + f"; distillation steps {run['distill_steps']}, checkpointed blocks {run.get('checkpointed_blocks')}")
     if args.results:
         row = {"model": args.model, "method": args.method, "preset": args.preset, "settings": settings,
                "samples": args.samples, "seqlen": args.seqlen, "threads": args.threads, "tree": tree,

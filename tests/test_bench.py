@@ -136,6 +136,10 @@ SMOKES: dict[str, Smoke] = {
         ("--shapes", "tiny", "--layers", "1", "--samples", "2", "--seqlen", "16", "--vocab", "64", "--threads", "1",
          "--method", "rtn", "--settings", '{"bits": 4, "group_size": 32}'),
         ("| shape | blocks | block weights |", "| tiny | 1 |")),
+    "bench/stage_memory.py": Smoke(
+        ("--model", "shape:tiny", "--samples", "4", "--seqlen", "32", "--distill-iters", "2", "--threads", "1",
+         "--set", "vector_len=4", "num_centroids=64", "bits_budget=6.0", "--workdir", "{root}/stage_memory"),
+        ("| stage | peak RSS | seconds |", "| plan |", "| distill |", "| **whole run** |")),
     "bench/search.py": Smoke(
         ("--cells", "4:256:64", "--rounds", "1", "--layer-shapes", "64x32"),
         ("| d | k | queries | native ms | kdtree ms |", "| layer | config | auto s | k-d tree s |", "| 64x32 |")),
