@@ -128,8 +128,8 @@ class DistillSettings(ConfigBase):
     distill_topk: int = setting(64, lo=1, hi=1 << 20, help="the teacher's top tokens per position the KL keeps "
                                 "(the rest: one bucket)")
     distill_holdout: float = setting(0.125, lo=0.0, hi=0.5, help="share of the calibration windows held out")
-    # Activation checkpointing of the decoder blocks during distillation: "auto" = off when the saved
-    # activations of one step fit a quarter of the free memory of the device (student.use_checkpointing).
+    # Activation checkpointing of the decoder blocks during distillation: "auto" = the blocks whose saved
+    # activations of one step pass an activation budget are checkpointed, the others not (student.kept_blocks).
     distill_checkpointing: bool | str = setting("auto", choices=(True, False, "auto"),
                                                 help="activation checkpointing during distillation")
     # Calibration of the block-by-block stage itself: this share of the windows it sees (the last ones,

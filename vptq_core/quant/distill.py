@@ -15,11 +15,12 @@ Indices, codes, embeddings and the LM head stay fixed. Objective, per predicted 
   (``sampling.sample_windows``, the teacher's top-k taken from the sampling's own logits), or both. The
   held-out windows are always calibration windows.
 - **Student** (``student.py``): the quantized model with its quantized linears replaced by
-  ``trainable.trainable_linear`` (the weight gathered from the codebooks, or scaled codes, in each forward), each
-  decoder block under activation checkpointing (``distill_checkpointing``; "auto": only when one step's saved
-  activations would not fit a quarter of the free memory, ``use_checkpointing``) and the LM head + loss in
-  checkpointed chunks of tokens; bf16 autocast for the training steps where the device multiplies bf16 in
-  hardware (``train_dtype``), float32 parameters and Adam state.
+  ``trainable.trainable_linear`` (the weight gathered from the codebooks, or scaled codes, in each forward), the
+  decoder blocks under activation checkpointing (``distill_checkpointing``; "auto": the blocks whose saved
+  activations pass an activation budget, ``kept_blocks``) and the LM head + loss in checkpointed chunks of
+  tokens; bf16 autocast for the training steps where the device multiplies bf16 in hardware (``train_dtype``),
+  float32 parameters and Adam state; the input embedding and LM head may stay in their stored dtype
+  (``stored_dtype_modules``: computed as float32).
 - **Held-out** (``train.train_holdout``): ``distill_holdout`` of the windows are never trained on; the KL on
   them is checked every ``distill_eval_every`` steps (0: every quarter of the steps) and at the end (float32),
   and the best check wins, the starting point included: distillation never leaves the model worse on those
