@@ -71,26 +71,37 @@ def test_distillation_lowers_the_kl_on_its_training_windows(tiny_model, windows)
 
 
 def test_checkpointing_changes_memory_not_results(tiny_model, windows, monkeypatch):
-    """Activation checkpointing on or off trains the same model; "auto" turns it off only when one step's saved
-    activations fit a quarter of the free memory."""
+    """Activation checkpointing of every block, of none or of some ("auto" within an activation budget) trains
+    the same model; "auto" keeps the activations of as many blocks as fit the least of ``ACT_MEMORY_BYTES`` and a
+    quarter of the free memory."""
     from vptq_core.quant import student
 
     model, _ = tiny_model
     trained = []
-    for setting in (True, False):
+    per_block = student.ACT_BYTES * sum(m.out_features for m in model.model.layers[0].modules()
+                                        if isinstance(m, torch.nn.Linear)) * windows.shape[1]
+    monkeypatch.setattr(student, "ACT_MEMORY_BYTES", per_block * 1.5)  # the tiny model's 2 blocks: 1 kept
+    for setting, checkpointed in ((True, 2), (False, 0), ("auto", 1)):
         qmodel, result = quantize_model(model, windows, "vptq", TINY)
         cfg = dataclasses.replace(TINY, distill_iters=4, distill_lr=0.17, distill_holdout=0.25, distill_topk=32,
                                   train_dtype="float32", distill_checkpointing=setting)
         metrics = distill(qmodel, model, result.states, windows, cfg)
-        assert metrics["checkpointing"] is setting and metrics["best_step"] > 0
+        assert metrics["checkpointed_blocks"] == checkpointed and metrics["best_step"] > 0
+        assert metrics["checkpointing"] is (checkpointed > 0)
         trained.append({n: st.centroids.clone() for n, st in result.states.items()})
-    for name, centroids in trained[0].items():
-        torch.testing.assert_close(trained[1][name], centroids, rtol=1e-5, atol=1e-6)
-    # auto: 20 bytes per token and linear output against a quarter of the free memory
-    need = student.ACT_BYTES * 5184 * 30 * 512  # SmolLM2-135M, one 512-token window: 1.59 GB
-    for free, expected in ((4 * need + 1, False), (4 * need - 1, True), (None, True)):
+    for other in trained[1:]:
+        for name, centroids in trained[0].items():
+            torch.testing.assert_close(other[name], centroids, rtol=1e-5, atol=1e-6)
+    monkeypatch.undo()
+    # auto: 20 bytes per token and linear output, shared evenly by the blocks, against the budget
+    cpu = torch.device("cpu")
+    block = student.ACT_BYTES * 5184 * 512  # one SmolLM2-135M block, one 512-token window: 53 MB
+    for free, kept in ((1 << 40, student.ACT_MEMORY_BYTES // block), (4 * 3 * block + 1, 3), (4 * block - 1, 0),
+                       (None, 0), (4 * 31 * block, min(30, student.ACT_MEMORY_BYTES // block))):
         monkeypatch.setattr(student, "free_memory", lambda _device, _f=free: _f)
-        assert student.use_checkpointing("auto", 5184 * 30, 512, torch.device("cpu")) is expected
+        assert student.kept_blocks("auto", 5184 * 30, 512, cpu, 30) == kept
+        assert student.use_checkpointing("auto", 5184 * 30, 512, cpu, 30) is (kept < 30)
+    assert student.kept_blocks(True, 1, 1, cpu, 30) == 0 and student.kept_blocks(False, 10**9, 10**9, cpu, 30) == 30
     assert student.use_checkpointing(False, 10**9, 10**9, torch.device("cpu")) is False
     assert VPTQConfig().distill_checkpointing == "auto"
     for bad in ("yes", 1, None):

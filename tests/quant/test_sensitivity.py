@@ -11,7 +11,15 @@ from vptq_core.quant.blocks import block_linears, decoder_blocks, total_linear_s
 from vptq_core.quant.config import VPTQConfig
 from vptq_core.quant.hessian import inverse_hessian_cholesky, prepare_hessian
 from vptq_core.quant.pipeline import quantize_model
-from vptq_core.quant.sensitivity import LayerSensitivity, allocate, ladder, layer_settings, measure, measured_windows
+from vptq_core.quant.sensitivity import (
+    LayerSensitivity,
+    allocate,
+    ladder,
+    layer_settings,
+    measure,
+    measured_windows,
+    plan_config,
+)
 from vptq_core.quant.vptq import config_bits
 
 BASE = VPTQConfig(vector_len=4, num_centroids=256, kmeans_iters=2, outlier_percent=0.0)
@@ -221,3 +229,106 @@ def test_the_measured_windows_spread_over_text_and_self_written_ones():
     windows = torch.arange(32).unsqueeze(1).expand(32, 8)
     assert measured_windows(windows)[:, 0].tolist() == [0, 10, 21, 31]
     assert measured_windows(windows[:2])[:, 0].tolist() == [0, 1]
+
+
+def _measured_the_whole_models_way(model, windows: torch.Tensor) -> dict[str, LayerSensitivity]:
+    """Every block linear's sensitivity from one forward and backward of the whole model per window (outputs kept
+    with retain_grad, inputs stacked): what the block-by-block measurement must equal."""
+    names = [f"model.layers.{b}.{n}" for b, blk in enumerate(decoder_blocks(model)) for n in block_linears(blk)]
+    grads: dict[str, list] = {n: [] for n in names}
+    inputs: dict[str, list] = {n: [] for n in names}
+    kept: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def record(_m, args, out):
+            inputs[name].append(args[0].detach().reshape(-1, args[0].shape[-1]))
+            out.retain_grad()
+            kept[name] = out
+        return record
+
+    handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in names]
+    try:
+        for i in range(windows.shape[0]):
+            embeds = model.get_input_embeddings()(windows[i : i + 1]).detach().requires_grad_(True)
+            model(inputs_embeds=embeds, labels=windows[i : i + 1]).loss.backward()
+            for n in names:
+                grads[n].append(kept[n].grad.reshape(-1, kept[n].shape[-1]))
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    tokens = windows.numel()
+    out = {}
+    for n in names:
+        linear = model.get_submodule(n)
+        g = float(torch.cat(grads[n]).pow(2).sum()) / (tokens * linear.out_features)
+        ms = float(linear.weight.detach().double().pow(2).mean())
+        fb = _feedback(linear, torch.cat(inputs[n]), tokens)
+        out[n] = LayerSensitivity(linear.out_features, linear.in_features, g, ms, fb,
+                                  0.5 * g * linear.out_features * ms * fb)
+    return out
+
+
+def test_the_block_by_block_measurement_gives_the_whole_models_numbers_and_plan(tiny_model, calib_ids):
+    """The measurement runs one block at a time (every window through a block before the next), holding one
+    block's activations and Hessians: its numbers are those of the whole model's forward and backward, so its
+    plan is the same."""
+    from vptq_core.quant.sensitivity import distortion
+
+    model, _ = tiny_model
+    windows = calib_ids[:3]
+    ours = measure(model, windows, 0.1, torch.device("cpu"), labels="data")
+    theirs = _measured_the_whole_models_way(model, windows)
+    assert set(ours) == set(theirs)
+    for name, s in ours.items():
+        t = theirs[name]
+        assert s.grad_sq == pytest.approx(t.grad_sq, rel=1e-5), name
+        assert s.feedback == pytest.approx(t.feedback, rel=1e-4), name
+        assert s.weight_ms == pytest.approx(t.weight_ms, rel=1e-9), name
+    cfg = dataclasses.replace(BASE, bits_budget=4.0, allocation="sensitivity")
+    shapes = {(s.out_features, s.in_features) for s in ours.values()}
+    rho = distortion(model, {shape: ladder(cfg) for shape in shapes}, list(ours), cfg)
+    assert allocate(ours, rho, cfg, 4.0, config_bits).layers == allocate(theirs, rho, cfg, 4.0, config_bits).layers
+
+
+def test_a_plan_measured_on_fewer_windows_is_close_to_the_full_measurements(tiny_model):
+    """``sensitivity_windows``: the plan from 2 of 8 windows, scored by the 8-window measurement, predicts a loss
+    increase within 10% of the 8-window plan's own (and most layers get the same settings)."""
+    from vptq_core.quant.sensitivity import distortion
+
+    model, _ = tiny_model
+    windows = torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(1))
+    cfg = dataclasses.replace(BASE, bits_budget=4.0, allocation="sensitivity")
+    full = measure(model, measured_windows(windows, 8), 0.1, torch.device("cpu"))
+    few = measure(model, measured_windows(windows, 2), 0.1, torch.device("cpu"))
+    shapes = {(s.out_features, s.in_features) for s in full.values()}
+    rho = distortion(model, {shape: ladder(cfg) for shape in shapes}, list(full), cfg)
+    best = allocate(full, rho, cfg, 4.0, config_bits)
+    cheap = allocate(few, rho, cfg, 4.0, config_bits)
+    scored = sum(full[n].weight * rho[(full[n].out_features, full[n].in_features)][step]
+                 for n, step in cheap.layers.items())
+    assert best.predicted <= scored <= 1.10 * best.predicted
+    same = sum(cheap.layers[n] == best.layers[n] for n in best.layers)
+    assert same >= 0.5 * len(best.layers)
+    assert measured_windows(windows, 2).shape[0] == 2
+    # the setting reaches the measurement: the plan's report says how many windows it measured
+    _, metrics = plan_config(model, windows, dataclasses.replace(cfg, sensitivity_windows=2), torch.device("cpu"),
+                             config_bits)
+    assert metrics["windows"] == 2
+    with pytest.raises(ValueError, match="sensitivity_windows must be"):
+        VPTQConfig(sensitivity_windows=0)
+
+
+def test_the_loss_taken_a_few_positions_at_a_time_gives_the_same_measurement(tiny_model, calib_ids, monkeypatch):
+    from vptq_core.quant import block_backward
+
+    model, _ = tiny_model
+    windows = calib_ids[:2]
+    whole = {labels: measure(model, windows, 0.1, torch.device("cpu"), labels=labels, seed=5)
+             for labels in ("data", "sampled")}
+    monkeypatch.setattr(block_backward, "LOSS_CHUNK_BYTES", 10 * 4 * model.config.vocab_size)  # 10 positions
+    for labels, ref in whole.items():
+        parts = measure(model, windows, 0.1, torch.device("cpu"), labels=labels, seed=5)
+        for name, s in parts.items():
+            assert s.grad_sq == pytest.approx(ref[name].grad_sq, rel=1e-5), (labels, name)
+            assert s.feedback == ref[name].feedback

@@ -61,3 +61,18 @@ def test_teacher_topk_shapes_and_mass(tiny_model, windows):
     total = torch.logaddexp(t["logp"].logsumexp(-1), t["rest"])
     torch.testing.assert_close(total, torch.zeros_like(total), atol=1e-5, rtol=0)
 
+
+
+def test_the_top_k_is_taken_a_few_positions_at_a_time_with_the_same_values(monkeypatch):
+    from vptq_core.quant import teacher
+
+    logits = torch.randn(2, 7, 50, dtype=torch.bfloat16)
+    whole = teacher.topk_of(logits, 5, "cpu")
+    monkeypatch.setattr(teacher, "TOPK_CHUNK_BYTES", 3 * 4 * 50)  # 3 positions at a time, the last one short
+    chunked = teacher.topk_of(logits, 5, "cpu")
+    logp = torch.log_softmax(logits.float(), -1)
+    top, index = logp.topk(5, -1)
+    assert chunked["logp"].shape == (2, 7, 5) and chunked["rest"].shape == (2, 7)
+    for got in (whole, chunked):
+        assert torch.equal(got["logp"], top) and torch.equal(got["index"], index)
+        assert torch.equal(got["rest"], logp.scatter(-1, index, float("-inf")).logsumexp(-1))

@@ -10,7 +10,8 @@ same values: a block's forward is run again, with gradients, when the backward r
              blocks' inputs are kept where the blocks live (float32);
 2. loss      the model's own forward after its last block (final norm, head, any logit soft-capping: the blocks
              stubbed, the first one returning the last block's output) with the modules outside the blocks on the
-             work device, then ``loss_of(logits, ids)`` and its backward to the last block's output;
+             work device, then ``loss_of(logits, ids, start)`` and its backward to the last block's output, a few
+             positions at a time (the full-vocabulary logits of a whole window, and their copies, are large);
 3. backward  block by block from the last, each run again on its kept inputs with gradients and its output's
              gradient sent back through it.
 """
@@ -26,6 +27,8 @@ from torch import nn
 from .blocks import blocks_prefix, decoder_blocks
 from .forward import capture_block_inputs, kwargs_to, run_block
 from .methods import Cancelled
+
+LOSS_CHUNK_BYTES = 64 << 20  # float32 logits of one part of a window's loss (a large vocabulary: fewer positions)
 
 
 @contextlib.contextmanager
@@ -99,11 +102,13 @@ def head_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def backward_by_block(model: nn.Module, windows: torch.Tensor, device: torch.device,
-                      loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
+                      loss_of: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor], *,
                       measuring: Callable[[bool], None], block_done: Callable[[int], None],
                       should_stop: Callable[[], bool]) -> None:
-    """For each window of ``windows`` [n, seq]: ``loss_of(logits [seq, vocab] float32, ids [1, seq] on the work
-    device)`` and its backward, with at most one decoder block of ``model`` on ``device`` at a time.
+    """For each window of ``windows`` [n, seq]: the loss and its backward, with at most one decoder block of
+    ``model`` on ``device`` at a time. The loss comes in parts, a few predicting positions at a time
+    (``LOSS_CHUNK_BYTES`` of float32 logits): ``loss_of(logits [t, vocab] float32 of positions start..start+t-1,
+    ids [1, seq] on the work device, start)`` is that part's share of the window's loss.
 
     ``measuring(True)`` before the forward pass (each linear sees each window's input once), ``measuring(False)``
     before the backward pass (the blocks run again); ``block_done(b)`` once every window went through block ``b``,
@@ -124,12 +129,17 @@ def backward_by_block(model: nn.Module, windows: torch.Tensor, device: torch.dev
             block_done(b)
         kept.append(out)
     grads = []
+    step = max(1, LOSS_CHUNK_BYTES // (4 * model.get_output_embeddings().out_features))
     with outside_blocks_on(model, device):
         for w in range(windows.shape[0]):
-            hidden = kept[-1][w : w + 1].to(device).requires_grad_(True)
-            with torch.enable_grad():
-                loss_of(head_logits(model, hidden)[0, :-1].float(), windows[w : w + 1].to(device)).backward()
-            grads.append(hidden.grad)
+            hidden, ids = kept[-1][w : w + 1].to(device), windows[w : w + 1].to(device)
+            grad = torch.zeros_like(hidden)
+            for start in range(0, hidden.shape[1] - 1, step):  # the predicting positions, a few at a time
+                part = hidden[:, start : min(start + step, hidden.shape[1] - 1)].detach().requires_grad_(True)
+                with torch.enable_grad():
+                    loss_of(head_logits(model, part)[0].float(), ids, start).backward()
+                grad[:, start : start + part.shape[1]] = part.grad
+            grads.append(grad)
     kept.pop()
     measuring(False)
     for b in reversed(range(len(blocks))):

@@ -145,8 +145,8 @@ class DistillSettings(ConfigBase):
     distill_code_step: float = setting(0.25, lo=0.0, hi=100.0, lo_open=True,
                                        help="VPTQ: the code update's proposed move along the negative gradient, "
                                        "relative to the codebook's RMS")
-    # Activation checkpointing of the decoder blocks during distillation: "auto" = off when the saved
-    # activations of one step fit a quarter of the free memory of the device (student.use_checkpointing).
+    # Activation checkpointing of the decoder blocks during distillation: "auto" = the blocks whose saved
+    # activations of one step pass an activation budget are checkpointed, the others not (student.kept_blocks).
     distill_checkpointing: bool | str = setting("auto", choices=(True, False, "auto"),
                                                 help="activation checkpointing during distillation")
     # Calibration of the block-by-block stage itself: this share of the windows it sees (the last ones,
@@ -254,6 +254,11 @@ class VPTQConfig(DistillSettings):
                               help="how --bits-budget is spent: cap = the same index bits in every layer; "
                               "sensitivity = each layer's own vector length and codebook size, more bits where "
                               "the model's loss feels the error (measured before the first block)")
+    # Calibration windows (spread over the block stage's) the sensitivity measurement runs forward and backward
+    # on: its cost grows with them, while the layers' ranking that decides the plan settles with a few.
+    sensitivity_windows: int = setting(4, lo=1, hi=4096, label="sensitivity windows", group=VPTQ_GROUP, form=False,
+                                       help="calibration windows the bit plan by sensitivity measures on "
+                                       "(allocation sensitivity)")
     # The per-layer settings a "sensitivity" run chose: ((full module name, vector_len, num_centroids), ...);
     # filled by the run and kept in its recorded config (a config with a plan quantizes those layers so again).
     layer_plan: tuple = internal(())

@@ -45,7 +45,7 @@ class RunSize(NamedTuple):
     """What the estimate knows of a run before it starts: the model's block-linear shapes and its other
     parameters, the calibration windows and their length. ``self_written``: the windows the original would
     write itself are kept (False once they are priced out, as over their share of a time budget).
-    ``plan_windows``: the windows a plan hook measures on (0: its own default, e.g. ``SENSITIVITY_WINDOWS``)."""
+    ``plan_windows``: the windows a plan hook measures on (0: its own setting, e.g. ``sensitivity_windows``)."""
 
     linear_shapes: tuple[tuple[int, int], ...]
     other_params: int

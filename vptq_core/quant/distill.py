@@ -15,11 +15,12 @@ Indices, codes, embeddings and the LM head stay fixed. Objective, per predicted 
   (``sampling.sample_windows``, the teacher's top-k taken from the sampling's own logits), or both. The
   held-out windows are always calibration windows.
 - **Student** (``student.py``): the quantized model with its quantized linears replaced by
-  ``trainable.trainable_linear`` (the weight gathered from the codebooks, or scaled codes, in each forward), each
-  decoder block under activation checkpointing (``distill_checkpointing``; "auto": only when one step's saved
-  activations would not fit a quarter of the free memory, ``use_checkpointing``) and the LM head + loss in
-  checkpointed chunks of tokens; bf16 autocast for the training steps where the device multiplies bf16 in
-  hardware (``train_dtype``), float32 parameters and Adam state.
+  ``trainable.trainable_linear`` (the weight gathered from the codebooks, or scaled codes, in each forward), the
+  decoder blocks under activation checkpointing (``distill_checkpointing``; "auto": the blocks whose saved
+  activations pass an activation budget, ``kept_blocks``) and the LM head + loss in checkpointed chunks of
+  tokens; bf16 autocast for the training steps where the device multiplies bf16 in hardware (``train_dtype``),
+  float32 parameters and Adam state; the input embedding and LM head may stay in their stored dtype
+  (``stored_dtype_modules``: computed as float32).
 - **Held-out** (``train.train_holdout``): ``distill_holdout`` of the windows are never trained on; the KL on
   them is checked every ``distill_eval_every`` steps (0: every quarter of the steps) and at the end (float32),
   and the best check wins, the starting point included: distillation never leaves the model worse on those
@@ -41,6 +42,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from .blocks import decoder_blocks
 from .calib_windows import holdout_count
 from .code_update import CodeUpdates
 from .config import DistillSettings
@@ -48,7 +50,7 @@ from .device import compute_dtype
 from .repetition import MAX_REPEATED_SHARE
 from .sampling import SAMPLE_BATCH, sample_windows
 from .states import ScalarLayerState, VQLayerState
-from .student import Student, check_head, checkpointed_blocks, use_checkpointing
+from .student import Student, check_head, checkpointed_blocks, kept_blocks, stored_dtype_modules
 from .teacher import stack_teacher, teacher_for
 from .train import minibatches, train_holdout
 from .trainable import CodebookLinear, dense_parameters, only_trainable, swapped_in, trainable_linear, write_back
@@ -272,11 +274,11 @@ def _train(qmodel: nn.Module, states: dict, data: _Data, config: DistillSettings
     dense_dtypes = [p.dtype for p in dense]
     was_training = qmodel.training
     qmodel.eval()
-    checkpointing = use_checkpointing(config.distill_checkpointing, sum(st.out_features for st in states.values()),
-                                      windows.shape[1] * config.distill_batch, device)
-    metrics["checkpointing"] = checkpointing
-    student = Student(qmodel, checkpointing)
-    check_head(student, qmodel, windows)
+    blocks = len(decoder_blocks(qmodel))
+    kept = kept_blocks(config.distill_checkpointing, sum(st.out_features for st in states.values()),
+                       windows.shape[1] * config.distill_batch, device, blocks)
+    metrics["checkpointing"] = kept < blocks
+    metrics["checkpointed_blocks"] = blocks - kept
     codes = (CodeUpdates(config.distill_code_every, config.distill_code_share, config.distill_code_step)
              if config.distill_code_every else None)  # discrete code updates (code_update.py)
 
@@ -318,7 +320,10 @@ def _train(qmodel: nn.Module, states: dict, data: _Data, config: DistillSettings
     try:
         for p in dense:  # train 1-D tensors in float32 (put back in their dtype after)
             p.data = p.data.float()
-        with swapped_in(qmodel, list(states), make) as trainables, checkpointed_blocks(qmodel, checkpointing):
+        with (stored_dtype_modules(qmodel), swapped_in(qmodel, list(states), make) as trainables,
+              checkpointed_blocks(qmodel, kept)):
+            student = Student(qmodel, kept < blocks)
+            check_head(student, qmodel, windows)
             groups = _param_groups(trainables, dense, config, metrics)
             with only_trainable(qmodel, [p for group in groups for p in group["params"]]):
                 result = train_holdout(

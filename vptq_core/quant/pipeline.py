@@ -117,13 +117,16 @@ def plan(run: Run) -> None:
 
 
 def distill_model(run: Run) -> None:
-    """The method's after-model hooks on the whole fake-quantized model (float32 on the work device, put back
-    after), by the deadline a time budget sets for the whole run."""
+    """The method's after-model hooks on the whole fake-quantized model (float32 on the work device but for its
+    large frozen tensors, ``student.to_training_dtype``; put back after), by the deadline a time budget sets for the
+    whole run."""
+    from .student import to_training_dtype  # the training is loaded when a run distils
+
     budget = run.needs.time_budget
     deadline = run.start - run.earlier_seconds + budget if budget > 0 else None
     model = run.model
     orig_device, orig_dtype = next(model.parameters()).device, next(model.parameters()).dtype
-    model.to(run.device, torch.float32)
+    to_training_dtype(model, run.device, run.result.states)  # float32 but the large frozen tensors (student.py)
     try:
         for hook in [hook for hook in run.method.after_model if hook.phase in run.needs.after_model]:
             ctx = ModelContext(model=model, reference=run.reference, calib_ids=run.calib_ids,

@@ -178,7 +178,7 @@ def _cut_plan_windows(method, size, config, speed, budget):
     plan = _seconds(method, size, config, speed).get("plan", 0.0)
     if not plan:
         return size, config, None
-    before = min(size.plan_windows or PLAN_WINDOWS[0], max(size.samples, 1))
+    before = min(size.plan_windows or getattr(config, "sensitivity_windows", PLAN_WINDOWS[0]), max(size.samples, 1))
     why = _over_text(method, size, config, speed, budget)
     chosen = size
     for windows in [w for w in PLAN_WINDOWS if w < before]:

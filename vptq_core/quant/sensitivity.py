@@ -41,7 +41,6 @@ from .kmeans import nearest, weighted_kmeans
 from .methods import Cancelled
 from .vptq_layers import layer_config
 
-SENSITIVITY_WINDOWS = 4  # calibration windows of the backward pass
 SENSITIVITY_LABELS = "sampled"  # the next tokens whose loss is differentiated (``measure``)
 MIN_INDEX_BITS, MAX_INDEX_BITS = 1.0, 4.0  # index bits per weight the ladder spans at least
 LADDER_SPAN = 1.5  # ... and this far over the budget
@@ -125,12 +124,6 @@ class _Gauges:
                                 0.5 * g * linear.out_features * ms * feedback)
 
 
-def _on(model: nn.Module, device: torch.device) -> bool:
-    """Every parameter of ``model`` is on ``device`` ("cuda" stands for the current CUDA device)."""
-    index = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
-    return all(p.device.type == device.type and p.device.index == index for p in model.parameters())
-
-
 def measure(model: nn.Module, windows: torch.Tensor, damp_percent: float, device: torch.device,
             should_stop: Callable[[], bool] | None = None, labels: str | None = None,
             seed: int = 0) -> dict[str, LayerSensitivity]:
@@ -140,8 +133,11 @@ def measure(model: nn.Module, windows: torch.Tensor, damp_percent: float, device
     next-token distribution at each position ("sampled", seeded: the Fisher of the model's own distribution, which
     is what the KL to the original distillation minimises sees); default ``SENSITIVITY_LABELS``.
 
-    A model elsewhere than ``device`` (the original on the CPU, a GPU to work on) stays there: its blocks come to
-    ``device`` one at a time, in float32, as in the block stage (``block_backward``)."""
+    The model stays where it is (the original on the CPU, a GPU to work on): its blocks run one at a time on
+    ``device``, in float32, as in the block stage (``block_backward``), every window through a block before the
+    next. So the measurement holds one block's activations and one block's Hessians whatever the model's depth,
+    where one forward and backward of the whole model would hold every block's saved activations and every
+    Hessian until the last window (the same numbers: tests)."""
     labels = labels or SENSITIVITY_LABELS
     if labels not in ("data", "sampled"):
         raise ValueError(f"labels must be 'data' or 'sampled', got {labels!r}")
@@ -153,14 +149,16 @@ def measure(model: nn.Module, windows: torch.Tensor, damp_percent: float, device
     gauges = _Gauges({name: model.get_submodule(name) for names in per_block for name in names})
     tokens = windows.shape[0] * windows.shape[1]
 
-    def loss_of(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def loss_of(logits: torch.Tensor, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Positions start.. of a window: their share of its mean next-token cross-entropy."""
         if labels == "data":
-            targets = ids[0, 1:]
+            targets = ids[0, start + 1 : start + 1 + logits.shape[0]]
         else:
             with torch.no_grad():
                 probs = torch.softmax(logits, dim=-1).cpu()
                 targets = torch.multinomial(probs, 1, generator=gen).squeeze(1).to(logits.device)
-        return torch.nn.functional.cross_entropy(logits, targets)
+        ce = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+        return ce / (ids.shape[1] - 1)
 
     handles = [m.register_forward_hook(gauges.hook(n)) for n, m in gauges.linears.items()]
     flags = {n: p.requires_grad for n, p in model.named_parameters()}  # by name: a move may swap the objects
@@ -169,16 +167,12 @@ def measure(model: nn.Module, windows: torch.Tensor, damp_percent: float, device
         model.eval()
         for p in model.parameters():
             p.requires_grad_(False)
-        if _on(model, device):
-            _forward_backward(model, windows, device, loss_of, gauges, should_stop)
-            gauges.finish_feedback(list(gauges.linears), damp_percent, tokens)
-        else:
-            def block_done(b: int) -> None:
-                gauges.groups.release()  # every linear of the block has its owner after the first window
-                gauges.finish_feedback(per_block[b], damp_percent, tokens)
+        def block_done(b: int) -> None:
+            gauges.groups.release()  # every linear of the block has its owner after the first window
+            gauges.finish_feedback(per_block[b], damp_percent, tokens)
 
-            backward_by_block(model, windows, device, loss_of, measuring=lambda on: setattr(gauges, "inputs", on),
-                              block_done=block_done, should_stop=should_stop)
+        backward_by_block(model, windows, device, loss_of, measuring=lambda on: setattr(gauges, "inputs", on),
+                          block_done=block_done, should_stop=should_stop)
     finally:
         gauges.groups.release()
         for h in handles:
@@ -187,20 +181,6 @@ def measure(model: nn.Module, windows: torch.Tensor, damp_percent: float, device
             p.requires_grad_(flags[n])
         model.train(was_training)
     return {name: gauges.sensitivity(name, tokens) for name in gauges.linears}
-
-
-def _forward_backward(model: nn.Module, windows: torch.Tensor, device: torch.device, loss_of: Callable,
-                      gauges: _Gauges, should_stop: Callable[[], bool]) -> None:
-    """The model's forward and backward over each window, the whole model on ``device``."""
-    embed = model.get_input_embeddings()
-    for i in range(windows.shape[0]):
-        if should_stop():
-            raise Cancelled
-        ids = windows[i : i + 1].to(device)
-        with torch.enable_grad():
-            hidden = embed(ids).detach().requires_grad_(True)
-            loss_of(model(inputs_embeds=hidden).logits[0, :-1].float(), ids).backward()
-        gauges.groups.release()  # every linear's owner is known after the first window
 
 
 def distortion(model: nn.Module, steps: dict[tuple[int, int], list[tuple[int, int]]], names: list[str],
@@ -313,21 +293,23 @@ def allocate(sens: dict[str, LayerSensitivity], rho: dict, config: VPTQConfig, b
     return Plan(layers, used / total_weights, index, sum(hulls[n][at[n]][1] for n in hulls))
 
 
-def measured_windows(windows: torch.Tensor) -> torch.Tensor:
-    """The ``SENSITIVITY_WINDOWS`` windows the measurement runs on: spread evenly over ``windows`` (with
-    self-written calibration, text and self-written windows both)."""
+def measured_windows(windows: torch.Tensor, count: int = VPTQConfig.sensitivity_windows) -> torch.Tensor:
+    """The ``count`` windows (``sensitivity_windows``) the measurement runs on: spread evenly over ``windows``
+    (with self-written calibration, text and self-written windows both)."""
     n = windows.shape[0]
-    pick = torch.linspace(0, n - 1, min(SENSITIVITY_WINDOWS, n)).round().long().unique()
+    pick = torch.linspace(0, n - 1, min(count, n)).round().long().unique()
     return windows[pick]
 
 
 def plan_config(model: nn.Module, windows: torch.Tensor, config: VPTQConfig, device: torch.device,
                 bits_of: Callable, should_stop: Callable[[], bool] | None = None) -> tuple[VPTQConfig, dict]:
-    """``config`` with its ``layer_plan`` for ``model`` (measured on ``measured_windows(windows)``), and metrics
+    """``config`` with its ``layer_plan`` for ``model`` (measured on ``config.sensitivity_windows`` of ``windows``,
+    ``measured_windows``), and metrics
     for the run's report: the plan's bits, how many layers got which settings, each layer's settings and bits, and
     the predicted loss increase of the plan and of the cap allocator's settings for the same budget."""
     t0 = time.perf_counter()
-    sens = measure(model, measured_windows(windows), config.damp_percent, device, should_stop, seed=config.seed)
+    measured = measured_windows(windows, config.sensitivity_windows)
+    sens = measure(model, measured, config.damp_percent, device, should_stop, seed=config.seed)
     t1 = time.perf_counter()
     shapes = [(s.out_features, s.in_features) for s in sens.values()]
     capped = resolve_budget(dataclasses.replace(config, allocation="cap", layer_bits_cap=0.0), shapes)
@@ -347,7 +329,7 @@ def plan_config(model: nn.Module, windows: torch.Tensor, config: VPTQConfig, dev
               for name, (v, k) in plan.layers.items()]
     metrics = {"total_bits": plan.total_bits, "index_bits": plan.index_bits, "predicted_loss": plan.predicted,
                "predicted_loss_cap": cap_loss, "settings": counts, "layers": layers,
-               "windows": min(SENSITIVITY_WINDOWS, windows.shape[0]), "measure_seconds": t1 - t0,
+               "windows": measured.shape[0], "measure_seconds": t1 - t0,
                "distortion_seconds": t2 - t1}
     layer_plan = tuple((name, v, k) for name, (v, k) in plan.layers.items())
     return dataclasses.replace(config, layer_plan=layer_plan), metrics

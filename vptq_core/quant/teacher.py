@@ -35,13 +35,26 @@ def teacher_topk(reference: nn.Module, windows: torch.Tensor, k: int, device: to
     return stack_teacher(rows)
 
 
+TOPK_CHUNK_BYTES = 64 << 20  # float32 log-probabilities ``topk_of`` holds at a time (a few positions' worth)
+
+
 def topk_of(logits: torch.Tensor, k: int, device) -> dict[str, torch.Tensor]:
     """{"logp", "index", "rest"} of logits [..., V]: the top-k log-probabilities, their tokens and the log of
-    the mass of all the others."""
-    logp = F.log_softmax(logits.float(), dim=-1)
-    top, index = logp.topk(min(k, logp.shape[-1]), dim=-1)
-    rest = logp.scatter(-1, index, float("-inf")).logsumexp(-1)
-    return {"logp": top.to(device), "index": index.to(device), "rest": rest.to(device)}
+    the mass of all the others. Taken a few positions at a time (``TOPK_CHUNK_BYTES`` of float32 at once): a
+    window's full-vocabulary float32 log-probabilities, and their copies, would take several times that."""
+    lead, vocab = logits.shape[:-1], logits.shape[-1]
+    flat = logits.reshape(-1, vocab)
+    step = max(1, TOPK_CHUNK_BYTES // (4 * vocab))
+    kk = min(k, vocab)
+    out = {"logp": torch.empty(flat.shape[0], kk, device=device),
+           "index": torch.empty(flat.shape[0], kk, dtype=torch.long, device=device),
+           "rest": torch.empty(flat.shape[0], device=device)}
+    for i in range(0, flat.shape[0], step):
+        logp = F.log_softmax(flat[i : i + step].float(), dim=-1)
+        top, index = logp.topk(kk, dim=-1)
+        rest = logp.scatter_(-1, index, float("-inf")).logsumexp(-1)
+        out["logp"][i : i + step], out["index"][i : i + step], out["rest"][i : i + step] = top, index, rest
+    return {key: value.reshape(*lead, -1) if key != "rest" else value.reshape(lead) for key, value in out.items()}
 
 
 def stack_teacher(rows: list[dict[str, torch.Tensor]], dim: int = 0, cat: bool = False) -> dict[str, torch.Tensor]:

@@ -40,6 +40,11 @@ def row_sum_matrix(rows: torch.Tensor, num_rows: int) -> torch.Tensor:
                                        size=(num_rows, rows.numel()))
 
 
+def _rows32(rows: torch.Tensor) -> torch.Tensor:
+    """Codebook row numbers as int32 (a layer's codebooks hold far fewer than 2^31 rows)."""
+    return rows.to(torch.int32)
+
+
 class _RowGather(torch.autograd.Function):
     """codebook [K, v] -> codebook[rows] [n, v], whose backward sums the n row gradients into the K codebook rows
     as one sparse x dense product (``row_sum_matrix``) instead of autograd's index_add, which is several times
@@ -79,15 +84,17 @@ class CodebookLinear(nn.Module):
         self.bias = bias
         G, k = spec.group_num, spec.num_centroids
         offsets = (torch.arange(G, device=device) * k).view(G, 1, 1)
-        # [G, R, gs] -> [R, G, gs]: one codebook row per vector, in stored column order
-        self._rows = (as_index(state.indices).to(device) + offsets).permute(1, 0, 2).reshape(-1)
+        # [G, R, gs] -> [R, G, gs]: one codebook row per vector, in stored column order; int32, half of int64's
+        # bytes for what a whole model's layers hold while distillation trains them all
+        self._rows = _rows32((as_index(state.indices).to(device) + offsets).permute(1, 0, 2).reshape(-1))
         self._res_rows = None
         if state.res_indices is not None:
             res_offsets = offsets // k * spec.num_res_centroids
-            self._res_rows = (as_index(state.res_indices).to(device) + res_offsets).permute(1, 0, 2).reshape(-1)
+            self._res_rows = _rows32((as_index(state.res_indices).to(device) + res_offsets).permute(1, 0, 2)
+                                     .reshape(-1))
         self._outlier_rows = None
         if state.outlier_indices is not None:
-            self._outlier_rows = as_index(state.outlier_indices[0]).to(device).reshape(-1)
+            self._outlier_rows = _rows32(as_index(state.outlier_indices[0]).to(device).reshape(-1))
         self._perm = None if state.perm is None else as_index(state.perm).to(device)
         self._row_sums: dict[str, torch.Tensor] = {}  # codebook name -> row_sum_matrix, built at the first step
 

@@ -110,14 +110,14 @@ def vptq_seconds(size: RunSize, config: VPTQConfig) -> float:
 
 def allocation_seconds(size: RunSize, config: VPTQConfig) -> float:
     """Rough seconds of measuring a per-layer plan (``sensitivity.plan_config``) before the first block: the
-    measured windows' forward and backward passes (``size.plan_windows``, else ``SENSITIVITY_WINDOWS``, at most the
+    measured windows' forward and backward passes (``size.plan_windows``, else ``config.sensitivity_windows``, at most the
     calibration's), every linear's inverse Hessian, and k-means over the ladder for each distinct layer shape; 0
     unless ``config.allocation`` is "sensitivity" and the config has no plan yet."""
     if config.allocation != "sensitivity" or config.layer_plan:
         return 0.0
-    from .sensitivity import DISTORTION_ITERS, SENSITIVITY_WINDOWS, ladder
+    from .sensitivity import DISTORTION_ITERS, ladder
 
-    windows = size.plan_windows or SENSITIVITY_WINDOWS
+    windows = size.plan_windows or config.sensitivity_windows
     if size.samples > 0:
         windows = min(windows, int(size.samples))
     seconds = windows * SENS_WINDOW_S * size.params * max(int(size.seqlen) - 1, 1)
