@@ -111,8 +111,8 @@ def vptq_seconds(size: RunSize, config: VPTQConfig) -> float:
 def allocation_seconds(size: RunSize, config: VPTQConfig) -> float:
     """Rough seconds of measuring a per-layer plan (``sensitivity.plan_config``) before the first block: the
     measured windows' forward and backward passes (``size.plan_windows``, else ``config.sensitivity_windows``, at
-    most the calibration's), every linear's inverse Hessian, and k-means over the ladder for each distinct layer shape; 0
-    unless ``config.allocation`` is "sensitivity" and the config has no plan yet."""
+    most the calibration's), every linear's inverse Hessian, and k-means over the ladder for each distinct layer
+    shape; 0 unless ``config.allocation`` is "sensitivity" and the config has no plan yet."""
     if config.allocation != "sensitivity" or config.layer_plan:
         return 0.0
     from .sensitivity import DISTORTION_ITERS, ladder
