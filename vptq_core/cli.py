@@ -310,7 +310,9 @@ def _quantize(args, config, calib, device, main: bool) -> int:
             bar.detail(f"{phase} loss {loss:.4g}")
 
     def on_plan(plan) -> None:
-        for line in plan.lines() if main else ():  # one line per decision, before the run
+        # the estimate and one line per decision before the run; --quiet keeps only the decisions (what changed)
+        lines = plan.lines() if bar is not None else [d.line() for d in plan.decisions]
+        for line in lines if main else ():
             if bar is not None:
                 bar.write(f"plan: {line}")
             else:

@@ -86,6 +86,8 @@ def test_bf16_block_pass_stays_within_bf16_rounding_of_float32(tiny_model, calib
 
 def test_block_dtype_follows_the_environment(monkeypatch):
     monkeypatch.delenv(BLOCK_DTYPE_ENV, raising=False)
+    assert block_dtype("cpu") == torch.float32  # the same checkpoint on every machine unless told otherwise
+    monkeypatch.setenv(BLOCK_DTYPE_ENV, "auto")
     assert block_dtype("cpu") == (torch.bfloat16 if native_bf16("cpu") else torch.float32)
     assert block_dtype("meta") == torch.float32  # devices other than the CPU stay float32 unless told
     monkeypatch.setenv(BLOCK_DTYPE_ENV, "float32")

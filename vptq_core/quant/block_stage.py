@@ -91,7 +91,7 @@ def quantize_block(run: Run, b: int, block: nn.Module, prefix: str, inps: torch.
     orig_device = next(block.parameters()).device
     block.to(run.device, torch.float32)
     linears = {n: m for n, m in block_linears(block).items() if not (run.skip and run.skip(f"{name}.{n}"))}
-    dtype = block_dtype(run.device)  # bf16 forwards and Hessian products where the hardware has them
+    dtype = block_dtype(run.device)  # float32, or bf16 forwards and Hessian products when asked
     with result.timed("hessians_targets"):
         hessians, targets = hessians_and_targets(block, linears, inps, block_kwargs, dtype)
         if fp_inps is not None:

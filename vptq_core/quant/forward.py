@@ -174,10 +174,11 @@ BATCH = 8  # calibration windows per block call: a batched forward is much faste
 
 
 def block_dtype(device: torch.device | str = "cpu") -> torch.dtype:
-    """The dtype the block stage runs blocks in on ``device``: ``$VPTQ_BLOCK_DTYPE`` ("auto" when unset: bf16 on
-    a CPU that multiplies it in hardware, else float32; or "bfloat16" / "float32"). A GPU stays float32 unless
-    told: its float32 forwards cost little, and its runs keep matching a float32 CPU run to float rounding."""
-    value = (os.environ.get(BLOCK_DTYPE_ENV) or "auto").strip().lower()
+    """The dtype the block stage runs blocks in on ``device``: ``$VPTQ_BLOCK_DTYPE`` ("float32" when unset;
+    "auto": bf16 on a CPU that multiplies it in hardware, else float32; or "bfloat16"). float32 is the default so
+    that a run gives the same checkpoint on every machine and on a device as on the CPU, to float rounding; bf16
+    is the faster choice a user makes knowingly (docs/methods.md#block-stage-precision)."""
+    value = (os.environ.get(BLOCK_DTYPE_ENV) or "float32").strip().lower()
     if value == "auto" and torch.device(device).type != "cpu":
         return torch.float32
     try:
