@@ -282,7 +282,8 @@ TEST_HOMES = {
 # quantization to checkpoint, streaming, the project's layout, docs and benchmarks): they live directly in tests/.
 CROSS_CUTTING_TESTS = frozenset({
     "test_architecture.py", "test_packaging.py", "test_docs.py", "test_bench.py",
-    "test_families.py", "test_gguf.py", "test_embedding.py", "test_streaming.py", "test_device_presets.py", "test_presets.py",
+    "test_families.py", "test_gguf.py", "test_embedding.py", "test_streaming.py", "test_device_presets.py",
+    "test_presets.py",
 })
 
 
