@@ -78,6 +78,7 @@ FLAGS = {
     # flags of the settings the app's form shows too
     "--refit-iters": ("refit_iters", "int"), "--distill-samples": ("distill_samples", "int"),
     "--distill-eval-every": ("distill_eval_every", "int"),
+    "--sensitivity-windows": ("sensitivity_windows", "int"),
 }
 
 

@@ -58,7 +58,7 @@ def test_a_crafted_gradient_moves_exactly_the_vectors_it_points_elsewhere(no_cap
     assert dict(zip(positions.tolist(), rows.tolist(), strict=True)) == moves
     layer.assign(positions, rows)
     expected = start.clone()
-    expected[list(moves)] = torch.tensor(list(moves.values()))
+    expected[list(moves)] = torch.tensor(list(moves.values()), dtype=expected.dtype)
     assert torch.equal(layer._rows, expected)
     assert layer.grad is None and layer.propose(step, 0.5) is None  # the gradient is used once
 
