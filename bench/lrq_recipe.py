@@ -35,16 +35,9 @@ def parse_variant(text: str) -> tuple[str, dict]:
     name, sep, body = text.partition(":")
     if not sep or not name:
         raise ValueError(f"a variant is NAME:SETTINGS (NAME=VALUE, comma-separated), got {text!r}")
-    settings = {}
-    for item in filter(None, body.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise ValueError(f"variant {name!r}: settings are NAME=VALUE, got {item!r}")
-        try:
-            settings[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            settings[key.strip()] = value
-    return name, settings
+    from vptq_core.quant.settings import parse_assignment
+
+    return name, dict(parse_assignment(item, f"variant {name!r}") for item in filter(None, body.split(",")))
 
 
 def protocol(args) -> dict:

@@ -15,7 +15,7 @@ from .data import DEFAULT_EVAL_SPLIT, EVAL_SPLITS, TEXTS
 from .divergence_cli import add_diff_parser, cmd_diff
 from .quant import methods
 from .quant.config import CALIB_GROUP, GROUPS, CalibConfig
-from .quant.settings import Setting, grouped
+from .quant.settings import Setting, grouped, parse_assignment
 
 DESCRIPTION = "Extreme low-bit quantization of LLMs (VPTQ, LRQ, GPTQ, RTN)."
 
@@ -245,13 +245,8 @@ def method_config_from_args(args):
                                  f"{', '.join(sorted(names))})")
             settings[name] = value
     for item in args.extra_settings:
-        name, sep, text = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set takes NAME=VALUE, got {item!r}")
-        try:
-            settings[name.strip()] = json.loads(text)
-        except json.JSONDecodeError:
-            settings[name.strip()] = text  # a bare word: a string setting
+        name, value = parse_assignment(item, "--set")
+        settings[name] = value
     if "seed" in names:
         settings.setdefault("seed", args.seed)
     return method.make_config(settings)

@@ -11,6 +11,7 @@ setting"). This module imports nothing else from the project.
 from __future__ import annotations
 
 import functools
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields, replace
@@ -229,3 +230,14 @@ def grouped(config_classes: Iterable[type], where: str, order: Sequence[str] = (
     groups = [g for g in order if any(m.group == g for m in found.values())]
     groups += [g for g in dict.fromkeys(m.group for m in found.values()) if g not in groups]
     return {group: {name: meta for name, meta in found.items() if meta.group == group} for group in groups}
+
+
+def parse_assignment(item: str, what: str = "a setting") -> tuple[str, Any]:
+    """"NAME=VALUE" -> (NAME, VALUE read as JSON, else the bare word as a string); ValueError naming ``item``."""
+    name, sep, text = item.partition("=")
+    if not sep or not name.strip():
+        raise ValueError(f"{what} takes NAME=VALUE, got {item!r}")
+    try:
+        return name.strip(), json.loads(text)
+    except json.JSONDecodeError:
+        return name.strip(), text  # a bare word: a string setting
