@@ -56,7 +56,13 @@ def model_config(shape: str, layers: int):
 
 
 def write_random_model(shape: str, layers: int, directory: Path, seed: int = 0) -> dict:
-    """config.json + model.safetensors (bf16, random) + a byte tokenizer, one tensor in memory at a time."""
+    """config.json + model.safetensors (bf16, random) + a byte tokenizer of ``shape`` with ``layers`` blocks."""
+    return write_random_weights(model_config(shape, layers), directory, seed)
+
+
+def write_random_weights(config, directory: Path, seed: int = 0) -> dict:
+    """config.json + model.safetensors (bf16, random: norms 1, biases 0, the rest N(0, 0.02)) + a byte tokenizer
+    for a transformers ``config``, one tensor in memory at a time -> parameters {"block": n, "other": n}."""
     import accelerate
     import torch
     from transformers import AutoModelForCausalLM
@@ -65,7 +71,6 @@ def write_random_model(shape: str, layers: int, directory: Path, seed: int = 0) 
     from vptq_core.models import byte_tokenizer
     from vptq_core.storage.checkpoint import SafetensorsWriter
 
-    config = model_config(shape, layers)
     with accelerate.init_empty_weights(include_buffers=False), hf_init.no_init_weights():
         skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     tied = set(getattr(skeleton, "all_tied_weights_keys", None) or {})

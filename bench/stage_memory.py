@@ -78,39 +78,16 @@ class StageSampler(threading.Thread):
 
 
 def write_random_model(shape: str, directory: Path, seed: int = 0) -> int:
-    """config.json + model.safetensors (bf16, random) + a byte tokenizer, one tensor in memory at a time; the
-    number of parameters."""
-    import accelerate
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
-    from transformers import initialization as hf_init
-
-    from vptq_core.models import byte_tokenizer
-    from vptq_core.storage.checkpoint import SafetensorsWriter
+    """A random bf16 qwen2 model of ``shape`` in ``directory`` (``memory.write_random_weights``); the number of
+    parameters."""
+    from memory import write_random_weights  # bench/memory.py, beside this script
+    from transformers import Qwen2Config
 
     hidden, inter, heads, kv, layers, vocab, tied = SHAPES[shape]
     config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
                          num_key_value_heads=kv, num_hidden_layers=layers, max_position_embeddings=4096,
                          tie_word_embeddings=tied, dtype="bfloat16")
-    with accelerate.init_empty_weights(include_buffers=False), hf_init.no_init_weights():
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    directory.mkdir(parents=True, exist_ok=True)
-    gen, params = torch.Generator().manual_seed(seed), 0
-    with SafetensorsWriter(directory / "model.safetensors") as writer:
-        for name, meta in skeleton.state_dict().items():
-            if name.endswith("norm.weight"):
-                tensor = torch.ones(meta.shape, dtype=torch.bfloat16)
-            elif name.endswith(".bias"):
-                tensor = torch.zeros(meta.shape, dtype=torch.bfloat16)
-            else:
-                tensor = (torch.randn(meta.shape, generator=gen) * 0.02).to(torch.bfloat16)
-            params += tensor.numel()
-            writer.add(name, tensor)
-            del tensor
-        writer.close(metadata={"format": "pt"})
-    config.save_pretrained(str(directory))
-    byte_tokenizer().save_pretrained(str(directory))
-    return params
+    return sum(write_random_weights(config, directory, seed).values())
 
 
 def fake_states(run, seed: int = 0) -> dict:
