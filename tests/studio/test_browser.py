@@ -146,6 +146,9 @@ def test_quantize_evaluate_download_reload_chat_in_the_browser(app, browser, pag
     _set_number(page, "centroids (power of 2)", "64")
     _set_number(page, "vector length", "2")
     _set_number(page, "k-means iterations", "30")
+    # far more distillation steps than the few seconds the rest takes: the job is surely running at the cancel
+    preset_steps = page.get_by_label("distillation steps", exact=True).input_value()
+    _set_number(page, "distillation steps", "100000")
     page.click("#start-btn")
     _wait_status(page, ("running",))
     assert _guard(page)[0] == "1" and _leaving_asks(page)  # leaving the page now asks first
@@ -157,6 +160,7 @@ def test_quantize_evaluate_download_reload_chat_in_the_browser(app, browser, pag
     _set_number(page, "centroids (power of 2)", "16")
     _set_number(page, "vector length", "4")
     _set_number(page, "k-means iterations", "2")
+    _set_number(page, "distillation steps", preset_steps)
     page.click("#start-btn")
     assert _wait_status(page, ("done", "failed")) == "done", page.locator("#job-progress").inner_text()
     job_id = page.locator("#job-id textarea, #job-id input").first.input_value()

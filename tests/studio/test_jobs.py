@@ -111,6 +111,31 @@ def test_cancel_stops_a_real_quantization_between_layers(tmp_path: Path):
     assert manager.wait(after.id, "alice", timeout=120).status == "done"
 
 
+def test_cancel_on_the_last_layer_still_cancels(tmp_path: Path):
+    """A cancel that comes in while the last layer is published (no layer boundary left for the pipeline to
+    stop at) still ends the job cancelled with nothing kept, not done."""
+    manager = JobManager(tmp_path, limits={"cpu": 1})
+    inner = quantization_task(TINY, "rtn", ScalarConfig(bits=4, group_size=32), TINY_CALIB)
+    holder: dict = {}
+
+    def task(ctx):
+        publish = ctx.on_layer
+
+        def on_layer(report):
+            publish(report)
+            if manager.get(ctx.job_id, "alice", reports=False).layers_done == 14:
+                manager.cancel(holder["id"], "alice")
+
+        ctx.on_layer = on_layer
+        return inner(ctx)
+
+    job = manager.submit("alice", task)
+    holder["id"] = job.id
+    done = manager.wait(job.id, "alice", timeout=120)
+    assert done.status == "cancelled" and done.error is None and done.layers_done == 14
+    assert not (tmp_path / "jobs" / job.id).exists()
+
+
 @pytest.mark.slow
 def test_finished_quantization_job_has_reports_checkpoint_and_archive(tmp_path: Path):
     manager = JobManager(tmp_path)

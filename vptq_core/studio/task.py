@@ -48,7 +48,7 @@ def quantization_task(model_name: str, method: str, config, calib, device: str =
                 on_layer=ctx.on_layer, should_stop=ctx.should_stop, on_start=ctx.on_start, resume=resume,
                 on_metrics=ctx.on_metrics, on_progress=ctx.on_progress, on_plan=ctx.on_plan,
             )
-        if summary.get("cancelled"):
+        if summary.get("cancelled") or ctx.should_stop():  # a cancel that came in as the last stage finished
             raise JobCancelled
         ctx.set_phase("packing the archive")
         public_report(out)
