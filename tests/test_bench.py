@@ -130,6 +130,10 @@ SMOKES: dict[str, Smoke] = {
          "--quiet"),
         ("== ", "t: --set vector_len=4", "Exit status: 0", "done"),
         env={"MODEL": TINY, "WINDOWS": "1", "THREADS": "1", "OUT": "{root}/presets"}, log="{root}/presets/t.log"),
+    "bench/chat_screenshot.py": Smoke(
+        ("--tiny", "--checkpoint", "{root}/presets/t", "--replies", "1", "--tokens", "4", "--port", "0",
+         "--screenshot", "{root}/chat.png"),
+        ("reply 1: original ", "median quantized / original", "screenshot: "), after="bench/preset_run.sh"),
     "bench/preset_summary.py": Smoke(
         ("t",), ("wall ", "total /", "index bits", "  wiki ", "  pydocs "), env={"OUT": "{root}/presets"},
         after="bench/preset_run.sh"),
