@@ -78,6 +78,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from playwright.sync_api import expect, sync_playwright
+
     from vptq_core.storage.archive import pack_checkpoint
 
     if not args.port:

@@ -114,3 +114,17 @@ def test_a_budget_the_tiny_run_cannot_keep_is_planned_and_reported(tmp_path, mon
     assert "blocks" in plans[0].stages and "sample_calibration" not in report["summary"]["timings"]
     assert report["plan"]["decisions"][0]["setting"] == "calib_sampled_share"
     assert summary["plan"]["decisions"] == [decision.line()]
+
+
+def test_the_sensitivity_plan_counts_its_blocks(tmp_path):
+    """The plan stage of a sensitivity allocation: "measuring layer sensitivity 1/3, 2/3" as each of the tiny model's
+    2 blocks is measured, then 3/3 with the distortion table."""
+    config = VPTQConfig(vector_len=4, num_centroids=16, outlier_percent=0.0, kmeans_iters=1, allocation="sensitivity",
+                        bits_budget=2.5, sensitivity_windows=1)
+    events = []
+    from vptq_core.api import quantize_to_dir
+
+    quantize_to_dir("tiny-random-llama", "vptq", config, CalibConfig(samples=2, seqlen=32), tmp_path / "ckpt",
+                    device="cpu", on_progress=lambda *e: events.append(e))
+    plan = [(done, total) for stage, done, total, _ in events if stage == "plan"]
+    assert plan == [(0, 3), (1, 3), (2, 3), (3, 3)]

@@ -127,8 +127,9 @@ class ModelHook(NamedTuple):
 
 class PlanHook(NamedTuple):
     """A step before the first block, on the whole original model, for configs where ``applies(config)``:
-    ``run(model, calib_ids, config, device, should_stop)`` returns (the config the run goes on with, metrics for
-    ``QuantizeResult.model_metrics[phase]``); e.g. VPTQ's per-layer bit allocation from measured sensitivity.
+    ``run(model, calib_ids, config, device, should_stop, progress=None)`` returns (the config the run goes on with,
+    metrics for ``QuantizeResult.model_metrics[phase]``); e.g. VPTQ's per-layer bit allocation from measured
+    sensitivity. ``progress(done)``, where given, counts its steps: one per decoder block, then one more.
     ``cost``: its seconds before the run; ``bits_bound(config)``: the total bits per weight the plan stays within
     (the bits are known only once it has run)."""
 

@@ -106,7 +106,8 @@ def plan(run: Run) -> None:
         with run.result.timed(hook.phase):
             try:
                 run.config, metrics = once(hook.phase, lambda: hook.run(run.model, windows, run.config, run.device,
-                                                                        run.should_stop), run.should_stop, run.device)
+                                                                        run.should_stop, progress=_advance(run)),
+                                           run.should_stop, run.device)
             except Cancelled:
                 run.result.cancelled = True
                 return
@@ -229,12 +230,19 @@ def quantize_model(
     return run.model, run.result
 
 
+def _advance(run: Run) -> Callable[[int], None]:
+    """``done`` steps of the stage under way (a plan hook's measured blocks), for its progress events."""
+    return lambda done: run.progress.advance(done) if run.progress is not None else None
+
+
 def _stage_steps(run: Run, name: str) -> tuple[int, int]:
     """(total, done) of a stage as its progress counts it: windows written, blocks, distillation steps."""
     if name == "calibrate":
         return max(written_rows(run.calib_ids.shape[0], run.config).numel(), 1), 0
     if name == "blocks":
         return len(decoder_blocks(run.model)), run.resume.blocks_done if run.resume is not None else 0
+    if name == "plan":  # the measurement block by block, then the distortion table
+        return len(decoder_blocks(run.model)) + 1, 0
     if name == "distill":
         return max(int(getattr(run.config, "distill_iters", 1) or 1), 1), 0
     return 1, 0

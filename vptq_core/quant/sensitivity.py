@@ -126,7 +126,7 @@ class _Gauges:
 
 def measure(model: nn.Module, windows: torch.Tensor, damp_percent: float, device: torch.device,
             should_stop: Callable[[], bool] | None = None, labels: str | None = None,
-            seed: int = 0) -> dict[str, LayerSensitivity]:
+            seed: int = 0, progress: Callable[[int], None] | None = None) -> dict[str, LayerSensitivity]:
     """One forward + backward of ``model`` (the original) over each window of ``windows`` [n, seq] on ``device``,
     per block linear (full module name) its ``LayerSensitivity``. The loss: cross-entropy of each next token
     (``labels`` "data", the gradient's Fisher is the empirical one) or of a token drawn from the model's own
@@ -137,7 +137,7 @@ def measure(model: nn.Module, windows: torch.Tensor, damp_percent: float, device
     ``device``, in float32, as in the block stage (``block_backward``), every window through a block before the
     next. So the measurement holds one block's activations and one block's Hessians whatever the model's depth,
     where one forward and backward of the whole model would hold every block's saved activations and every
-    Hessian until the last window (the same numbers: tests)."""
+    Hessian until the last window (the same numbers: tests). ``progress(b)``: b blocks measured."""
     labels = labels or SENSITIVITY_LABELS
     if labels not in ("data", "sampled"):
         raise ValueError(f"labels must be 'data' or 'sampled', got {labels!r}")
@@ -170,6 +170,8 @@ def measure(model: nn.Module, windows: torch.Tensor, damp_percent: float, device
         def block_done(b: int) -> None:
             gauges.groups.release()  # every linear of the block has its owner after the first window
             gauges.finish_feedback(per_block[b], damp_percent, tokens)
+            if progress is not None:
+                progress(b + 1)
 
         backward_by_block(model, windows, device, loss_of, measuring=lambda on: setattr(gauges, "inputs", on),
                           block_done=block_done, should_stop=should_stop)
@@ -302,20 +304,24 @@ def measured_windows(windows: torch.Tensor, count: int = VPTQConfig.sensitivity_
 
 
 def plan_config(model: nn.Module, windows: torch.Tensor, config: VPTQConfig, device: torch.device,
-                bits_of: Callable, should_stop: Callable[[], bool] | None = None) -> tuple[VPTQConfig, dict]:
+                bits_of: Callable, should_stop: Callable[[], bool] | None = None,
+                progress: Callable[[int], None] | None = None) -> tuple[VPTQConfig, dict]:
     """``config`` with its ``layer_plan`` for ``model`` (measured on ``config.sensitivity_windows`` of ``windows``,
     ``measured_windows``), and metrics
     for the run's report: the plan's bits, how many layers got which settings, each layer's settings and bits, and
-    the predicted loss increase of the plan and of the cap allocator's settings for the same budget."""
+    the predicted loss increase of the plan and of the cap allocator's settings for the same budget. ``progress``
+    counts one step per block measured, and one for the distortion table."""
     t0 = time.perf_counter()
     measured = measured_windows(windows, config.sensitivity_windows)
-    sens = measure(model, measured, config.damp_percent, device, should_stop, seed=config.seed)
+    sens = measure(model, measured, config.damp_percent, device, should_stop, seed=config.seed, progress=progress)
     t1 = time.perf_counter()
     shapes = [(s.out_features, s.in_features) for s in sens.values()]
     capped = resolve_budget(dataclasses.replace(config, allocation="cap", layer_bits_cap=0.0), shapes)
     by_cap = {shape: layer_config(capped, *shape) for shape in set(shapes)}
     steps = {shape: sorted(set(ladder(config)) | {(c.vector_len, c.num_centroids)}) for shape, c in by_cap.items()}
     rho = distortion(model, steps, list(sens), config, should_stop)
+    if progress is not None:
+        progress(len(decoder_blocks(model)) + 1)
     t2 = time.perf_counter()
     plan = allocate(sens, rho, config, config.bits_budget, bits_of)
     cap_loss = sum(s.weight * rho[shape][(by_cap[shape].vector_len, by_cap[shape].num_centroids)]

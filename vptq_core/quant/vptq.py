@@ -291,10 +291,10 @@ def _plans(config: VPTQConfig) -> bool:
     return config.allocation == "sensitivity" and not config.layer_plan
 
 
-def _plan_hook(model, calib_ids, config, device, should_stop):
+def _plan_hook(model, calib_ids, config, device, should_stop, progress=None):
     from .sensitivity import plan_config  # the measurement is loaded when a plan is made
 
-    return plan_config(model, calib_ids, config, device, config_bits, should_stop)
+    return plan_config(model, calib_ids, config, device, config_bits, should_stop, progress)
 
 
 def _needs(config: VPTQConfig) -> RunNeeds:
