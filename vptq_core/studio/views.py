@@ -22,10 +22,10 @@ SMOLLM2_NOTE = ("The bundled SmolLM2-135M-Instruct was shipped as 4-bit **Q4_1**
 TINY_NOTE = "A tiny random llama (2 blocks, hidden 64): seconds to quantize, its chat output is noise."
 NO_RUN = "Pick a finished run or upload a packed checkpoint."
 CHAT_SPEED_NOTE = ("Both models answer the same prompt with the same settings. Greedy (temperature 0): at the same "
-                   "time, in two threads, each side's tokens/s measured while the other side generates too; on the CPU "
-                   "each side has its own half of the cores (one core each on two). Sampling (temperature > 0): one after the other, so each side's seeded reply is "
-                   "reproducible, each measured alone. Tokens/s is the decode rate: tokens after the first, per "
-                   "second after the first.")
+                   "time, in two threads, each side's tokens/s measured while the other side generates too; on the "
+                   "CPU each side has its own half of the cores (one core each on two). Sampling (temperature > 0): "
+                   "one after the other, so each side's seeded reply is reproducible, each measured alone. Tokens/s "
+                   "is the decode rate: tokens after the first, per second after the first.")
 
 
 # ------------------------------------------------------------------------------------ what users see
