@@ -70,6 +70,7 @@ FLAGS = {
     "--allocation": ("allocation", "choice:cap,sensitivity"), "--no-second-order": ("second_order", "false"),
     "--distill-iters": ("distill_iters", "int"), "--distill-data": ("distill_data", "choice:calibration,sampled,mixed"),
     "--calib-sampled-share": ("calib_sampled_share", "float"), "--time-budget": ("time_budget", "float"),
+    "--time-budget-scale": ("time_budget_scale", "choice:fixed,model"),
     "--distill-lr": ("distill_lr", "float"), "--bits": ("bits", "int"), "--group-size": ("group_size", "int"),
     "--no-act-order": ("act_order", "false"), "--rank": ("rank", "int"), "--lr": ("lr", "float"),
     "--iters": ("iters", "int"), "--full-scale": ("full_scale", "true"), "--act-bits": ("act_bits", "int"),

@@ -199,7 +199,8 @@ def test_builtin_form_layout_comes_from_the_declarations():
             [["distillation steps", "distillation data (sampled = text the original writes)",
               "sampled windows (sampled / mixed data)", "held-out check every (steps; 0 = quarter)",
               "distillation lr (VPTQ: × the codebooks' RMS)",
-              "time budget (s for the whole run, distillation fits in; 0 = none)"]], ("vptq", "gptq", "rtn", "lrq")),
+              "time budget (s for the whole run, distillation fits in; 0 = none)", "time budget scale"]],
+             ("vptq", "gptq", "rtn", "lrq")),
         "calibration": ([["self-written calibration share (0..1, written by the model)", "seed (0..2^64 - 1)"]],
                         ("vptq", "gptq", "rtn", "lrq")),
     }

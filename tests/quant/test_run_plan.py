@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from vptq_core.quant import methods, run_plan
-from vptq_core.quant.config import ScalarConfig
+from vptq_core.quant.config import BUDGET_REF_PARAMS, BUDGET_SCALE_MAX, ScalarConfig
 from vptq_core.quant.cost import RunSize, run_seconds, stage_seconds
 from vptq_core.quant.run_plan import DISTILL_SHARE, MIN_SAMPLES, plan_run
 
@@ -24,6 +24,7 @@ def _shapes(hidden: int, kv: int, inter: int, blocks: int) -> tuple[tuple[int, i
 SMOLLM2 = RunSize(_shapes(576, 192, 1536, 30), 28.4e6, 32, 512)
 QWEN05B = RunSize(_shapes(896, 128, 4864, 24), 136.2e6, 32, 512)
 PRESET = VPTQ.make_config(VPTQ.preset("2.5 bits"))
+FIXED = dataclasses.replace(PRESET, time_budget_scale="fixed")  # 570 s whatever the model
 
 
 def test_stage_seconds_sum_to_the_run_and_come_in_run_order():
@@ -69,7 +70,7 @@ def test_a_tight_budget_gives_up_the_cheapest_quality_first_and_says_why():
 
 
 def test_a_large_model_on_a_slow_device_is_cut_down_in_order_to_the_floors():
-    plan = plan_run(VPTQ, QWEN05B, PRESET, speed=0.5)
+    plan = plan_run(VPTQ, QWEN05B, FIXED, speed=0.5)
     applied = [d for d in plan.decisions if d.applied]
     assert [d.setting for d in applied] == ["calib_sampled_share", "sensitivity_windows", "calib_samples"]
     assert plan.plan_windows == 1 and plan.samples == MIN_SAMPLES and plan.config.calib_sampled_share == 0.0
@@ -80,7 +81,26 @@ def test_a_large_model_on_a_slow_device_is_cut_down_in_order_to_the_floors():
     assert "over the 570 s budget already" in forecast.reason
     assert plan.seconds < plan.requested_seconds
     # the plan's own config is what the run goes on with; every other setting is the preset's
-    assert dataclasses.replace(plan.config, calib_sampled_share=PRESET.calib_sampled_share) == PRESET
+    assert dataclasses.replace(plan.config, calib_sampled_share=PRESET.calib_sampled_share) == FIXED
+
+
+def test_the_presets_budget_grows_with_the_model_up_to_twice():
+    """The preset's 570 s hold for a model of the bundled model's size; a 0.5B one gets sqrt(params / 135M) times
+    them (the first decision, in the report and on the command line), a far larger one twice."""
+    small = plan_run(VPTQ, SMOLLM2, PRESET, speed=1.0)
+    assert small.budget == 570.0 and small.config.time_budget_scale == "model"
+    assert "time_budget" not in [d.setting for d in small.decisions]
+    plan = plan_run(VPTQ, QWEN05B, PRESET, speed=1.0)
+    factor = (QWEN05B.params / BUDGET_REF_PARAMS) ** 0.5
+    assert 1.8 < factor < 2.0 and plan.budget == pytest.approx(570.0 * factor)
+    scaled = plan.decisions[0]
+    assert (scaled.setting, scaled.before, scaled.after) == ("time_budget", 570.0, round(570.0 * factor, 1))
+    assert plan.config.time_budget == plan.budget and plan.config.time_budget_scale == "fixed"
+    assert plan_run(VPTQ, QWEN05B, plan.config, speed=1.0).budget == plan.budget  # planning again keeps it
+    huge = QWEN05B._replace(other_params=QWEN05B.other_params + 10e9)
+    assert plan_run(VPTQ, huge, PRESET, speed=1.0).budget == 570.0 * BUDGET_SCALE_MAX
+    # without a budget there is nothing to scale
+    assert plan_run(VPTQ, QWEN05B, dataclasses.replace(PRESET, time_budget=0.0), speed=1.0).budget == 0
 
 
 def test_a_faster_device_keeps_more_and_only_as_much_is_cut_as_must_be():
@@ -110,7 +130,7 @@ def test_the_distillation_forecast_counts_the_steps_the_budget_leaves():
 
 
 def test_the_report_and_the_command_line_get_every_decision():
-    plan = plan_run(VPTQ, QWEN05B, PRESET, speed=0.5)
+    plan = plan_run(VPTQ, QWEN05B, FIXED, speed=0.5)
     data = plan.to_dict()
     assert data["budget_seconds"] == 570.0 and data["samples"] == MIN_SAMPLES and data["plan_windows"] == 1
     assert [d["setting"] for d in data["decisions"]] == [d.setting for d in plan.decisions]

@@ -80,11 +80,17 @@ DISTILL_LR = 2.5e-3
 
 # The settings of DistillSettings every preset names (these values: off), so that picking a preset never keeps
 # another preset's distillation, self-written calibration or time budget.
-PRESET_OFF = {"distill_iters": 0, "calib_sampled_share": 0.0, "time_budget": 0.0}
+PRESET_OFF = {"distill_iters": 0, "calib_sampled_share": 0.0, "time_budget": 0.0, "time_budget_scale": "fixed"}
 # The presets made to end within 10 minutes must end within this many seconds (loading and writing the checkpoint
 # take a little more): on a slower machine distillation runs fewer steps instead of running late
 # (docs/methods.md#time-budget). The "-best" presets have no time budget.
 PRESET_TIME_BUDGET = 570.0
+# ... for a model of the bundled model's size: a larger one gets the budget times sqrt(its parameters / these), at
+# most BUDGET_SCALE_MAX times, so that a preset stays the same quality tier on it (calibration and distillation
+# are not cut to nothing) and still ends in a bounded time (run_plan.scaled_budget).
+BUDGET_REF_PARAMS = 135e6
+BUDGET_SCALE_MAX = 2.0
+PRESET_BUDGET = {"time_budget": PRESET_TIME_BUDGET, "time_budget_scale": "model"}
 # Every preset names its distillation step too: the app's form has one "distillation lr" field for all methods, so
 # picking a preset never keeps another method's or another preset's step.
 SCALAR_PRESET_OFF = {**PRESET_OFF, "distill_lr": SCALAR_DISTILL_LR}
@@ -171,6 +177,11 @@ class DistillSettings(ConfigBase):
                                  hint="s for the whole run, distillation fits in",
                                  help="seconds the whole run may take: distillation, the last stage, runs as many "
                                  "of its steps as fit what the block stage leaves")
+    time_budget_scale: str = setting("fixed", choices=("fixed", "model"), label="time budget scale",
+                                     group=DISTILL_GROUP,
+                                     help="fixed = time_budget seconds whatever the model; model = time_budget for "
+                                     "a 135M-parameter model, times sqrt(parameters / 135M), at most 2x, for a "
+                                     "larger one (the presets)")
     # The CLI's --seed seeds the calibration windows too: it is a flag of its own, not this setting's.
     seed: int = setting(0, lo=0, label="seed", hint="0..2^64 - 1", group=CALIB_GROUP, cli=False,
                         help="random seed of the method")

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .act_quant import ACTIVATION_HOOK, calibrate_static_scales, quantize_activations
-from .config import PRESET_TIME_BUDGET, SCALAR_PRESET_OFF, LRQConfig
+from .config import PRESET_BUDGET, SCALAR_PRESET_OFF, LRQConfig
 from .cost import lrq_seconds
 from .distill_hook import DISTILL_HOOK, settings_needs
 from .hessian import proxy_loss, single_thread_torch
@@ -475,9 +475,10 @@ PRESETS = {"2.5 bits": {"bits": 2, "group_size": 64, **_WEIGHT_ONLY},
            "3.5 bits": {"bits": 3, "group_size": 0, **_WEIGHT_ONLY},
            "4.5 bits": {"bits": 4, "group_size": 0, **_WEIGHT_ONLY},
            "w4a8": {**_W4A8, "iters": 16, "distill_iters": 48, "distill_data": "calibration", "distill_samples": 32,
-                    "distill_eval_every": 8, "calib_sampled_share": 0.0, "time_budget": PRESET_TIME_BUDGET},
+                    "distill_eval_every": 8, "calib_sampled_share": 0.0, **PRESET_BUDGET},
            "w4a8-best": {**_W4A8, "iters": 32, "distill_iters": 128, "distill_data": "mixed", "distill_samples": 64,
-                         "distill_eval_every": 32, "calib_sampled_share": 0.5, "time_budget": 0.0}}
+                         "distill_eval_every": 32, "calib_sampled_share": 0.5, "time_budget": 0.0,
+                         "time_budget_scale": "fixed"}}
 
 METHOD = register(Method(
     name="lrq", label="LRQ", config_class=LRQConfig, bits=scalar_config_bits, describe=describe_scalar,

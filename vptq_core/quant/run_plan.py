@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .config import BUDGET_REF_PARAMS, BUDGET_SCALE_MAX
 from .cost import RunSize, stage_seconds
 from .methods import Method
 from .sampling import SAMPLING_BUDGET_SHARE
@@ -100,13 +101,14 @@ def plan_run(method: Method, size: RunSize, config, speed: float = 1.0) -> RunPl
     """The plan for a run of ``method`` / ``config`` on a model and calibration described by ``size`` on a device
     ``speed`` times as fast as the reference machine (see the module's docstring). Pure: no clock, no model."""
     speed = float(speed) if speed and speed > 0 else 1.0
+    config, scaled = scaled_budget(config, size.params)
     budget = float(method.needs(config).time_budget)
     free = _without_budget(config)
     requested = _seconds(method, size, free, speed)
     if budget <= 0:
         return RunPlan(config, size.samples, size.plan_windows, _device_stages(method, size, config, speed), budget,
                        speed, sum(requested.values()))
-    decisions: list[Decision] = []
+    decisions: list[Decision] = [scaled] if scaled is not None else []
     for cut in (_cut_self_written, _cut_plan_windows, _cut_samples):
         if _fits(method, size, free, speed, budget) and not (cut is _cut_self_written and _writing_over(
                 method, size, free, speed, budget)):
@@ -120,6 +122,22 @@ def plan_run(method: Method, size: RunSize, config, speed: float = 1.0) -> RunPl
     decisions += _distill_forecast(method, size, free, speed, budget)
     return RunPlan(config, size.samples, size.plan_windows, stages, budget, speed, sum(requested.values()),
                    tuple(decisions))
+
+
+def scaled_budget(config, params: int) -> tuple[Any, Decision | None]:
+    """``config`` with its ``time_budget`` for a model of ``params`` parameters and ``time_budget_scale`` "fixed",
+    and the decision (None: the budget stays as given, ``config`` itself). "model": the budget as given for up to ``BUDGET_REF_PARAMS``
+    parameters, times sqrt(params / BUDGET_REF_PARAMS) for more, at most ``BUDGET_SCALE_MAX`` times."""
+    if getattr(config, "time_budget_scale", "fixed") != "model" or config.time_budget <= 0:
+        return config, None
+    budget = float(config.time_budget)
+    factor = min(max(math.sqrt(max(params, 1) / BUDGET_REF_PARAMS), 1.0), BUDGET_SCALE_MAX)
+    if factor == 1.0:  # the budget as given
+        return config, None
+    config = dataclasses.replace(config, time_budget=budget * factor, time_budget_scale="fixed")
+    reason = (f"a {params / 1e9:.2f}B-parameter model: the budget of a {BUDGET_REF_PARAMS / 1e6:.0f}M one times "
+              f"{factor:.2f}")
+    return config, Decision("time_budget", budget, round(config.time_budget, 1), reason)
 
 
 def _without_budget(config):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .allocate import budget_for_model
-from .config import DISTILL_LR, PRESET_OFF, PRESET_TIME_BUDGET, VPTQConfig
+from .config import DISTILL_LR, PRESET_BUDGET, PRESET_OFF, VPTQConfig
 from .distill_hook import DISTILL_HOOK, settings_needs
 from .hessian import inverse_hessian_cholesky, prepare_hessian, proxy_loss
 from .kmeans import CodebookSearch, weighted_kmeans
@@ -311,8 +311,7 @@ def _needs(config: VPTQConfig) -> RunNeeds:
 # At 3.5 bits the distillation step that suits 2.5 bits overshoots: half of it scored best on held-out text.
 DISTILL_LR_3BIT = 1.25e-3
 # distill_samples is named so that picking the preset resets every distillation field of the form
-_PRESET_DISTILL = {"distill_data": "calibration", "distill_samples": 16, "distill_eval_every": 8,
-                   "time_budget": PRESET_TIME_BUDGET}
+_PRESET_DISTILL = {"distill_data": "calibration", "distill_samples": 16, "distill_eval_every": 8, **PRESET_BUDGET}
 _PRESET_NO_REFIT = {"refit_iters": 0}  # every VPTQ preset leaves the codebook refit off: it did not help them
 PRESETS = {
     "2.5 bits": {"vector_len": 6, "num_centroids": 4096, "num_res_centroids": 0, "bits_budget": 2.5,
@@ -324,8 +323,9 @@ PRESETS = {
     "4.5 bits": {"vector_len": 4, "num_centroids": 256, "num_res_centroids": 256, "layer_bits_cap": 4.5,
                  "bits_budget": 0.0, "allocation": "cap", "distill_lr": DISTILL_LR, **PRESET_OFF, **_PRESET_NO_REFIT},
 }
-PRESETS["2.5-best"] = {**PRESETS["2.5 bits"], "distill_iters": 128, "distill_eval_every": 16, "time_budget": 0.0}
-PRESETS["3.5-best"] = {**PRESETS["3.5 bits"], "time_budget": 0.0}
+_NO_BUDGET = {"time_budget": 0.0, "time_budget_scale": "fixed"}
+PRESETS["2.5-best"] = {**PRESETS["2.5 bits"], "distill_iters": 128, "distill_eval_every": 16, **_NO_BUDGET}
+PRESETS["3.5-best"] = {**PRESETS["3.5 bits"], **_NO_BUDGET}
 
 METHOD = register(Method(
     name="vptq", label="VPTQ", config_class=VPTQConfig, bits=config_bits, describe=describe, presets=PRESETS,
