@@ -18,42 +18,20 @@ import os
 import re
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from browser_app import CHROMIUM, CHROMIUM_ARGS, stop_app  # noqa: E402
+from browser_app import CHROMIUM, CHROMIUM_ARGS, start_app, stop_app  # noqa: E402
 
 PROMPTS = ["Explain in a few sentences why the sky is blue.",
            "Write a short paragraph about the history of the printing press.",
            "What are three good habits for writing clear Python code?"]
 RATE = re.compile(r"(\d+) tokens · \*?\*?([\d.]+) tokens/s")
-
-
-def start(port: int, workdir: Path, log: Path, tiny: bool) -> subprocess.Popen:
-    env = dict(os.environ, GRADIO_SERVER_PORT=str(port), GRADIO_SERVER_NAME="127.0.0.1",
-               GRADIO_ANALYTICS_ENABLED="False")
-    command = [sys.executable, "app.py", "--workdir", str(workdir), *(["--tiny"] if tiny else [])]
-    with open(log, "a") as out:
-        proc = subprocess.Popen(command, cwd=ROOT, env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2).close()
-            return proc
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise SystemExit(f"app did not start:\n{log.read_text()[-3000:]}") from None
-            time.sleep(1)
 
 
 def rates(page) -> tuple[tuple[int, float], tuple[int, float]]:
@@ -87,7 +65,7 @@ def main() -> None:
             args.port = sock.getsockname()[1]
     work = Path(tempfile.mkdtemp(prefix="chat-shot-"))
     archive = pack_checkpoint(args.checkpoint, work / f"{Path(args.checkpoint).name}.zip")
-    proc = start(args.port, work / "runs", work / "app.log", args.tiny)
+    proc = start_app(args.port, work / "runs", work / "app.log", timeout_s=300, tiny=args.tiny, native="1")
     try:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)

@@ -21,16 +21,17 @@ MAX_DOC_BYTES = 200_000  # a screenshot's copy in docs/
 
 
 def start_app(port: int, workdir: Path, log_path: Path, drop_env: tuple[str, ...] = (),
-              timeout_s: float = 180) -> subprocess.Popen:
+              timeout_s: float = 180, tiny: bool = True, native: str = "0") -> subprocess.Popen:
     """``python app.py --tiny --workdir WORKDIR`` on 127.0.0.1:``port``, its output appended to ``log_path``,
     returned once the page answers (RuntimeError with the log's end when it does not). ``drop_env``: variables the
-    app must not see (e.g. ``VPTQ_APP_SECRET``)."""
+    app must not see (e.g. ``VPTQ_APP_SECRET``); ``tiny`` False: on the bundled model; ``native``: ``VPTQ_NATIVE``
+    unless the environment sets it ("1": the native kernels, as a user's app runs)."""
     env = {k: v for k, v in os.environ.items() if k not in drop_env}
     env.update(GRADIO_SERVER_PORT=str(port), GRADIO_SERVER_NAME="127.0.0.1", GRADIO_ANALYTICS_ENABLED="False",
-               VPTQ_NATIVE=os.environ.get("VPTQ_NATIVE", "0"))
+               VPTQ_NATIVE=os.environ.get("VPTQ_NATIVE", native))
+    command = [sys.executable, "app.py", *(["--tiny"] if tiny else []), "--workdir", str(workdir)]
     with open(log_path, "a") as log:  # the child keeps its own handle
-        proc = subprocess.Popen([sys.executable, "app.py", "--tiny", "--workdir", str(workdir)], cwd=ROOT, env=env,
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout_s
     while True:
         try:

@@ -82,26 +82,27 @@ def test_cancel_a_queued_job_moves_the_queue_up(tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_cancel_stops_a_real_quantization_between_layers(tmp_path: Path):
-    """Cancel requested after the 2nd layer: the pipeline stops before the 3rd, nothing is kept on disk, and
-    the next job runs normally."""
-    manager = JobManager(tmp_path, limits={"cpu": 1})
-    inner = quantization_task(TINY, "vptq", TINY_VPTQ, TINY_CALIB)
-    holder: dict = {}
-
+def _cancelled_at(manager: JobManager, inner, layers: int):
+    """``inner`` (a job task of alice's) whose owner cancels it as its ``layers``-th layer is published."""
     def task(ctx):
         publish = ctx.on_layer
 
         def on_layer(report):
             publish(report)
-            if manager.get(ctx.job_id, "alice", reports=False).layers_done == 2:
-                manager.cancel(holder["id"], "alice")
+            if manager.get(ctx.job_id, "alice", reports=False).layers_done == layers:
+                manager.cancel(ctx.job_id, "alice")
 
         ctx.on_layer = on_layer
         return inner(ctx)
 
-    job = manager.submit("alice", task)
-    holder["id"] = job.id
+    return task
+
+
+def test_cancel_stops_a_real_quantization_between_layers(tmp_path: Path):
+    """Cancel requested after the 2nd layer: the pipeline stops before the 3rd, nothing is kept on disk, and
+    the next job runs normally."""
+    manager = JobManager(tmp_path, limits={"cpu": 1})
+    job = manager.submit("alice", _cancelled_at(manager, quantization_task(TINY, "vptq", TINY_VPTQ, TINY_CALIB), 2))
     done = manager.wait(job.id, "alice", timeout=120)
     assert done.status == "cancelled" and done.error is None
     assert done.layers_done == 2 and done.total_layers == 14
@@ -116,21 +117,7 @@ def test_cancel_on_the_last_layer_still_cancels(tmp_path: Path):
     stop at) still ends the job cancelled with nothing kept, not done."""
     manager = JobManager(tmp_path, limits={"cpu": 1})
     inner = quantization_task(TINY, "rtn", ScalarConfig(bits=4, group_size=32), TINY_CALIB)
-    holder: dict = {}
-
-    def task(ctx):
-        publish = ctx.on_layer
-
-        def on_layer(report):
-            publish(report)
-            if manager.get(ctx.job_id, "alice", reports=False).layers_done == 14:
-                manager.cancel(holder["id"], "alice")
-
-        ctx.on_layer = on_layer
-        return inner(ctx)
-
-    job = manager.submit("alice", task)
-    holder["id"] = job.id
+    job = manager.submit("alice", _cancelled_at(manager, inner, 14))
     done = manager.wait(job.id, "alice", timeout=120)
     assert done.status == "cancelled" and done.error is None and done.layers_done == 14
     assert not (tmp_path / "jobs" / job.id).exists()
