@@ -76,7 +76,8 @@ def main() -> None:
             page.locator("#archive-upload input[type=file]").set_input_files(str(archive))
             expect(page.locator("#chat-models")).to_contain_text("Quantized", timeout=180_000)
             if args.tokens:
-                field = page.get_by_label("max new tokens", exact=True)
+                page.get_by_text("Sampling", exact=True).click()
+                field = page.locator("#chat-max-tokens input[type=number]")
                 field.fill(str(args.tokens))
                 field.press("Tab")
             ratios = []

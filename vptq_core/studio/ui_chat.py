@@ -52,7 +52,8 @@ def chat_tab(page: Page, examples: list[list[str]]) -> None:
             temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="temperature (0 = greedy)",
                                     elem_id="chat-temperature")
             top_p = gr.Slider(0.05, 1.0, value=0.95, step=0.05, label="top-p")
-            max_new_tokens = gr.Slider(1, 1024, value=64 if page.small else 160, step=1, label="max new tokens")
+            max_new_tokens = gr.Slider(1, 1024, value=64 if page.small else 160, step=1, label="max new tokens",
+                                       elem_id="chat-max-tokens")
             seed = gr.Number(0, precision=0, minimum=0, label="seed (both sides)", elem_id="chat-seed")
     if examples:
         gr.Examples(examples, inputs=[prompt], label="Example prompts")
