@@ -153,7 +153,12 @@ def test_quantize_evaluate_download_reload_chat_in_the_browser(app, browser, pag
     _wait_status(page, ("running",))
     assert _guard(page)[0] == "1" and _leaving_asks(page)  # leaving the page now asks first
     page.click("#cancel-btn")
-    assert _wait_status(page, ("cancelled", "done")) == "cancelled"
+    try:
+        status = _wait_status(page, ("cancelled", "done"), timeout=30)
+    except AssertionError:  # under heavy load a click has gone missing in the page before reaching the server
+        page.click("#cancel-btn")
+        status = _wait_status(page, ("cancelled", "done"))
+    assert status == "cancelled"
     expect(page.locator("#job-progress")).to_contain_text("nothing was saved")
 
     # The real run: live plots and the layer table fill in, then the summary and the download appear.
