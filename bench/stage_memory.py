@@ -142,8 +142,9 @@ def distill_parts(sampler: StageSampler) -> None:
         setattr(module, name, call)
 
     wrap(student, "to_training_dtype", "model to float32")
-    wrap(distill_mod, "distill", "teacher top-k", "after the steps")
+    # (not around ``distill`` itself: a wrapper's arguments would hold the original through the steps)
     wrap(distill_mod, "_training_data", "teacher top-k", "student build")
+    wrap(distill_mod, "_train", "student build", "after the steps")
     inner_train = distill_mod.train_holdout
 
     def train(groups, step_loss, check, *args, **kwargs):
@@ -284,13 +285,13 @@ def main() -> None:
     if proc.returncode != 0:
         raise SystemExit(f"the run failed (exit {proc.returncode}): its errors are above")
     run = json.loads(proc.stdout.strip().splitlines()[-1])
-    print("\n| stage | RSS at its start | peak RSS | seconds |\n|---|---|---|---|")
+    print("\n| stage | peak RSS | seconds | RSS at its start |\n|---|---|---|---|")
     for stage, peak in run["peaks"].items():
         start = run.get("entered", {}).get(stage)
-        print(f"| {stage} | {'' if start is None else f'{start / GB:.2f} GB'} | {peak / GB:.2f} GB | "
-              f"{run['seconds'].get(stage, 0.0):.1f} |")
+        print(f"| {stage} | {peak / GB:.2f} GB | {run['seconds'].get(stage, 0.0):.1f} | "
+              f"{'' if start is None else f'{start / GB:.2f} GB'} |")
     peak = max([run["ru_maxrss"], *run["peaks"].values()])
-    print(f"| **whole run** | | **{peak / GB:.2f} GB** | {run['total_seconds']:.1f} |")
+    print(f"| **whole run** | **{peak / GB:.2f} GB** | {run['total_seconds']:.1f} | |")
     split = run["plan_split"]
     print(f"\nbaseline (after imports) {run['baseline'] / GB:.2f} GB; ru_maxrss {run['ru_maxrss'] / GB:.2f} GB; plan: "
           + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in split.items())
