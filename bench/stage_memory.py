@@ -193,10 +193,16 @@ def worker(args) -> None:
     sampler.enter("load")
     model, tok = load_model(args.dir, dtype="auto")
     calib_ids = calibration_windows(tok, "wiki", with_heldout(args.samples, config), args.seqlen, 0)
-    # the original handed to the run as ``api.quantize_to_dir`` hands it (no other holder here)
-    run = pipeline.start_run(model, calib_ids, method, config, "cpu", True,
-                             reference=load_model(args.dir, dtype="auto")[0] if method.needs(config).reference
-                             else None, on_layer=lambda _r: None, should_stop=lambda: False)
+    reference = load_model(args.dir, dtype="auto")[0] if method.needs(config).reference else None
+    try:  # the original as ``api.original_for`` makes it
+        from vptq_core.quant.student import share_outer_weights
+    except ImportError:  # an older tree (--tree): a whole second copy, as its api loaded it
+        share_outer_weights = None
+    if reference is not None and share_outer_weights is not None:
+        share_outer_weights(reference, model)
+    run = pipeline.start_run(model, calib_ids, method, config, "cpu", True, reference=reference,
+                             on_layer=lambda _r: None, should_stop=lambda: False)
+    del reference  # handed to the run, as ``api.quantize_to_dir`` hands it: distillation may let it go
     for stage in pipeline.STAGES:
         if stage.name == "blocks":
             sampler.enter("blocks (random states)")

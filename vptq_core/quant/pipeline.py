@@ -176,7 +176,6 @@ STAGES = (
 )
 
 
-@torch.no_grad()
 def quantize_model(
     model: nn.Module,
     calib_ids: torch.Tensor,
@@ -233,20 +232,23 @@ def quantize_model(
     per-layer states to pack and save). Embeddings, norms and the LM head stay as they are.
     """
     progress = progress or Progress(on_progress, on_stage, plan.stages if plan is not None else None)
-    run = start_run(model, calib_ids, method, config, device, inplace, weights=weights, resume=resume,
-                    keep_states=keep_states, reference=reference, on_layer=on_layer or (lambda _r: None),
-                    should_stop=shared_stop(should_stop or (lambda: False)), on_step=on_step, on_block=on_block,
-                    skip=skip, capture_dtype=capture_dtype, on_metrics=on_metrics,
-                    plan_windows=plan.plan_windows if plan is not None else 0, progress=progress)
-    del reference  # the run holds the original alone: distillation lets it go once it no longer needs it
-    _report_progress(run, progress)
-    for stage in STAGES:
-        if run.result.cancelled:
-            break
-        if stage.applies(run):
-            progress.start(stage.name, *_stage_steps(run, stage.name))
-            stage.run(run)
-    run.result.seconds = run.seconds()
+    # no_grad as a block, not as a decorator, whose wrapper would hold the arguments (the original among them)
+    # until the run ends
+    with torch.no_grad():
+        run = start_run(model, calib_ids, method, config, device, inplace, weights=weights, resume=resume,
+                        keep_states=keep_states, reference=reference, on_layer=on_layer or (lambda _r: None),
+                        should_stop=shared_stop(should_stop or (lambda: False)), on_step=on_step, on_block=on_block,
+                        skip=skip, capture_dtype=capture_dtype, on_metrics=on_metrics,
+                        plan_windows=plan.plan_windows if plan is not None else 0, progress=progress)
+        del reference  # the run holds the original alone: distillation lets it go once it no longer needs it
+        _report_progress(run, progress)
+        for stage in STAGES:
+            if run.result.cancelled:
+                break
+            if stage.applies(run):
+                progress.start(stage.name, *_stage_steps(run, stage.name))
+                stage.run(run)
+        run.result.seconds = run.seconds()
     return run.model, run.result
 
 
