@@ -12,7 +12,9 @@ import torch
 from factories import random_vq_state
 
 from vptq_core.quant import distill as distill_module
+from vptq_core.quant import trainable
 from vptq_core.quant.config import VPTQConfig
+from vptq_core.quant.device import drop_pages
 from vptq_core.quant.distill import distill
 from vptq_core.quant.pipeline import quantize_model
 from vptq_core.quant.student import share_outer_weights
@@ -56,6 +58,31 @@ def test_released_weights_hold_one_element_inside_and_the_dequantized_states_aft
     assert all(linears[n].weight.untyped_storage().nbytes() == before[n].numel() * before[n].element_size()
                for n in linears)
     assert torch.equal(linears["a"].weight, before["a"])
+
+
+def test_drop_pages_gives_back_the_whole_pages_a_storage_holds(tmp_path):
+    """A private mapping of a file, written over (its pages copied on write): its pages are given back and read
+    the file again. A storage with no whole page inside keeps everything."""
+    page = 4096
+    (tmp_path / "w.bin").write_bytes(bytes(8 * page))
+    t = torch.from_file(str(tmp_path / "w.bin"), shared=False, size=8 * page // 4, dtype=torch.float32)
+    t.fill_(1.0)
+    assert drop_pages(t.untyped_storage()) == 8 * page
+    assert float(t.abs().sum()) == 0.0  # the file's zeros again
+    small = torch.ones(100)
+    assert drop_pages(small.untyped_storage()) == 0 and float(small.sum()) == 100.0
+
+
+def test_released_weights_drop_the_pages_of_weights_nothing_else_holds(monkeypatch):
+    linears, states = _linears(torch.float32)
+    kept_view = linears["b"].weight.detach()[:4]  # another tensor reads b's memory: its pages stay
+    expected = kept_view.clone()
+    dropped = []
+    monkeypatch.setattr(trainable, "drop_pages", lambda storage: dropped.append(storage.nbytes()) or 0)
+    with released_weights(linears, states):
+        pass
+    assert dropped == [48 * 64 * 4]  # a's alone
+    assert torch.equal(kept_view, expected)
 
 
 def test_row_sum_matrices_share_their_ones_and_sum_as_their_own_would():

@@ -23,7 +23,7 @@ from torch import nn
 from vptq_core.kernels.reference import as_index
 
 from .act_quant import quantize_activations
-from .device import return_freed_memory
+from .device import drop_pages, return_freed_memory
 from .states import ScalarLayerState, VQLayerState
 
 # The float tensors of a VQ layer that training moves (indices, permutation and shapes never change).
@@ -302,17 +302,29 @@ def write_back(linears: dict[str, nn.Module], trainables: dict[str, CodebookLine
             linear.weight.data.copy_(states[name].dequantize().to(linear.weight.device, linear.weight.dtype))
 
 
+def _held_alone(storage: torch.UntypedStorage) -> bool:
+    """``storage`` is held by this reference alone: no tensor reads its memory (False when torch cannot say)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return use_count is not None and use_count(storage._cdata) == 1
+
+
 @contextlib.contextmanager
 def released_weights(linears: dict[str, nn.Module], states: dict[str, VQLayerState | ScalarLayerState]):
     """The fake-quant weights of ``linears`` hold no memory inside the block, and are the dequantized ``states``
     after it, whatever happens: for training that replaces those linears by their trainable forms
     (``swapped_in``), so the weights, which the states give again, are not held through the steps. Inside, each
-    weight keeps its shape, dtype and device but is one element broadcast (written into, it raises). The heap
-    pages freed are given back to the system as the block starts and ends (``return_freed_memory``: a layer's
-    weight is under glibc's mmap threshold, so freeing it alone would leave the resident set as it was)."""
+    weight keeps its shape, dtype and device but is one element broadcast (written into, it raises). The memory
+    is given back to the system as the block starts and ends: a weight nothing else holds has its pages dropped
+    (``drop_pages``: a model loaded from safetensors keeps them in the file's mapping after the tensor goes), and
+    the heap pages freed are trimmed (``return_freed_memory``: a layer's weight is under glibc's mmap threshold,
+    so freeing it alone would leave the resident set as it was)."""
     weights = {name: linear.weight for name, linear in linears.items()}
     for weight in weights.values():
+        storage = weight.untyped_storage()
         weight.data = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+        if _held_alone(storage):
+            drop_pages(storage)
+        del storage
     return_freed_memory()
     try:
         yield
