@@ -111,7 +111,7 @@ def fake_states(run, seed: int = 0) -> dict:
             state = random_vq_state(linear.in_features, linear.out_features, vector_len=layer.vector_len,
                                     num_centroids=layer.num_centroids, perm=True, seed=seed + len(states))
             state.centroids = state.centroids * float(linear.weight.detach().float().std())
-            linear.weight.data = state.dequantize().to(linear.weight.dtype)
+            linear.weight.data.copy_(state.dequantize().to(linear.weight.dtype))  # as the block stage writes it
             states[full] = state
     return states
 
