@@ -172,9 +172,8 @@ def test_phase_timings_cover_the_run(tiny_model, calib_ids):
 # ------------------------------------------------------------------------------- the stages and what they need
 def test_each_builtin_method_says_what_a_run_with_its_config_needs():
     from vptq_core.quant import methods
-    from vptq_core.quant.config import LRQConfig
+    from vptq_core.quant.config import PRESET_TIME_BUDGET, LRQConfig
     from vptq_core.quant.methods import RunNeeds
-    from vptq_core.quant.config import PRESET_TIME_BUDGET
 
     vptq, gptq, rtn, lrq = (methods.get(name) for name in ("vptq", "gptq", "rtn", "lrq"))
     for method, config in ((vptq, VPTQConfig()), (gptq, ScalarConfig()), (rtn, ScalarConfig())):
