@@ -126,8 +126,9 @@ def plan_run(method: Method, size: RunSize, config, speed: float = 1.0) -> RunPl
 
 def scaled_budget(config, params: int) -> tuple[Any, Decision | None]:
     """``config`` with its ``time_budget`` for a model of ``params`` parameters and ``time_budget_scale`` "fixed",
-    and the decision (None: the budget stays as given, ``config`` itself). "model": the budget as given for up to ``BUDGET_REF_PARAMS``
-    parameters, times sqrt(params / BUDGET_REF_PARAMS) for more, at most ``BUDGET_SCALE_MAX`` times."""
+    and the decision (None: the budget stays as given, ``config`` itself). "model": the budget as given for up to
+    ``BUDGET_REF_PARAMS`` parameters, times sqrt(params / BUDGET_REF_PARAMS) for more, at most ``BUDGET_SCALE_MAX``
+    times."""
     if getattr(config, "time_budget_scale", "fixed") != "model" or config.time_budget <= 0:
         return config, None
     budget = float(config.time_budget)
