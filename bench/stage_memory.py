@@ -9,7 +9,10 @@ settings (its memory is one block, streamed: ``bench/memory.py``; its time: ``be
 set is sampled from ``/proc/self/statm`` every 20 ms by a thread that files each sample under the stage the run is
 in, and ``ru_maxrss`` is read at the end. A stage's figure is the highest resident set seen while it ran (the
 process's whole footprint, what came before included); "baseline" is the footprint after the imports. The plan's
-own split (measurement, distortion table) comes from the run's metrics.
+own split (measurement, distortion table) comes from the run's metrics. ``--breakdown`` splits distillation further
+(``distill_parts``): the move to float32, the teacher's top-k, the student build, the first held-out check, the first
+step's forward, backward and Adam step, the later steps and checks, the write-back; each part's row also gives the
+resident set as it starts (what the parts before left).
 
 Models: a built-in name (``smollm2-135m-instruct``, ``tiny-random-llama``) or a random-weight shape written to a
 safetensors directory one tensor at a time (``shape:qwen05b``: hidden 896, MLP 4864, 24 layers, vocabulary
@@ -19,6 +22,7 @@ safetensors directory one tensor at a time (``shape:qwen05b``: hidden 896, MLP 4
     python bench/stage_memory.py --model shape:qwen05b --samples 8 --distill-iters 4
     python bench/stage_memory.py --model shape:qwen05b --tree /tmp/before      # the same run, older code
     python bench/stage_memory.py --model smollm2-135m-instruct --set sensitivity_windows=2
+    python bench/stage_memory.py --model shape:qwen05b --samples 4 --distill-iters 2 --breakdown
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ class StageSampler(threading.Thread):
     def __init__(self, interval: float = 0.02) -> None:
         super().__init__(daemon=True)
         self.interval, self.page = interval, os.sysconf("SC_PAGE_SIZE")
-        self.stage, self.peaks, self.starts = "start", {}, {}
+        self.stage, self.peaks, self.starts, self.entered = "start", {}, {}, {}
         self.done = threading.Event()
 
     def current(self) -> int:
@@ -64,6 +68,7 @@ class StageSampler(threading.Thread):
         print(f"  {name} ({self.current() / GB:.2f} GB so far)", file=sys.stderr, flush=True)
         self.stage = name
         self.starts[name] = time.perf_counter()
+        self.entered.setdefault(name, self.current())
         self.sample()
 
     def run(self) -> None:
@@ -106,9 +111,62 @@ def fake_states(run, seed: int = 0) -> dict:
             state = random_vq_state(linear.in_features, linear.out_features, vector_len=layer.vector_len,
                                     num_centroids=layer.num_centroids, perm=True, seed=seed + len(states))
             state.centroids = state.centroids * float(linear.weight.detach().float().std())
-            linear.weight.data = state.dequantize().to(linear.weight.dtype)
+            linear.weight.data.copy_(state.dequantize().to(linear.weight.dtype))  # as the block stage writes it
             states[full] = state
     return states
+
+
+def distill_parts(sampler: StageSampler) -> None:
+    """Files distillation's resident set under its parts (``--breakdown``): wrappers around the functions
+    distillation calls (this process only), each part entered as its first call starts."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from vptq_core.quant import distill as distill_mod
+    from vptq_core.quant import student
+
+    steps = [0]
+
+    def enter(part: str) -> None:
+        sampler.enter(f"distill: {part}")
+
+    def wrap(module, name: str, before: str, after: str | None = None) -> None:
+        inner = getattr(module, name)
+
+        def call(*args, **kwargs):
+            enter(before)
+            out = inner(*args, **kwargs)
+            if after:
+                enter(after)
+            return out
+
+        setattr(module, name, call)
+
+    wrap(student, "to_training_dtype", "model to float32")
+    # (not around ``distill`` itself: a wrapper's arguments would hold the original through the steps)
+    wrap(distill_mod, "_training_data", "teacher top-k", "student build")
+    wrap(distill_mod, "_train", "student build", "after the steps")
+    inner_train = distill_mod.train_holdout
+
+    def train(groups, step_loss, check, *args, **kwargs):
+        def loss():
+            steps[0] += 1
+            enter("step 1 forward" if steps[0] == 1 else "later steps")
+            out = step_loss()
+            if steps[0] == 1:
+                enter("step 1 backward")
+            return out
+
+        def checked():
+            enter("first check" if steps[0] == 0 else "later steps")
+            return check()
+
+        out = inner_train(groups, loss, checked, *args, **kwargs)
+        enter("write back")
+        return out
+
+    distill_mod.train_holdout = train
+    register_optimizer_step_pre_hook(
+        lambda *_: enter("step 1 Adam") if steps[0] == 1 else None)
 
 
 def worker(args) -> None:
@@ -129,13 +187,22 @@ def worker(args) -> None:
     sampler = StageSampler()
     baseline = sampler.current()
     sampler.start()
+    if args.breakdown:
+        distill_parts(sampler)
     t0 = time.perf_counter()
     sampler.enter("load")
     model, tok = load_model(args.dir, dtype="auto")
-    reference = load_model(args.dir, dtype="auto")[0] if method.needs(config).reference else None
     calib_ids = calibration_windows(tok, "wiki", with_heldout(args.samples, config), args.seqlen, 0)
+    reference = load_model(args.dir, dtype="auto")[0] if method.needs(config).reference else None
+    try:  # the original as ``api.original_for`` makes it
+        from vptq_core.quant.student import share_outer_weights
+    except ImportError:  # an older tree (--tree): a whole second copy, as its api loaded it
+        share_outer_weights = None
+    if reference is not None and share_outer_weights is not None:
+        share_outer_weights(reference, model)
     run = pipeline.start_run(model, calib_ids, method, config, "cpu", True, reference=reference,
                              on_layer=lambda _r: None, should_stop=lambda: False)
+    del reference  # handed to the run, as ``api.quantize_to_dir`` hands it: distillation may let it go
     for stage in pipeline.STAGES:
         if stage.name == "blocks":
             sampler.enter("blocks (random states)")
@@ -151,6 +218,7 @@ def worker(args) -> None:
     plan = metrics.get("allocation") or {}
     print(json.dumps({
         "baseline": baseline, "peaks": {k: v for k, v in sampler.peaks.items() if k not in ("start", "end")},
+        "entered": sampler.entered,
         "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "seconds": seconds,
         "total_seconds": time.perf_counter() - t0, "plan_split": {k: plan[k] for k in (
             "measure_seconds", "distortion_seconds", "windows") if k in plan},
@@ -188,6 +256,7 @@ def main() -> None:
     parser.add_argument("--tree", default=str(ROOT), help="the source tree the run imports")
     parser.add_argument("--workdir", help="where random models and outputs go (default: a temporary directory)")
     parser.add_argument("--results", help="append the run as one JSON line to this file")
+    parser.add_argument("--breakdown", action="store_true", help="split distillation into its parts")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -216,16 +285,19 @@ def main() -> None:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--dir", directory, "--out",
            str(work / "out"), "--method", args.method, "--preset", args.preset, "--settings", json.dumps(settings),
            "--samples", str(args.samples), "--seqlen", str(args.seqlen), "--threads", str(args.threads)]
+    cmd += ["--breakdown"] if args.breakdown else []
     env = {**os.environ, "PYTHONPATH": tree}
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=tree, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"the run failed (exit {proc.returncode}): its errors are above")
     run = json.loads(proc.stdout.strip().splitlines()[-1])
-    print("\n| stage | peak RSS | seconds |\n|---|---|---|")
+    print("\n| stage | peak RSS | seconds | RSS at its start |\n|---|---|---|---|")
     for stage, peak in run["peaks"].items():
-        print(f"| {stage} | {peak / GB:.2f} GB | {run['seconds'].get(stage, 0.0):.1f} |")
+        start = run.get("entered", {}).get(stage)
+        print(f"| {stage} | {peak / GB:.2f} GB | {run['seconds'].get(stage, 0.0):.1f} | "
+              f"{'' if start is None else f'{start / GB:.2f} GB'} |")
     peak = max([run["ru_maxrss"], *run["peaks"].values()])
-    print(f"| **whole run** | **{peak / GB:.2f} GB** | {run['total_seconds']:.1f} |")
+    print(f"| **whole run** | **{peak / GB:.2f} GB** | {run['total_seconds']:.1f} | |")
     split = run["plan_split"]
     print(f"\nbaseline (after imports) {run['baseline'] / GB:.2f} GB; ru_maxrss {run['ru_maxrss'] / GB:.2f} GB; plan: "
           + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in split.items())

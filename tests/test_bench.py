@@ -162,8 +162,10 @@ SMOKES: dict[str, Smoke] = {
          "| inverse factor by reversed Cholesky vs float64, worst input |")),
     "bench/stage_memory.py": Smoke(
         ("--model", "shape:tiny", "--samples", "4", "--seqlen", "32", "--distill-iters", "2", "--threads", "1",
-         "--set", "vector_len=4", "num_centroids=64", "bits_budget=6.0", "--workdir", "{root}/stage_memory"),
-        ("| stage | peak RSS | seconds |", "| plan |", "| distill |", "| **whole run** |")),
+         "--set", "vector_len=4", "num_centroids=64", "bits_budget=6.0", "--workdir", "{root}/stage_memory",
+         "--breakdown"),
+        ("| stage | peak RSS | seconds |", "| plan |", "| distill |", "| distill: teacher top-k |",
+         "| distill: step 1 backward |", "| **whole run** |")),
     "bench/search.py": Smoke(
         ("--cells", "4:256:64", "--rounds", "1", "--layer-shapes", "64x32"),
         ("| d | k | queries | native ms | kdtree ms |", "| layer | config | auto s | k-d tree s |", "| 64x32 |")),

@@ -132,7 +132,7 @@ def quantize_to_dir(
         job.model, job.calib_ids, job.method, job.config, on_layer=on_layer, should_stop=should_stop,
         device=job.device, inplace=True, weights=job.source.weights if job.source is not None else None,
         capture_dtype=torch.float32, on_block=job.persist, resume=job.point, keep_states=job.needs.reference,
-        on_step=on_step, reference=load_model(model_name, dtype="auto")[0] if job.needs.reference else None,
+        on_step=on_step, reference=original_for(job) if job.needs.reference else None,
         on_metrics=on_metrics, plan=job.plan, progress=progress,
     )
     summary = job.summary(result)
@@ -342,6 +342,18 @@ def save_stage(job: _DirRun, layers: _Layers, report: dict) -> Path:
     distributed.barrier()
     job.model = job.source = None
     return out
+
+
+def original_for(job: _DirRun):
+    """The original model for distillation, loaded again beside the run's model. On the CPU its input embedding
+    and LM head are the run's model's own tensors (``student.share_outer_weights``): the same file's, which no
+    stage before distillation changes, so they are in memory once."""
+    from .quant.student import share_outer_weights  # the training's modules load when a run distils
+
+    reference = load_model(job.model_name, dtype="auto")[0]
+    if torch.device(job.device).type == "cpu":
+        share_outer_weights(reference, job.model)
+    return reference
 
 
 def evaluate_stage(out: Path, model_name: str, seqlen: int) -> dict:

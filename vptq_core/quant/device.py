@@ -140,3 +140,34 @@ def return_freed_memory() -> bool:
         return False
     _LIBC.malloc_trim(0)
     return True
+
+
+MADV_DONTNEED = 4  # Linux madvise advice: the pages' contents may go (a private file mapping reads the file again)
+
+
+def drop_pages(storage: torch.UntypedStorage) -> int:
+    """Give the whole memory pages inside a CPU ``storage`` back to the system now (``madvise(MADV_DONTNEED)``);
+    returns the bytes given back (0 where there is no libc, or nothing to give).
+
+    For a storage about to be let go whose memory would otherwise stay: a model loaded from safetensors holds its
+    tensors in one private mapping of the file, which stays while any of them lives, so a weight written over (its
+    pages copied on write) or read (its file pages mapped) keeps its pages in the resident set after the tensor is
+    gone. Only for a storage nothing else uses: its contents are lost (a file mapping's pages read the file again,
+    anonymous ones read zeros). The pages it shares with its neighbours at either end are left alone."""
+    if storage.device.type != "cpu" or storage.nbytes() == 0:
+        return 0
+    if _LIBC is None:
+        return_freed_memory()  # loads libc
+    if not _LIBC or not hasattr(_LIBC, "madvise"):
+        return 0
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    start = -(-storage.data_ptr() // page) * page
+    end = (storage.data_ptr() + storage.nbytes()) // page * page
+    if end <= start:
+        return 0
+    if _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) != 0:
+        return 0
+    return end - start

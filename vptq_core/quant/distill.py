@@ -53,7 +53,15 @@ from .states import ScalarLayerState, VQLayerState
 from .student import Student, check_head, checkpointed_blocks, kept_blocks, stored_dtype_modules
 from .teacher import stack_teacher, teacher_for
 from .train import minibatches, train_holdout
-from .trainable import CodebookLinear, dense_parameters, only_trainable, swapped_in, trainable_linear, write_back
+from .trainable import (
+    CodebookLinear,
+    dense_parameters,
+    only_trainable,
+    released_weights,
+    swapped_in,
+    trainable_linear,
+    write_states,
+)
 
 OnStep = Callable[[int, float], None]
 WARMUP_FRACTION = 0.05  # of the steps, linear learning-rate warm-up before the cosine decay
@@ -214,6 +222,7 @@ def distill(
     known_teacher: dict[str, torch.Tensor] | None = None,
     deadline: float | None = None,
     on_plan: Callable[[int], None] | None = None,
+    release_reference: Callable[[], None] | None = None,
 ) -> dict:
     """Distil ``qmodel`` (the fake-quantized model ``quantize_model`` returns) towards ``reference``.
 
@@ -238,6 +247,9 @@ def distill(
             checks so far) and its schedule runs over that many (never more); when none fits it stops like a
             cancel (keeping the best check). No time left at the start: nothing is trained.
         on_plan: hears the new step count each time the deadline changes the plan.
+        release_reference: called once ``reference`` is no longer needed (the teacher's top-k and any sampled
+            windows made, before the student is built): a caller that holds the original only for this drops it
+            there, so the steps run without it in memory (this function keeps no reference to it after).
 
     Returns metrics: ``steps`` done, ``planned_steps`` (< ``distill_iters`` when the deadline cut them),
     ``cancelled``, ``heldout_windows``, ``kl_before`` / ``kl_after`` (held-out
@@ -253,11 +265,17 @@ def distill(
     if deadline is not None and time.perf_counter() >= deadline:
         metrics.update(planned_steps=0, out_of_time=True, best_step=0, seconds=time.perf_counter() - t_start)
         return metrics
-    data = _training_data(reference, windows, config, device, should_stop, known_teacher, metrics)
-    if data is None:
-        metrics.update(cancelled=True, seconds=time.perf_counter() - t_start)
-        return metrics
-    _train(qmodel, states, data, config, device, metrics, on_step, should_stop, deadline, on_plan)
+    # the fake-quant weights of the trained linears are not used until the end, when the states give them again:
+    # not held through the teacher pass and the steps
+    with released_weights({name: qmodel.get_submodule(name) for name in states}, states):
+        data = _training_data(reference, windows, config, device, should_stop, known_teacher, metrics)
+        del reference  # every use of the original is behind: the steps use the teacher's top-k
+        if release_reference is not None:
+            release_reference()
+        if data is None:
+            metrics.update(cancelled=True, seconds=time.perf_counter() - t_start)
+            return metrics
+        _train(qmodel, states, data, config, device, metrics, on_step, should_stop, deadline, on_plan)
     metrics["seconds"] = time.perf_counter() - t_start
     return metrics
 
@@ -266,7 +284,8 @@ def _train(qmodel: nn.Module, states: dict, data: _Data, config: DistillSettings
            metrics: dict, on_step: OnStep | None, should_stop: Callable[[], bool], deadline: float | None,
            on_plan: Callable[[int], None] | None) -> None:
     """The training of ``distill``: the student's trainable tensors in float32, the held-out loop, the kept
-    check written back into ``states`` and ``qmodel``; its figures go into ``metrics``."""
+    check written back into ``states`` (``distill`` puts the dequantized states into ``qmodel``'s linears after);
+    its figures go into ``metrics``."""
     windows, teacher = data.windows, data.teacher
     tokens = windows.shape[1] - 1  # predicted tokens per window
     linears = {name: qmodel.get_submodule(name) for name in states}
@@ -332,7 +351,7 @@ def _train(qmodel: nn.Module, states: dict, data: _Data, config: DistillSettings
                     should_stop=should_stop, on_step=step_done, deadline=deadline, on_plan=on_plan)
             if codes is not None:
                 metrics.update(codes_moved=codes.finish(result.best_index), code_updates=codes.changed)
-            write_back(linears, trainables, states)
+            write_states(linears, trainables, states)
     finally:
         for p, dt in zip(dense, dense_dtypes, strict=True):
             p.data = p.data.to(dt)

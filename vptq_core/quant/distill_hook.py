@@ -34,7 +34,8 @@ def _run(ctx: ModelContext) -> dict | None:
     plan = [ctx.config.distill_iters]  # the progress shows the planned total (a time budget may shrink it)
     return distill(ctx.model, ctx.reference, ctx.states, ctx.calib_ids, ctx.config,
                    on_step=lambda step, kl: ctx.on_step("distill", step, plan[0], kl), should_stop=ctx.should_stop,
-                   known_teacher=ctx.teacher, deadline=ctx.deadline, on_plan=lambda n: plan.__setitem__(0, n))
+                   known_teacher=ctx.teacher, deadline=ctx.deadline, on_plan=lambda n: plan.__setitem__(0, n),
+                   release_reference=ctx.release_reference)
 
 
 def distill_seconds(params: int, config: DistillSettings, samples: int, seqlen: int,

@@ -109,6 +109,9 @@ class ModelContext:
     on_step: Callable[[str, int, int, float], None]
     teacher: dict | None = None  # the original's top-k on the windows it wrote itself (``sampled_calibration``)
     deadline: float | None = None  # time.perf_counter() by which the run should end (config.time_budget)
+    # called by a hook once it no longer needs ``reference``: the run then lets the original go (the context's
+    # ``reference`` is None after); only the last hook gets one
+    release_reference: Callable[[], None] | None = None
 
 
 Cost = Callable[[Any, Any], float]  # (quant.cost.RunSize, config) -> seconds on the reference machine

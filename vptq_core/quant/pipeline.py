@@ -24,6 +24,7 @@ says for its config (``Method.needs``); the state the stages share is a ``run.Ru
 from __future__ import annotations
 
 import copy
+import gc
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -36,6 +37,7 @@ from .bits import BitsInfo
 from .block_stage import quantize_blocks
 from .blocks import check_linear_shapes, decoder_blocks, total_linear_shapes
 from .calib_windows import layerwise_count, written_rows
+from .device import return_freed_memory
 from .distributed_once import once, shared_stop
 from .methods import Cancelled, Method, ModelContext, RunNeeds
 from .progress import OnProgress, Progress
@@ -120,7 +122,8 @@ def plan(run: Run) -> None:
 def distill_model(run: Run) -> None:
     """The method's after-model hooks on the whole fake-quantized model (float32 on the work device but for its
     large frozen tensors, ``student.to_training_dtype``; put back after), by the deadline a time budget sets for the
-    whole run."""
+    whole run. The last hook may let the original go once it no longer needs it (``release_reference``): nothing
+    after distillation uses it."""
     from .student import to_training_dtype  # the training is loaded when a run distils
 
     budget = run.needs.time_budget
@@ -129,12 +132,15 @@ def distill_model(run: Run) -> None:
     orig_device, orig_dtype = next(model.parameters()).device, next(model.parameters()).dtype
     to_training_dtype(model, run.device, run.result.states)  # float32 but the large frozen tensors (student.py)
     try:
-        for hook in [hook for hook in run.method.after_model if hook.phase in run.needs.after_model]:
+        hooks = [hook for hook in run.method.after_model if hook.phase in run.needs.after_model]
+        for i, hook in enumerate(hooks):
             ctx = ModelContext(model=model, reference=run.reference, calib_ids=run.calib_ids,
                                states=run.result.states, config=run.config, result=run.result,
                                should_stop=run.should_stop,
                                on_step=run.on_step or (lambda _phase, _step, _steps, _loss: None),
                                teacher=run.teacher, deadline=deadline)
+            if i == len(hooks) - 1:
+                ctx.release_reference = _releaser(run, ctx)
             with run.result.timed(hook.phase):  # with several ranks: rank 0 trains, the others take its result
                 metrics, _ = once(hook.phase, lambda: (hook.run(ctx) or {}, run.result.states), run.should_stop,
                                   run.device, modules=(model,), apply=lambda value: run.result.states.update(value[1]))
@@ -148,6 +154,20 @@ def distill_model(run: Run) -> None:
         model.to(orig_device, orig_dtype)
 
 
+def _releaser(run: Run, ctx: ModelContext) -> Callable[[], None]:
+    """What ``ctx.release_reference`` does: the run and the context drop the original (and ``run.teacher``,
+    made from it), so it is freed unless the caller holds it too. A Hugging Face model's modules refer to each
+    other in cycles, which only the cycle collector frees: it runs here, not at some later allocation; then the
+    freed heap pages go back to the system (``return_freed_memory``)."""
+    def release() -> None:
+        run.reference = ctx.reference = None
+        run.teacher = ctx.teacher = None
+        gc.collect()
+        return_freed_memory()
+
+    return release
+
+
 STAGES = (
     Stage("calibrate", lambda run: run.needs.sampled_share > 0 and (bool(run.needs.after_model) or not run.resumed),
           calibrate),
@@ -157,7 +177,6 @@ STAGES = (
 )
 
 
-@torch.no_grad()
 def quantize_model(
     model: nn.Module,
     calib_ids: torch.Tensor,
@@ -214,19 +233,23 @@ def quantize_model(
     per-layer states to pack and save). Embeddings, norms and the LM head stay as they are.
     """
     progress = progress or Progress(on_progress, on_stage, plan.stages if plan is not None else None)
-    run = start_run(model, calib_ids, method, config, device, inplace, weights=weights, resume=resume,
-                    keep_states=keep_states, reference=reference, on_layer=on_layer or (lambda _r: None),
-                    should_stop=shared_stop(should_stop or (lambda: False)), on_step=on_step, on_block=on_block,
-                    skip=skip, capture_dtype=capture_dtype, on_metrics=on_metrics,
-                    plan_windows=plan.plan_windows if plan is not None else 0, progress=progress)
-    _report_progress(run, progress)
-    for stage in STAGES:
-        if run.result.cancelled:
-            break
-        if stage.applies(run):
-            progress.start(stage.name, *_stage_steps(run, stage.name))
-            stage.run(run)
-    run.result.seconds = run.seconds()
+    # no_grad as a block, not as a decorator, whose wrapper would hold the arguments (the original among them)
+    # until the run ends
+    with torch.no_grad():
+        run = start_run(model, calib_ids, method, config, device, inplace, weights=weights, resume=resume,
+                        keep_states=keep_states, reference=reference, on_layer=on_layer or (lambda _r: None),
+                        should_stop=shared_stop(should_stop or (lambda: False)), on_step=on_step, on_block=on_block,
+                        skip=skip, capture_dtype=capture_dtype, on_metrics=on_metrics,
+                        plan_windows=plan.plan_windows if plan is not None else 0, progress=progress)
+        del reference  # the run holds the original alone: distillation lets it go once it no longer needs it
+        _report_progress(run, progress)
+        for stage in STAGES:
+            if run.result.cancelled:
+                break
+            if stage.applies(run):
+                progress.start(stage.name, *_stage_steps(run, stage.name))
+                stage.run(run)
+        run.result.seconds = run.seconds()
     return run.model, run.result
 
 

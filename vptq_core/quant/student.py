@@ -195,6 +195,31 @@ def to_training_dtype(model: nn.Module, device: torch.device, quantized: Iterabl
                 module._buffers[key] = b.float()
 
 
+def share_outer_weights(reference: nn.Module, model: nn.Module) -> int:
+    """``reference``'s input embedding and LM head weights replaced by ``model``'s own (the same ``Parameter``s, a
+    tied pair staying tied); returns the bytes ``reference`` no longer holds.
+
+    For an original loaded from the same weights as ``model``: no stage before distillation changes those two,
+    and distillation trains neither, so the teacher pass reads the same values from a single copy (a large
+    vocabulary's head is a large share of a small model). Only a weight of the same shape, dtype and device is
+    shared: a model that moves to another device moves its own."""
+    saved = 0
+    for kind in ("input", "output"):
+        ours, theirs = (getattr(m, f"get_{kind}_embeddings")() for m in (model, reference))
+        if ours is None or theirs is None or theirs.weight is ours.weight:
+            continue
+        old = theirs.weight
+        new = ours.weight
+        if (old.shape, old.dtype, old.device) != (new.shape, new.dtype, new.device):
+            continue
+        for module in reference.modules():  # every holder of the old weight (a head tied to the embedding)
+            for key, param in module._parameters.items():
+                if param is old:
+                    module._parameters[key] = new
+        saved += old.numel() * old.element_size()
+    return saved
+
+
 def _held_by(p: torch.Tensor, model: nn.Module, frozen: dict[str, str]) -> bool:
     """``p`` is also a parameter of one of the ``frozen`` modules (a head tied to the input embedding)."""
     return any(p is q for name in frozen for q in model.get_submodule(name).parameters(recurse=False))

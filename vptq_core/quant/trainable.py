@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -22,21 +23,39 @@ from torch import nn
 from vptq_core.kernels.reference import as_index
 
 from .act_quant import quantize_activations
+from .device import drop_pages, return_freed_memory
 from .states import ScalarLayerState, VQLayerState
 
 # The float tensors of a VQ layer that training moves (indices, permutation and shapes never change).
 TRAINED_TENSORS = ("centroids", "res_centroids", "outlier_centroids", "weight_scale", "weight_bias")
 
 
-def row_sum_matrix(rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+# device -> float32 ones that the row-sum matrices of the trainable layers alive share (held by those layers)
+_ONES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def shared_ones(n: int, device: torch.device) -> torch.Tensor:
+    """At least n float32 ones on ``device``: the tensor the trainable layers alive share, a longer one when it is
+    too short. Every row-sum matrix's values are ones, one per codebook row gathered: sliced from this tensor,
+    a whole model's layers hold about one layer's worth instead of a copy each."""
+    device = torch.device(device)
+    ones = _ONES.get(device)
+    if ones is None or ones.numel() < n:
+        ones = torch.ones(n, dtype=torch.float32, device=device)
+        _ONES[device] = ones
+    return ones
+
+
+def row_sum_matrix(rows: torch.Tensor, num_rows: int, ones: torch.Tensor | None = None) -> torch.Tensor:
     """The [num_rows, n] 0/1 matrix (sparse CSR, int32 indices) with a 1 at (rows[j], j): times a [n, v] matrix it
-    sums each group of rows gathered from the same codebook row."""
+    sums each group of rows gathered from the same codebook row. ``ones``: float32 ones, at least n, whose first
+    n become its values (``shared_ones``; by default its own)."""
     order = torch.argsort(rows, stable=True)
     crow = F.pad(torch.bincount(rows, minlength=num_rows).cumsum(0), (1, 0))
+    values = torch.ones(rows.numel(), dtype=torch.float32, device=rows.device) if ones is None else ones[: rows.numel()]
     with warnings.catch_warnings():  # "sparse CSR support is in beta": CSR x dense is all this needs
         warnings.simplefilter("ignore", UserWarning)
-        return torch.sparse_csr_tensor(crow.to(torch.int32), order.to(torch.int32),
-                                       torch.ones(rows.numel(), dtype=torch.float32, device=rows.device),
+        return torch.sparse_csr_tensor(crow.to(torch.int32), order.to(torch.int32), values,
                                        size=(num_rows, rows.numel()))
 
 
@@ -97,12 +116,15 @@ class CodebookLinear(nn.Module):
             self._outlier_rows = _rows32(as_index(state.outlier_indices[0]).to(device).reshape(-1))
         self._perm = None if state.perm is None else as_index(state.perm).to(device)
         self._row_sums: dict[str, torch.Tensor] = {}  # codebook name -> row_sum_matrix, built at the first step
+        self._ones: torch.Tensor | None = None  # the row-sum matrices' values (``shared_ones``), held here
 
     def _expand(self, key: str, rows: torch.Tensor, v: int, n_rows: int, cols: int, out: int):
         codebook = self.params[key].reshape(-1, v)
         if codebook.requires_grad and codebook.device.type == "cpu" and torch.is_grad_enabled():
             if key not in self._row_sums:
-                self._row_sums[key] = row_sum_matrix(rows, codebook.shape[0])
+                if self._ones is None or self._ones.numel() < rows.numel():
+                    self._ones = shared_ones(rows.numel(), rows.device)
+                self._row_sums[key] = row_sum_matrix(rows, codebook.shape[0], self._ones)
             vectors = _RowGather.apply(codebook, rows, self._row_sums[key])
         else:
             vectors = codebook.index_select(0, rows)  # [n_rows * cols, v]
@@ -255,10 +277,10 @@ def only_trainable(root: nn.Module, trainable: Iterable[nn.Parameter]):
             p.requires_grad_(flag)
 
 
-def write_back(linears: dict[str, nn.Module], trainables: dict[str, CodebookLinear | ScaleLinear],
-               states: dict[str, VQLayerState | ScalarLayerState]) -> None:
-    """Put the trained float tensors into ``states`` (in place: the pipeline's result holds the same objects),
-    copy each linear's bias into its state and the dequantized weight into the (fake-quant) linear."""
+def write_states(linears: dict[str, nn.Module], trainables: dict[str, CodebookLinear | ScaleLinear],
+                 states: dict[str, VQLayerState | ScalarLayerState]) -> None:
+    """Put the trained float tensors into ``states`` (in place: the pipeline's result holds the same objects) and
+    copy each linear's bias into its state."""
     with torch.no_grad():
         for name, layer in trainables.items():
             state = states[name]
@@ -268,4 +290,46 @@ def write_back(linears: dict[str, nn.Module], trainables: dict[str, CodebookLine
             if linear.bias is not None:
                 ref = state.bias if state.bias is not None else linear.bias
                 state.bias = linear.bias.detach().to(ref.device, ref.dtype).clone()
-            linear.weight.data.copy_(state.dequantize().to(linear.weight.device, linear.weight.dtype))
+
+
+def write_back(linears: dict[str, nn.Module], trainables: dict[str, CodebookLinear | ScaleLinear],
+               states: dict[str, VQLayerState | ScalarLayerState]) -> None:
+    """``write_states``, then the dequantized weight into each (fake-quant) linear."""
+    write_states(linears, trainables, states)
+    with torch.no_grad():
+        for name in trainables:
+            linear = linears[name]
+            linear.weight.data.copy_(states[name].dequantize().to(linear.weight.device, linear.weight.dtype))
+
+
+def _held_alone(storage: torch.UntypedStorage) -> bool:
+    """``storage`` is held by this reference alone: no tensor reads its memory (False when torch cannot say)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return use_count is not None and use_count(storage._cdata) == 1
+
+
+@contextlib.contextmanager
+def released_weights(linears: dict[str, nn.Module], states: dict[str, VQLayerState | ScalarLayerState]):
+    """The fake-quant weights of ``linears`` hold no memory inside the block, and are the dequantized ``states``
+    after it, whatever happens: for training that replaces those linears by their trainable forms
+    (``swapped_in``), so the weights, which the states give again, are not held through the steps. Inside, each
+    weight keeps its shape, dtype and device but is one element broadcast (written into, it raises). The memory
+    is given back to the system as the block starts and ends: a weight nothing else holds has its pages dropped
+    (``drop_pages``: a model loaded from safetensors keeps them in the file's mapping after the tensor goes), and
+    the heap pages freed are trimmed (``return_freed_memory``: a layer's weight is under glibc's mmap threshold,
+    so freeing it alone would leave the resident set as it was)."""
+    weights = {name: linear.weight for name, linear in linears.items()}
+    for weight in weights.values():
+        storage = weight.untyped_storage()
+        weight.data = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+        if _held_alone(storage):
+            drop_pages(storage)
+        del storage
+    return_freed_memory()
+    try:
+        yield
+    finally:
+        return_freed_memory()  # what the block freed, before the weights take memory again
+        with torch.no_grad():
+            for name, weight in weights.items():
+                weight.data = states[name].dequantize().to(weight.device, weight.dtype).contiguous()
