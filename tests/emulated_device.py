@@ -61,6 +61,15 @@ class DeviceTensor(torch.Tensor):
     def data_ptr(self) -> int:  # the wrapped data's address (callers compare addresses to find shared inputs)
         return self.inner.data_ptr()
 
+    @property
+    def data(self):  # noqa: D102 - what torch.Tensor.data gives: an alias outside autograd
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:  # ``param.data = t`` swaps the storage: the wrapped tensor too
+        torch._C.TensorBase.data.__set__(self, value)
+        self.inner = value.inner if isinstance(value, DeviceTensor) else value
+
     def numpy(self, *args, **kwargs):
         raise TypeError("can't convert an (emulated) device tensor to numpy; copy it to the host first")
 

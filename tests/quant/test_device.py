@@ -92,6 +92,18 @@ def test_emulated_device_enforces_cuda_rules():
         assert emu.to_host == 1
 
 
+def test_emulated_parameters_take_new_data_as_on_a_device():
+    """``param.data = t`` (how a run swaps a weight's storage) reaches the emulated tensor's wrapped data."""
+    with EmulatedDevice():
+        linear = torch.nn.Linear(3, 2, bias=False).to(DEVICE)
+        new = torch.arange(6.0).reshape(2, 3).to(DEVICE)
+        linear.weight.data = new
+        assert linear.weight.data_ptr() == new.data_ptr() and linear.weight.requires_grad
+        torch.testing.assert_close(to_host(linear(torch.ones(1, 3).to(DEVICE))), torch.tensor([[3.0, 12.0]]))
+        linear.weight.data = linear.weight.data.to(torch.float64)
+        assert linear.weight.dtype == torch.float64 and to_host(linear.weight).dtype == torch.float64
+
+
 def test_hessian_phases_follow_the_device_without_host_copies():
     W, H_ref = _layer(96, 64)
     X = torch.randn(3, 50, 64, generator=torch.Generator().manual_seed(3))
