@@ -23,6 +23,7 @@ safetensors directory one tensor at a time (``shape:qwen05b``: hidden 896, MLP 4
     python bench/stage_memory.py --model shape:qwen05b --tree /tmp/before      # the same run, older code
     python bench/stage_memory.py --model smollm2-135m-instruct --set sensitivity_windows=2
     python bench/stage_memory.py --model shape:qwen05b --samples 4 --distill-iters 2 --breakdown
+    python bench/stage_memory.py --model shape:qwen05b --samples 32 --whole      # the real block stage and save
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class StageSampler(threading.Thread):
         self.interval, self.page = interval, os.sysconf("SC_PAGE_SIZE")
         self.stage, self.peaks, self.starts, self.entered = "start", {}, {}, {}
         self.done = threading.Event()
+        self.metrics: dict = {}  # the run's model metrics (plan, distillation), filed by the worker
 
     def current(self) -> int:
         with open("/proc/self/statm") as f:
@@ -175,10 +177,7 @@ def worker(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from vptq_core.data import calibration_windows
-    from vptq_core.models import load_model
-    from vptq_core.quant import methods, pipeline
-    from vptq_core.quant.calib_windows import with_heldout
+    from vptq_core.quant import methods
 
     method = methods.get(args.method)
     settings = {**method.presets[args.preset], **json.loads(args.settings)} if args.preset else json.loads(
@@ -190,6 +189,44 @@ def worker(args) -> None:
     if args.breakdown:
         distill_parts(sampler)
     t0 = time.perf_counter()
+    if args.whole:
+        whole_run(args, config, sampler)
+    else:
+        staged_run(args, method, config, sampler)
+    sampler.enter("end")
+    sampler.stop()
+    ends = sorted(sampler.starts.items(), key=lambda kv: kv[1])
+    seconds = {name: later - start for (name, start), (_, later) in zip(ends, ends[1:], strict=False)}
+    metrics = sampler.metrics
+    plan = metrics.get("allocation") or {}
+    print(json.dumps({
+        "baseline": baseline, "peaks": {k: v for k, v in sampler.peaks.items() if k not in ("start", "end")},
+        "entered": sampler.entered,
+        "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "seconds": seconds,
+        "total_seconds": time.perf_counter() - t0, "plan_split": {k: plan[k] for k in (
+            "measure_seconds", "distortion_seconds", "windows") if k in plan},
+        "distill_steps": (metrics.get("distill") or {}).get("steps"),
+        "checkpointed_blocks": (metrics.get("distill") or {}).get("checkpointed_blocks")}))
+
+
+def whole_run(args, config, sampler: StageSampler) -> None:
+    """``--whole``: the run as the CLI makes it (``api.quantize_to_dir``: load, plan, calibration, the real block
+    stage, distillation, save), each stage filed as ``on_stage`` names it; the report's metrics kept."""
+    from vptq_core import api
+    from vptq_core.quant.config import CalibConfig
+
+    _, summary = api.quantize_to_dir(args.dir, args.method, config, CalibConfig(samples=args.samples,
+                                     seqlen=args.seqlen), args.out, device="cpu", on_stage=sampler.enter)
+    sampler.metrics = summary.get("model_metrics") or {}
+
+
+def staged_run(args, method, config, sampler: StageSampler) -> None:
+    """The pipeline's stages in this process, the block stage replaced by random states (``fake_states``)."""
+    from vptq_core.data import calibration_windows
+    from vptq_core.models import load_model
+    from vptq_core.quant import pipeline
+    from vptq_core.quant.calib_windows import with_heldout
+
     sampler.enter("load")
     model, tok = load_model(args.dir, dtype="auto")
     calib_ids = calibration_windows(tok, "wiki", with_heldout(args.samples, config), args.seqlen, 0)
@@ -210,20 +247,7 @@ def worker(args) -> None:
         elif stage.applies(run):
             sampler.enter(stage.name)
             stage.run(run)
-    sampler.enter("end")
-    sampler.stop()
-    ends = sorted(sampler.starts.items(), key=lambda kv: kv[1])
-    seconds = {name: later - start for (name, start), (_, later) in zip(ends, ends[1:], strict=False)}
-    metrics = run.result.model_metrics
-    plan = metrics.get("allocation") or {}
-    print(json.dumps({
-        "baseline": baseline, "peaks": {k: v for k, v in sampler.peaks.items() if k not in ("start", "end")},
-        "entered": sampler.entered,
-        "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "seconds": seconds,
-        "total_seconds": time.perf_counter() - t0, "plan_split": {k: plan[k] for k in (
-            "measure_seconds", "distortion_seconds", "windows") if k in plan},
-        "distill_steps": (metrics.get("distill") or {}).get("steps"),
-        "checkpointed_blocks": (metrics.get("distill") or {}).get("checkpointed_blocks")}))
+    sampler.metrics = run.result.model_metrics
 
 
 def model_dir(model: str, work: Path) -> tuple[str, int | None]:
@@ -257,6 +281,8 @@ def main() -> None:
     parser.add_argument("--workdir", help="where random models and outputs go (default: a temporary directory)")
     parser.add_argument("--results", help="append the run as one JSON line to this file")
     parser.add_argument("--breakdown", action="store_true", help="split distillation into its parts")
+    parser.add_argument("--whole", action="store_true", help="the whole run as the CLI makes it (the real block "
+                        "stage, the embeddings, the save) instead of the pipeline's stages with random states")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -286,6 +312,7 @@ def main() -> None:
            str(work / "out"), "--method", args.method, "--preset", args.preset, "--settings", json.dumps(settings),
            "--samples", str(args.samples), "--seqlen", str(args.seqlen), "--threads", str(args.threads)]
     cmd += ["--breakdown"] if args.breakdown else []
+    cmd += ["--whole"] if args.whole else []
     env = {**os.environ, "PYTHONPATH": tree}
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=tree, check=False)
     if proc.returncode != 0:

@@ -145,3 +145,25 @@ def test_sampled_replies_stay_reproducible_with_both_sides_at_once(served):
     for t in threads:
         t.join(60)
     assert alone and outs == {0: alone, 1: alone}
+
+
+def test_page_updates_gather_the_tokens_of_an_interval_and_end_with_the_last_side():
+    from vptq_core.studio.chat_handlers import _batch
+
+    events: queue.Queue = queue.Queue()
+    now = [100.0]
+    for k in range(3):
+        events.put(("quantized", "piece", f"t{k}"))
+    late = threading.Timer(0.05, lambda: events.put(("original", "piece", "o0")))
+    late.start()
+    # both sides still writing and time left: it waits for what comes before ``until`` (a clock that stands still)
+    got = _batch(events, until=100.3, pending={"original", "quantized"}, clock=lambda: now[0])
+    late.join()
+    assert [e[2] for e in got] == ["t0", "t1", "t2", "o0"]
+    # past ``until``: what has arrived, without waiting
+    events.put(("quantized", "piece", "t3"))
+    assert [e[2] for e in _batch(events, until=99.0, pending={"quantized"}, clock=lambda: now[0])] == ["t3"]
+    # the last writing side's end: no wait for the rest of the interval, however long
+    events.put(("quantized", "piece", "t4"))
+    events.put(("quantized", "done", None))
+    assert [e[1] for e in _batch(events, until=1e9, pending={"quantized"}, clock=lambda: now[0])] == ["piece", "done"]

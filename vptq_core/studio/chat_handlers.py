@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 import gradio as gr
@@ -105,10 +106,11 @@ class ChatHandlers:
 
         for side, session in sessions.items():
             threading.Thread(target=run, args=(side, session), name=f"chat-{side}", daemon=True).start()
-        pending = set(sessions)
+        pending, shown_at = set(sessions), time.monotonic()
         try:
             while pending:
-                for side, kind, payload in _batch(events):  # one page update per batch
+                batch = _batch(events, shown_at + UPDATE_INTERVAL_S, pending)
+                for side, kind, payload in batch:  # one page update per batch
                     message = histories[side][-1]
                     if kind == "piece":
                         message["content"] += payload
@@ -122,6 +124,7 @@ class ChatHandlers:
                     else:
                         pending.discard(side)
                         message["content"] += f"\n(generation failed: {payload})"
+                shown_at = time.monotonic()
                 yield shown()
         finally:  # the page went away or the event was cancelled: stop both generations
             for side, session in sessions.items():
@@ -211,12 +214,23 @@ class ChatHandlers:
         return [], [], "", ""
 
 
-def _batch(events: queue.Queue) -> list:
-    """The next event (waiting for it) and whatever else has arrived by then."""
+# The page is updated at most this often while replies stream: every update sends both conversations and makes
+# the browser render them again, work that shares the CPU with the two generations (bench/chat_screenshot.py).
+UPDATE_INTERVAL_S = 0.25
+
+
+def _batch(events: queue.Queue, until: float, pending: set[str], clock=time.monotonic) -> list:
+    """The next event (waiting for it) and whatever else arrives before ``until`` (a ``clock`` time) or until no
+    side in ``pending`` is left writing, whichever comes first."""
     batch = [events.get()]
+    left = set(pending)
     while True:
+        side, kind, _ = batch[-1]
+        if kind != "piece":
+            left.discard(side)
+        wait = until - clock()
         try:
-            batch.append(events.get_nowait())
+            batch.append(events.get(timeout=wait) if wait > 0 and left else events.get_nowait())
         except queue.Empty:
             return batch
 
