@@ -18,7 +18,7 @@ from torch import nn
 from . import distributed
 from .blocks import block_linears, blocks_prefix, decoder_blocks
 from .calib_windows import layerwise_count
-from .device import return_freed_memory
+from .device import drop_unheld, return_freed_memory
 from .distributed_once import once
 from .forward import (
     BlockKwargs,
@@ -89,7 +89,10 @@ def quantize_block(run: Run, b: int, block: nn.Module, prefix: str, inps: torch.
         with result.timed("load_weights"):
             run.weights.load_block(block, name, run.device, torch.float32)
     orig_device = next(block.parameters()).device
+    # a whole model's block: the storages it had, whose pages go once the float32 copies replace them (drop_unheld)
+    before = [t.untyped_storage() for t in block.parameters() if t.device.type == "cpu"] if run.weights is None else []
     block.to(run.device, torch.float32)
+    drop_unheld(before)
     linears = {n: m for n, m in block_linears(block).items() if not (run.skip and run.skip(f"{name}.{n}"))}
     dtype = block_dtype(run.device)  # float32, or bf16 forwards and Hessian products when asked
     with result.timed("hessians_targets"):
@@ -121,6 +124,7 @@ def quantize_block(run: Run, b: int, block: nn.Module, prefix: str, inps: torch.
         run.weights.release_block(block)
     else:
         block.to(orig_device, model_dtype)
+        return_freed_memory()  # the block's float32 weights, back to the system as the next block takes its own
     result.blocks_done = b + 1
     if run.on_block is not None:
         block_states = {rep.name: result.states[rep.name] for rep in ctx.reports}

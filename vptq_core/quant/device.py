@@ -171,3 +171,23 @@ def drop_pages(storage: torch.UntypedStorage) -> int:
     if _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) != 0:
         return 0
     return end - start
+
+
+def held_alone(storage: torch.UntypedStorage) -> bool:
+    """``storage`` is held by this reference alone: no tensor reads its memory (False when torch cannot say)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return use_count is not None and use_count(storage._cdata) == 1
+
+
+def drop_unheld(storages: list[torch.UntypedStorage]) -> int:
+    """``drop_pages`` for each of ``storages`` that no tensor holds any more (each held by this list alone), then
+    the list emptied: for the storages a module's tensors had before a move (``module.to``) replaced them. A model
+    loaded from safetensors keeps every tensor's pages in the file's mapping while any tensor of the file lives, so a
+    replaced weight would otherwise stay in the resident set. Returns the bytes given back."""
+    freed = 0
+    while storages:
+        storage = storages.pop()
+        if held_alone(storage):
+            freed += drop_pages(storage)
+        del storage
+    return freed

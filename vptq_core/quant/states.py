@@ -35,7 +35,7 @@ class VQLayerState:
     """One VPTQ-quantized linear layer, indices unpacked.
 
     Shapes (G = group_num, R = ceil(out/v), Ro = ceil(out/vo)):
-      centroids [G, k*v]; indices [G, R, group_size] int64;
+      centroids [G, k*v]; indices [G, R, group_size] int64, or int16 holding uint16 patterns (``as_index``);
       res_centroids [G, k_res*v] | None; res_indices [G, R, group_size] | None;
       outlier_centroids [1, k_o*vo] | None; outlier_indices [1, Ro, outlier_size] | None;
       perm [in] int64 | None; weight_scale, weight_bias [in] | None; bias [out] | None.

@@ -23,7 +23,7 @@ from torch import nn
 from vptq_core.kernels.reference import as_index
 
 from .act_quant import quantize_activations
-from .device import drop_pages, return_freed_memory
+from .device import drop_pages, held_alone, return_freed_memory
 from .states import ScalarLayerState, VQLayerState
 
 # The float tensors of a VQ layer that training moves (indices, permutation and shapes never change).
@@ -302,12 +302,6 @@ def write_back(linears: dict[str, nn.Module], trainables: dict[str, CodebookLine
             linear.weight.data.copy_(states[name].dequantize().to(linear.weight.device, linear.weight.dtype))
 
 
-def _held_alone(storage: torch.UntypedStorage) -> bool:
-    """``storage`` is held by this reference alone: no tensor reads its memory (False when torch cannot say)."""
-    use_count = getattr(torch._C, "_storage_Use_Count", None)
-    return use_count is not None and use_count(storage._cdata) == 1
-
-
 @contextlib.contextmanager
 def released_weights(linears: dict[str, nn.Module], states: dict[str, VQLayerState | ScalarLayerState]):
     """The fake-quant weights of ``linears`` hold no memory inside the block, and are the dequantized ``states``
@@ -322,7 +316,7 @@ def released_weights(linears: dict[str, nn.Module], states: dict[str, VQLayerSta
     for weight in weights.values():
         storage = weight.untyped_storage()
         weight.data = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
-        if _held_alone(storage):
+        if held_alone(storage):
             drop_pages(storage)
         del storage
     return_freed_memory()
