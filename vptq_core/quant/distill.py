@@ -46,7 +46,7 @@ from .blocks import decoder_blocks
 from .calib_windows import holdout_count
 from .code_update import CodeUpdates
 from .config import DistillSettings
-from .device import compute_dtype
+from .device import compute_dtype, return_freed_memory
 from .repetition import MAX_REPEATED_SHARE
 from .sampling import SAMPLE_BATCH, sample_windows
 from .states import ScalarLayerState, VQLayerState
@@ -307,6 +307,7 @@ def _train(qmodel: nn.Module, states: dict, data: _Data, config: DistillSettings
             for i in data.heldout.tolist():
                 total += float(student.kl_sum(windows[i : i + 1], teacher, torch.tensor([i], device=device)))
         kl = total / (data.heldout.numel() * tokens)
+        return_freed_memory()  # the steps' and the check's freed heap, back to the system at every check
         metrics.setdefault("kl_before", kl)  # the first check: the starting point
         if codes is not None:
             codes.checked(kl)
