@@ -11,8 +11,8 @@ import pytest
 import torch
 from factories import random_vq_state
 
+from vptq_core.quant import device
 from vptq_core.quant import distill as distill_module
-from vptq_core.quant import trainable
 from vptq_core.quant.config import VPTQConfig
 from vptq_core.quant.device import drop_pages
 from vptq_core.quant.distill import distill
@@ -78,7 +78,7 @@ def test_released_weights_drop_the_pages_of_weights_nothing_else_holds(monkeypat
     kept_view = linears["b"].weight.detach()[:4]  # another tensor reads b's memory: its pages stay
     expected = kept_view.clone()
     dropped = []
-    monkeypatch.setattr(trainable, "drop_pages", lambda storage: dropped.append(storage.nbytes()) or 0)
+    monkeypatch.setattr(device, "drop_pages", lambda storage: dropped.append(storage.nbytes()) or 0)
     with released_weights(linears, states):
         pass
     assert dropped == [48 * 64 * 4]  # a's alone

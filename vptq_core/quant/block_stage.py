@@ -53,8 +53,9 @@ def quantize_blocks(run: Run) -> None:
             if distributed.any_rank(run.should_stop()):  # with several ranks: all stop before the same block
                 raise Cancelled
             inps, fp_inps = quantize_block(run, b, blocks[b], prefix, inps, fp_inps, kwargs.at(b), model_dtype)
-            if run.weights is not None:
-                return_freed_memory()  # streamed: keep the resident set at about one block
+            # what the block freed (its float32 weights, Hessians, activations) back to the system: a streamed run
+            # stays at about one block, a whole model's blocks do not pile up in glibc's heap
+            return_freed_memory()
     except Cancelled:
         run.result.cancelled = True
 
@@ -124,7 +125,6 @@ def quantize_block(run: Run, b: int, block: nn.Module, prefix: str, inps: torch.
         run.weights.release_block(block)
     else:
         block.to(orig_device, model_dtype)
-        return_freed_memory()  # the block's float32 weights, back to the system as the next block takes its own
     result.blocks_done = b + 1
     if run.on_block is not None:
         block_states = {rep.name: result.states[rep.name] for rep in ctx.reports}

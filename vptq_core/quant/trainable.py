@@ -23,7 +23,7 @@ from torch import nn
 from vptq_core.kernels.reference import as_index
 
 from .act_quant import quantize_activations
-from .device import drop_pages, held_alone, return_freed_memory
+from .device import drop_unheld, return_freed_memory
 from .states import ScalarLayerState, VQLayerState
 
 # The float tensors of a VQ layer that training moves (indices, permutation and shapes never change).
@@ -309,16 +309,14 @@ def released_weights(linears: dict[str, nn.Module], states: dict[str, VQLayerSta
     (``swapped_in``), so the weights, which the states give again, are not held through the steps. Inside, each
     weight keeps its shape, dtype and device but is one element broadcast (written into, it raises). The memory
     is given back to the system as the block starts and ends: a weight nothing else holds has its pages dropped
-    (``drop_pages``: a model loaded from safetensors keeps them in the file's mapping after the tensor goes), and
+    (``drop_unheld``: a model loaded from safetensors keeps them in the file's mapping after the tensor goes), and
     the heap pages freed are trimmed (``return_freed_memory``: a layer's weight is under glibc's mmap threshold,
     so freeing it alone would leave the resident set as it was)."""
     weights = {name: linear.weight for name, linear in linears.items()}
+    storages = [weight.untyped_storage() for weight in weights.values()]
     for weight in weights.values():
-        storage = weight.untyped_storage()
         weight.data = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
-        if held_alone(storage):
-            drop_pages(storage)
-        del storage
+    drop_unheld(storages)
     return_freed_memory()
     try:
         yield
