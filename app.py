@@ -61,6 +61,8 @@ LIMITS = {
     "max_chat_messages": ("VPTQ_APP_MAX_CHAT_MESSAGES", "int"),
 }
 # The page warns before it is left while a job runs or a result was not taken home (the guard element's data).
+# Capturing, so that an event dispatched at the document reaches it and not Gradio's own listener on the window,
+# which closes the page's connection (the browser test asks it that way; a browser's event goes to both).
 LEAVE_GUARD_JS = """<script>
 window.addEventListener('beforeunload', function (event) {
   var guard = document.querySelector('[data-guard]');
@@ -68,7 +70,7 @@ window.addEventListener('beforeunload', function (event) {
     event.preventDefault();
     event.returnValue = '';
   }
-});
+}, {capture: true});
 </script>"""
 
 

@@ -51,8 +51,8 @@ class Pages:
     def on_unload(self, request: gr.Request) -> None:
         """A page went away (closed or reloaded): its chats stop. A browser's runs stay (they expire
         ``run_ttl_hours`` after they finish), and so does the page's link to its identity for as long: the page
-        may still be there (Gradio's client disconnects on ``beforeunload`` even when the user then chooses to
-        stay on the page). An API session's jobs are cancelled and its runs deleted, since nobody can come back
+        may still be there (Gradio's client disconnects on ``beforeunload``, before it is known whether the page
+        is left). An API session's jobs are cancelled and its runs deleted, since nobody can come back
         to them."""
         session = getattr(request, "session_hash", None)
         if not session:
