@@ -5,6 +5,8 @@ with the model's; and the trained model is the one it was without these."""
 import contextlib
 import copy
 import dataclasses
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -173,3 +175,41 @@ def test_the_original_shares_the_models_embedding_and_head(tiny_model, windows):
     assert share_outer_weights(reference, ours) == 0  # shared already
     other = copy.deepcopy(model).to(torch.bfloat16)  # another dtype: left as it is
     assert share_outer_weights(other, ours) == 0 and other.get_input_embeddings().weight is not emb
+
+
+# Run in a process of its own: the threshold is process-wide. A 24 MB block freed first raises glibc's default
+# threshold past 20 MB, so without ``map_large_allocations`` the 20 MB tensor comes from the heap and its pages stay
+# resident after it is freed (a small tensor allocated after it keeps the heap from shrinking at its top).
+_FREED_BLOCK = """
+import sys
+import torch
+from vptq_core.quant.device import map_large_allocations
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+if sys.argv[1] == "mapped":
+    assert map_large_allocations(16 << 20)
+torch.empty(6 << 20, dtype=torch.float32).fill_(1)  # 24 MB, freed at once
+before = rss()
+big = torch.empty(5 << 20, dtype=torch.float32).fill_(1)  # 20 MB
+small = torch.ones(1 << 14)
+held = rss() - before
+del big
+print(held, rss() - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not device.return_freed_memory(), reason="needs glibc")
+def test_mapped_large_allocations_leave_the_resident_set_when_freed():
+    def run(mode: str) -> tuple[int, int]:
+        out = subprocess.run([sys.executable, "-c", _FREED_BLOCK, mode], capture_output=True, text=True, check=True)
+        held, after = map(int, out.stdout.split())
+        return held, after
+
+    held, after = run("mapped")
+    assert held >= 19 << 20  # the tensor was resident while it lived
+    assert after < 2 << 20, after  # and its pages left with it
+    held, after = run("heap")  # glibc's default: the freed tensor's pages stay (the behaviour the setting ends)
+    assert held >= 19 << 20 and after >= 19 << 20, (held, after)

@@ -121,12 +121,8 @@ def tensors_to(obj, device: str | torch.device, non_blocking: bool = False):
 _LIBC = None
 
 
-def return_freed_memory() -> bool:
-    """Give the heap pages freed since the last call back to the operating system (glibc ``malloc_trim``).
-
-    The pipeline frees a block's float32 weights, Hessians and activations after every block; glibc keeps much of
-    that memory in its arenas (allocations under its dynamic mmap threshold, up to 32 MB, come from the heap), so
-    a streamed run's resident set would creep up block after block. Returns False where there is no glibc."""
+def _libc():
+    """glibc through ctypes, or False where there is none (another C library, another system)."""
     global _LIBC
     if _LIBC is None:
         try:
@@ -134,12 +130,43 @@ def return_freed_memory() -> bool:
 
             _LIBC = ctypes.CDLL("libc.so.6")
             _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+            _LIBC.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
         except (OSError, AttributeError):
             _LIBC = False
-    if not _LIBC:
+    return _LIBC
+
+
+def return_freed_memory() -> bool:
+    """Give the heap pages freed since the last call back to the operating system (glibc ``malloc_trim``).
+
+    The pipeline frees a block's float32 weights, Hessians and activations after every block; glibc keeps much of
+    that memory in its arenas (allocations under its dynamic mmap threshold, up to 32 MB, come from the heap), so
+    a streamed run's resident set would creep up block after block. Returns False where there is no glibc."""
+    libc = _libc()
+    if not libc:
         return False
-    _LIBC.malloc_trim(0)
+    libc.malloc_trim(0)
     return True
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+# Allocations from this size on get mappings of their own while a run quantizes (``map_large_allocations``).
+LARGE_ALLOCATION_BYTES = 16 << 20
+
+
+def map_large_allocations(nbytes: int = LARGE_ALLOCATION_BYTES) -> bool:
+    """Serve every allocation of at least ``nbytes`` with a memory mapping of its own (glibc
+    ``mallopt(M_MMAP_THRESHOLD)``), which goes back to the system the moment it is freed.
+
+    glibc's threshold starts at 128 KB and rises with every larger block freed, up to 32 MB, after which a run's
+    float32 weights, gradients and activations below 32 MB all come from the heap, where the freed space is
+    fragmented by what stays and remains resident (``malloc_trim`` can only give back whole free pages). Fixing
+    the threshold trades that for page faults on every large allocation: measured on the 0.5B shape in
+    bench/results/stage_memory_spr.txt. Process-wide and lasting; False where there is no glibc."""
+    libc = _libc()
+    if not libc:
+        return False
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, int(nbytes)))
 
 
 MADV_DONTNEED = 4  # Linux madvise advice: the pages' contents may go (a private file mapping reads the file again)
@@ -156,9 +183,8 @@ def drop_pages(storage: torch.UntypedStorage) -> int:
     anonymous ones read zeros). The pages it shares with its neighbours at either end are left alone."""
     if storage.device.type != "cpu" or storage.nbytes() == 0:
         return 0
-    if _LIBC is None:
-        return_freed_memory()  # loads libc
-    if not _LIBC or not hasattr(_LIBC, "madvise"):
+    libc = _libc()
+    if not libc or not hasattr(libc, "madvise"):
         return 0
     import ctypes
     import mmap
@@ -168,7 +194,7 @@ def drop_pages(storage: torch.UntypedStorage) -> int:
     end = (storage.data_ptr() + storage.nbytes()) // page * page
     if end <= start:
         return 0
-    if _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) != 0:
+    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED) != 0:
         return 0
     return end - start
 

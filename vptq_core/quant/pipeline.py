@@ -37,7 +37,7 @@ from .bits import BitsInfo
 from .block_stage import quantize_blocks
 from .blocks import check_linear_shapes, decoder_blocks, total_linear_shapes
 from .calib_windows import layerwise_count, written_rows
-from .device import return_freed_memory
+from .device import map_large_allocations, return_freed_memory
 from .distributed_once import once, shared_stop
 from .methods import Cancelled, Method, ModelContext, RunNeeds
 from .progress import OnProgress, Progress
@@ -233,6 +233,7 @@ def quantize_model(
     per-layer states to pack and save). Embeddings, norms and the LM head stay as they are.
     """
     progress = progress or Progress(on_progress, on_stage, plan.stages if plan is not None else None)
+    map_large_allocations()  # the stages' large temporaries leave the resident set when freed (device.py)
     # no_grad as a block, not as a decorator, whose wrapper would hold the arguments (the original among them)
     # until the run ends
     with torch.no_grad():
