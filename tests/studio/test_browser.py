@@ -44,7 +44,7 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def page(app, browser):
+def page(app, browser, request):
     context = browser.new_context(viewport={"width": 1440, "height": 1000}, accept_downloads=True)
     page = context.new_page()
     page.set_default_timeout(60_000)
@@ -57,7 +57,8 @@ def page(app, browser):
     page.goto(app[0])
     yield page
     ARTIFACTS.mkdir(exist_ok=True)
-    (ARTIFACTS / "page-events.txt").write_text("\n".join(page.events) + "\n")
+    name = request.module.__name__.rpartition(".")[2]  # one file per module that uses this page fixture
+    (ARTIFACTS / f"page-events-{name}.txt").write_text("\n".join(page.events) + "\n")
     context.close()
 
 
