@@ -140,8 +140,9 @@ def return_freed_memory() -> bool:
     """Give the heap pages freed since the last call back to the operating system (glibc ``malloc_trim``).
 
     The pipeline frees a block's float32 weights, Hessians and activations after every block; glibc keeps much of
-    that memory in its arenas (allocations under its dynamic mmap threshold, up to 32 MB, come from the heap), so
-    a streamed run's resident set would creep up block after block. Returns False where there is no glibc."""
+    that memory in its arenas (allocations under its mmap threshold come from the heap: 16 MB in a run,
+    ``map_large_allocations``; glibc's own rises up to 32 MB), so a streamed run's resident set would creep up
+    block after block. Returns False where there is no glibc."""
     libc = _libc()
     if not libc:
         return False
