@@ -1007,6 +1007,107 @@ Tensor nearest_op(const Tensor& X, const Tensor& CT, const Tensor& csq) {
   return out;
 }
 
+// ------------------------------------------------------------------------------ training: codebook gather / sum
+// The trainable VQ linear's weight in stored column order, straight from the stored codes: codes [G, R, gs]
+// (int16 read as uint16 patterns, int32 or int64), codebook [G * k, v] float32, and
+//   W[r * v + j, g * gs + c] = codebook[g * k + codes[g, r, c], j]      for r * v + j < out.
+// codebook_sum is its backward: grad_codebook[g * k + codes[g, r, c], j] += grad[r * v + j, g * gs + c], summed in
+// one buffer per chunk of rows (chunks fixed by the thread count), then the buffers in chunk order.
+template <typename I>
+inline int64_t code_at(const I* p, int64_t i) {
+  if constexpr (std::is_same_v<I, int16_t>)
+    return int64_t(uint16_t(p[i]));
+  else
+    return int64_t(p[i]);
+}
+
+void check_codes(const Tensor& codes, int64_t k, int64_t nc) {
+  TORCH_CHECK(codes.dim() == 3 && codes.device().is_cpu() && codes.is_contiguous() &&
+                  (codes.scalar_type() == at::kShort || codes.scalar_type() == at::kInt ||
+                   codes.scalar_type() == at::kLong),
+              "codes must be a contiguous int16 / int32 / int64 CPU tensor [G, R, group_size], got ",
+              codes.scalar_type(), " ", codes.sizes());
+  TORCH_CHECK(k >= 1 && codes.size(0) * k == nc, "the codebook must hold G * k = ", codes.size(0), " * ", k,
+              " rows, got ", nc);
+}
+
+template <typename F>
+void with_codes(const Tensor& codes, const F& f) {
+  if (codes.scalar_type() == at::kShort)
+    f(codes.data_ptr<int16_t>());
+  else if (codes.scalar_type() == at::kInt)
+    f(codes.data_ptr<int32_t>());
+  else
+    f(codes.data_ptr<int64_t>());
+}
+
+Tensor codebook_expand_op(const Tensor& codebook, const Tensor& codes, int64_t k, int64_t out) {
+  at::NoGradGuard no_grad;
+  TORCH_CHECK(codebook.dim() == 2 && codebook.scalar_type() == at::kFloat && codebook.device().is_cpu(),
+              "codebook must be a 2-D float32 CPU tensor [G * k, v], got ", codebook.scalar_type(), " ",
+              codebook.sizes());
+  check_codes(codes, k, codebook.size(0));
+  const int64_t G = codes.size(0), R = codes.size(1), gs = codes.size(2), v = codebook.size(1), cols = G * gs;
+  TORCH_CHECK(out >= 0 && out <= R * v, "out must be 0..", R * v, " (rows x vector length), got ", out);
+  Tensor cb = codebook.contiguous();
+  Tensor W = at::empty({out, cols}, codebook.options());
+  const float* cp = cb.data_ptr<float>();
+  float* wp = W.data_ptr<float>();
+  const int64_t rows = (out + v - 1) / v;
+  with_codes(codes, [&](const auto* ip) {
+    run_chunks(rows, threads_for(rows * v * cols, rows), [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t j = 0; j < v && r * v + j < out; ++j) {
+          float* dst = wp + (r * v + j) * cols;
+          for (int64_t g = 0; g < G; ++g) {
+            const auto* code = ip + (g * R + r) * gs;
+            const float* book = cp + g * k * v + j;
+            for (int64_t c = 0; c < gs; ++c) dst[g * gs + c] = book[code_at(code, c) * v];
+          }
+        }
+    });
+  });
+  return W;
+}
+
+Tensor codebook_sum_op(const Tensor& grad, const Tensor& codes, int64_t k, int64_t v) {
+  at::NoGradGuard no_grad;
+  TORCH_CHECK(grad.dim() == 2 && grad.scalar_type() == at::kFloat && grad.device().is_cpu(),
+              "grad must be a 2-D float32 CPU tensor [out, G * group_size], got ", grad.scalar_type(), " ",
+              grad.sizes());
+  TORCH_CHECK(v >= 1, "vector length must be positive, got ", v);
+  check_codes(codes, k, codes.size(0) * k);
+  const int64_t G = codes.size(0), R = codes.size(1), gs = codes.size(2), cols = G * gs, out = grad.size(0);
+  TORCH_CHECK(grad.size(1) == cols && out <= R * v, "grad must be [at most ", R * v, ", ", cols, "], got ",
+              grad.sizes());
+  Tensor g = grad.contiguous();
+  const float* gp = g.data_ptr<float>();
+  const int64_t nc = G * k, rows = (out + v - 1) / v;
+  const int64_t chunks = threads_for(rows * v * cols, rows);
+  Tensor sums = at::zeros({chunks, nc, v}, grad.options());
+  float* sp = sums.data_ptr<float>();
+  with_codes(codes, [&](const auto* ip) {
+    run_chunks(chunks, chunks, [&](int64_t c0, int64_t c1) {
+      for (int64_t ch = c0; ch < c1; ++ch) {
+        float* acc = sp + ch * nc * v;
+        for (int64_t r = ch * rows / chunks; r < (ch + 1) * rows / chunks; ++r)
+          for (int64_t j = 0; j < v && r * v + j < out; ++j) {
+            const float* src = gp + (r * v + j) * cols;
+            for (int64_t gi = 0; gi < G; ++gi) {
+              const auto* code = ip + (gi * R + r) * gs;
+              float* book = acc + gi * k * v + j;
+              for (int64_t c = 0; c < gs; ++c) book[code_at(code, c) * v] += src[gi * gs + c];
+            }
+          }
+      }
+    });
+  });
+  if (chunks == 1) return sums[0];
+  Tensor total = sums[0].clone();
+  for (int64_t ch = 1; ch < chunks; ++ch) total.add_(sums[ch]);
+  return total;
+}
+
 // q [B, t, nh * hd], k / v [B, t, kvh * hd] (the projections' outputs), cos / sin [t, hd] (or [1, t, hd]),
 // caches [B, kvh, Lmax, hd] (or [kvh, Lmax, hd] for B = 1), written at positions pos .. pos + t - 1 of every row.
 // Returns the attention output [B, t, nh * hd], ready for the output projection.
@@ -1119,6 +1220,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "RMSNorm as transformers rounds it; with delta: (x + delta, norm(x + delta))");
   m.def("nearest", &nearest_op, py::call_guard<py::gil_scoped_release>(), py::arg("X"), py::arg("CT"), py::arg("csq"),
         "nearest centroid of each row of X (codebook transposed and padded; lowest index on ties)");
+  m.def("codebook_expand", &codebook_expand_op, py::call_guard<py::gil_scoped_release>(), py::arg("codebook"),
+        py::arg("codes"), py::arg("k"), py::arg("out"),
+        "W [out, G * group_size] in stored column order from codes [G, R, group_size] and codebook [G * k, v]");
+  m.def("codebook_sum", &codebook_sum_op, py::call_guard<py::gil_scoped_release>(), py::arg("grad"),
+        py::arg("codes"), py::arg("k"), py::arg("v"), "codebook_expand's backward: grad [out, G * group_size] -> [G * k, v]");
   m.def("silu_mul", &silu_mul_op, py::arg("gate"), py::arg("up"), "silu(gate) * up as transformers rounds it");
   m.def("attend", &attend_op, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("cos"), py::arg("sin"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("pos"), py::arg("num_heads"), py::arg("scale"),

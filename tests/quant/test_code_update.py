@@ -29,7 +29,7 @@ def windows() -> torch.Tensor:
 
 def _crafted(layer: CodeLinear, moves: dict[int, int], norm_scale: torch.Tensor | None = None) -> float:
     """Set the layer's weight gradient to zero except on the vectors ``moves`` names (flat position in
-    ``_rows`` -> wanted codebook row), where it points from the current centroid away from the wanted one; returns
+    ``codes()`` -> wanted codebook row), where it points from the current centroid away from the wanted one; returns
     the step that puts each proposal exactly on the wanted centroid."""
     spec = layer.spec
     v, cols = spec.vector_len, spec.group_num * spec.group_size
@@ -37,7 +37,7 @@ def _crafted(layer: CodeLinear, moves: dict[int, int], norm_scale: torch.Tensor 
     g = torch.zeros(spec.rows, cols, v)
     for pos, want in moves.items():
         r, c = divmod(pos, cols)
-        g[r, c] = codebook[layer._rows[pos]] - codebook[want]
+        g[r, c] = codebook[layer.codes().flatten()[pos]] - codebook[want]
     eta_g = g.clone()  # the proposal moves eta * g in codebook space: eta = 1 puts it on the wanted centroid
     if norm_scale is not None:
         g = g / norm_scale.view(1, cols, 1)
@@ -50,16 +50,16 @@ def _crafted(layer: CodeLinear, moves: dict[int, int], norm_scale: torch.Tensor 
 def test_a_crafted_gradient_moves_exactly_the_vectors_it_points_elsewhere(no_cap):
     st = random_vq_state(32, 24, vector_len=4, num_centroids=16, group_num=2, seed=3)
     layer = CodeLinear(st)
-    start = layer._rows.clone()
+    start = layer.codes().flatten()
     # flat position r * 32 + column; columns 16..31 are group 1's, whose codebook rows are 16..31
-    moves = {p: (p % 32) // 16 * 16 + (int(layer._rows[p]) % 16 + 3 + p) % 16 for p in (5, 40, 100, 187)}
+    moves = {p: (p % 32) // 16 * 16 + (int(layer.codes().flatten()[p]) % 16 + 3 + p) % 16 for p in (5, 40, 100, 187)}
     step = _crafted(layer, moves)
     positions, rows = layer.propose(step, share=0.5)
     assert dict(zip(positions.tolist(), rows.tolist(), strict=True)) == moves
     layer.assign(positions, rows)
     expected = start.clone()
     expected[list(moves)] = torch.tensor(list(moves.values()), dtype=expected.dtype)
-    assert torch.equal(layer._rows, expected)
+    assert torch.equal(layer.codes().flatten(), expected)
     assert layer.grad is None and layer.propose(step, 0.5) is None  # the gradient is used once
 
 
@@ -67,9 +67,9 @@ def test_the_share_keeps_the_vectors_that_gain_most(no_cap):
     st = random_vq_state(16, 16, vector_len=4, num_centroids=16, seed=4)
     layer = CodeLinear(st)
     codebook = layer.params["centroids"].detach().reshape(-1, 4)
-    moves = {p: (int(layer._rows[p]) + 1 + p) % 16 for p in range(0, 64, 4)}  # 16 of 64 vectors
+    moves = {p: (int(layer.codes().flatten()[p]) + 1 + p) % 16 for p in range(0, 64, 4)}  # 16 of 64 vectors
     step = _crafted(layer, moves)
-    gains = {p: float((codebook[layer._rows[p]] - codebook[w]).pow(2).sum()) for p, w in moves.items()}
+    gains = {p: float((codebook[layer.codes().flatten()[p]] - codebook[w]).pow(2).sum()) for p, w in moves.items()}
     positions, _ = layer.propose(step, share=4 / 64)
     assert positions.numel() == 4 and set(positions.tolist()) <= set(moves)
     assert sorted(gains[p] for p in positions.tolist()) == sorted(gains.values())[-4:]  # (ties: either one)
@@ -80,7 +80,7 @@ def test_the_gain_is_measured_in_weight_space_under_normalisation(no_cap):
     st = random_vq_state(16, 8, vector_len=4, num_centroids=16, norm=True, seed=5)
     layer = CodeLinear(st)
     scale = layer.params["weight_scale"].detach()
-    moves = {1: (int(layer._rows[1]) + 5) % 16, 18: (int(layer._rows[18]) + 7) % 16}
+    moves = {1: (int(layer.codes().flatten()[1]) + 5) % 16, 18: (int(layer.codes().flatten()[18]) + 7) % 16}
     step = _crafted(layer, moves, norm_scale=scale)
     positions, rows = layer.propose(step, share=1.0)
     assert dict(zip(positions.tolist(), rows.tolist(), strict=True)) == moves
@@ -94,7 +94,7 @@ def test_a_far_proposal_is_clipped_to_the_cap():
     st = random_vq_state(16, 16, vector_len=4, num_centroids=16, seed=7)
     layer = CodeLinear(st)
     codebook = layer.params["centroids"].detach().reshape(-1, 4)
-    old = int(layer._rows[3])
+    old = int(layer.codes().flatten()[3])
     far = int((codebook - codebook[old]).norm(dim=1).argmax())
     cap = MOVE_CAP * float(codebook.pow(2).mean().sqrt()) * 2
     g = torch.zeros(4, 16, 4)
@@ -115,10 +115,10 @@ def test_codes_of_a_worse_check_are_not_kept():
     updates = CodeUpdates(every=1, share=1.0, step=1.0)
     layer = updates.linear("x", st, None, "cpu")
     updates.checked(1.0)
-    layer.assign(torch.tensor([0, 1]), (layer._rows[:2] + 1) % 16)
+    layer.assign(torch.tensor([0, 1]), (layer.codes().flatten()[:2] + 1) % 16)
     updates.checked(2.0)  # worse: train_holdout keeps the start
     assert updates.finish(0) == 0 and torch.equal(st.indices, before)
-    layer.assign(torch.tensor([0]), (layer._rows[:1] + 1) % 16)
+    layer.assign(torch.tensor([0]), (layer.codes().flatten()[:1] + 1) % 16)
     updates.checked(0.5)
     assert updates.finish(2) == 1 and st.indices.dtype == before.dtype
     assert int((st.indices != before).sum()) == 1

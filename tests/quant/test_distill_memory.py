@@ -1,5 +1,5 @@
 """What distillation holds in memory: the original let go once its top-k are made, no fake-quant weights of the
-trained linears while it runs, one set of ones for every row-sum matrix, the original's embedding and head shared
+trained linears while it runs, the codes gathered from the states' own tensors, the original's embedding and head shared
 with the model's; and the trained model is the one it was without these."""
 
 import contextlib
@@ -20,7 +20,7 @@ from vptq_core.quant.device import drop_pages
 from vptq_core.quant.distill import distill
 from vptq_core.quant.pipeline import quantize_model
 from vptq_core.quant.student import share_outer_weights
-from vptq_core.quant.trainable import CodebookLinear, released_weights, row_sum_matrix, shared_ones
+from vptq_core.quant.trainable import CodebookLinear, released_weights
 
 TINY = VPTQConfig(vector_len=4, num_centroids=16, kmeans_iters=3, outlier_percent=0.0)
 TRAIN = dict(distill_iters=4, distill_lr=0.17, distill_norm_lr=3e-3, distill_holdout=0.25, distill_eval_every=2,
@@ -87,19 +87,16 @@ def test_released_weights_drop_the_pages_of_weights_nothing_else_holds(monkeypat
     assert torch.equal(kept_view, expected)
 
 
-def test_row_sum_matrices_share_their_ones_and_sum_as_their_own_would():
-    # the largest first: every later layer's matrix slices its ones
-    layers = [CodebookLinear(random_vq_state(96, 64, seed=2)), CodebookLinear(random_vq_state(64, 48, seed=1)),
-              CodebookLinear(random_vq_state(32, 40, vector_len=8, seed=3))]
-    for layer in layers:
-        layer(torch.randn(3, layer.state.in_features)).square().sum().backward()
-    storages = {layer._row_sums["centroids"].values().untyped_storage().data_ptr() for layer in layers}
-    assert len(storages) == 1  # one tensor of ones behind every layer's matrix
-    rows = layers[1]._rows.long()
-    own, shared = row_sum_matrix(rows, 16), row_sum_matrix(rows, 16, shared_ones(rows.numel() + 5, rows.device))
-    grad = torch.randn(rows.numel(), 4)
-    assert torch.equal(torch.sparse.mm(own, grad), torch.sparse.mm(shared, grad))
-    assert torch.equal(own.to_dense(), shared.to_dense())
+def test_codebook_linears_gather_from_the_states_codes_and_hold_nothing_per_vector():
+    """A trainable layer keeps the state's own code tensor (2 bytes a vector, no copy) and builds nothing per
+    vector that outlives a step: a whole model's layers trained at once add their codebooks, not their codes."""
+    states = [random_vq_state(96, 64, seed=2), random_vq_state(32, 40, vector_len=8, seed=3, num_res_centroids=8)]
+    for state in states:
+        layer = CodebookLinear(state)
+        assert layer._codes.untyped_storage().data_ptr() == state.indices.untyped_storage().data_ptr()
+        layer(torch.randn(3, state.in_features)).square().sum().backward()
+        per_vector = [t for t in vars(layer).values() if isinstance(t, torch.Tensor) and t.numel() >= state.indices.numel()]
+        assert all(t is state.indices or t is state.res_indices for t in per_vector)
 
 
 def _original(model: torch.nn.Module, seen: list) -> torch.nn.Module:

@@ -6,7 +6,9 @@ import torch
 import torch.nn.functional as F
 from factories import random_vq_state
 
-from vptq_core.quant.trainable import CodebookLinear
+from vptq_core.quant import trainable
+from vptq_core.quant.trainable import CodebookLinear, expand_codes, sum_into_codes
+from vptq_core.quant.vptq import compact_indices
 
 LAYOUTS = [
     {"vector_len": 4, "num_centroids": 16},
@@ -17,10 +19,29 @@ LAYOUTS = [
 ]
 
 
+@pytest.fixture(params=["native", "torch"])
+def gather_path(request, monkeypatch):
+    """The trainable layers' codebook gather and sum: the native kernels', or torch's (index_select / index_add_:
+    no compiler, another device)."""
+    if request.param == "native":
+        from vptq_core.kernels import native
+
+        usable, why = native.status()
+        if not usable:
+            pytest.skip(why)
+    else:
+        monkeypatch.setattr(trainable, "_native_codebooks", lambda *tensors: None)
+    return request.param
+
+
+@pytest.mark.parametrize("codes", ["int64", "int16"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_codebook_linear_matches_the_dequantized_layer_and_trains_every_float_tensor(layout):
+def test_codebook_linear_matches_the_dequantized_layer_and_trains_every_float_tensor(layout, codes, gather_path):
     out = 70 if layout["vector_len"] == 6 else 96
     st = random_vq_state(64, out, **layout)
+    if codes == "int16":  # as the pipeline keeps them
+        st = dataclasses.replace(st, indices=compact_indices(st.indices, st.num_centroids), res_indices=None
+                                 if st.res_indices is None else compact_indices(st.res_indices, st.num_res_centroids))
     layer = CodebookLinear(st, None if st.bias is None else torch.nn.Parameter(st.bias.clone()))
     x = torch.randn(3, 5, 64)
     y = layer(x)
@@ -28,8 +49,8 @@ def test_codebook_linear_matches_the_dequantized_layer_and_trains_every_float_te
     y.square().sum().backward()
     for key, p in layer.params.items():
         assert p.grad is not None and p.grad.abs().sum() > 0, key
-    # the codebooks' gradients (summed by a sparse row-sum product on the CPU) equal autograd's through the
-    # reference dequantization
+    # the codebooks' gradients (summed from the codes by the native kernel or index_add_) equal autograd's through
+    # the reference dequantization
     leaves = {key: getattr(st, key).detach().clone().requires_grad_() for key in layer.params}
     F.linear(x, dataclasses.replace(st, **leaves).dequantize(), st.bias).square().sum().backward()
     for key, p in layer.params.items():
@@ -40,6 +61,31 @@ def test_codebook_linear_matches_the_dequantized_layer_and_trains_every_float_te
     moved = layer.trained_state()
     torch.testing.assert_close(moved.centroids, st.centroids + 0.5)
     torch.testing.assert_close(F.linear(x, moved.dequantize(), st.bias), layer(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.int64])
+def test_codebook_gather_and_sum_read_every_code_of_a_full_16_bit_codebook(dtype, gather_path):
+    """Codes past 32767 (int16 holds them as uint16 patterns), two groups, a partial last row of vectors: the
+    gathered weight is the codebook rows at the codes, and the sum puts every weight gradient back on its row."""
+    gen = torch.Generator().manual_seed(3)
+    k, v, G, R, gs, out = 1 << 16, 2, 2, 5, 3, 9
+    codebook = torch.randn(G * k, v, generator=gen)
+    values = torch.randint(k - 40, k, (G, R, gs), generator=gen)  # near the top: all >= 32768
+    values[0, 0, 0] = 0
+    codes = values.to(dtype)  # int16: wrapped to negative patterns
+    want = torch.stack([codebook[g * k + values[g, r, c], j] for r in range(R) for j in range(v)
+                        for g in range(G) for c in range(gs)]).view(R * v, G * gs)[:out]
+    assert torch.equal(expand_codes(codebook, codes, k, out), want)
+    grad = torch.randn(out, G * gs, generator=gen)
+    summed = sum_into_codes(grad, codes, k, v)
+    manual = torch.zeros(G * k, v)
+    for r in range(R):
+        for j in range(v):
+            if r * v + j < out:
+                for g in range(G):
+                    for c in range(gs):
+                        manual[g * k + values[g, r, c], j] += grad[r * v + j, g * gs + c]
+    torch.testing.assert_close(summed, manual)
 
 
 def test_scale_linear_is_the_scalar_layer_with_its_activation_quantizer():

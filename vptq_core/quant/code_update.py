@@ -35,7 +35,7 @@ from vptq_core.kernels.reference import as_index
 
 from .kmeans import CodebookSearch
 from .states import VQLayerState
-from .trainable import CodebookLinear, trainable_linear
+from .trainable import CodebookLinear, code_rows, trainable_linear
 
 # The longest proposed move of one vector, in units of its codebook's RMS x sqrt(vector length) (the RMS length of
 # a centroid).
@@ -62,6 +62,7 @@ class CodeLinear(CodebookLinear):
 
     def __init__(self, state: VQLayerState, bias=None, device=None) -> None:
         super().__init__(state, bias, device)
+        self._codes = self._codes.clone()  # its own: the state keeps the starting codes until ``finish``
         self.armed = False
         self.grad: torch.Tensor | None = None
         self.x_sq: torch.Tensor | None = None  # sum of the squared inputs per stored column while armed
@@ -84,12 +85,12 @@ class CodeLinear(CodebookLinear):
         self.grad = grad if self.grad is None else self.grad + grad
 
     def codes(self) -> torch.Tensor:
-        """The main codes as codebook rows, [R, G * group_size] (row offsets g * k included)."""
+        """The main codes as codebook rows, int64 [R, G * group_size] (row offsets g * k included)."""
         spec = self.spec
-        return self._rows.view(spec.rows, spec.group_num * spec.group_size)
+        return code_rows(self._codes, spec.num_centroids).view(spec.rows, spec.group_num * spec.group_size)
 
     def propose(self, step: float, share: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """From the kept gradient (then dropped): (flat positions in ``_rows``, their new codebook rows) of the
+        """From the kept gradient (then dropped): (flat positions in ``codes()``, their new codebook rows) of the
         vectors to re-assign, at most ``share`` of the layer's vectors; None without a gradient."""
         grad, self.grad = self.grad, None
         x_sq, self.x_sq = self.x_sq, None
@@ -134,23 +135,24 @@ class CodeLinear(CodebookLinear):
         gain = ((codebook[old] - target).pow(2).sum(-1) - (codebook[new] - target).pow(2).sum(-1))
         gain = gain * (scale.pow(2) * h).view(1, cols)
         gain = torch.where((new != old) & (gain > 0), gain, torch.zeros_like(gain)).flatten()
-        most = max(1, math.floor(share * self._rows.numel()))
+        most = max(1, math.floor(share * self._codes.numel()))
         top = torch.topk(gain, min(most, gain.numel()))
         keep = top.indices[top.values > 0]
         return keep, new.flatten()[keep]
 
     def assign(self, positions: torch.Tensor, rows: torch.Tensor) -> None:
-        """Main codes at flat ``positions`` of ``_rows`` become codebook ``rows``."""
-        self._rows[positions] = rows
-        self._row_sums.pop("centroids", None)  # the backward's row sums follow the codes
+        """Main codes at flat ``positions`` of ``codes()`` become codebook ``rows``."""
+        spec = self.spec
+        cols = spec.group_num * spec.group_size
+        r, col = positions // cols, positions % cols
+        g, c = col // spec.group_size, col % spec.group_size
+        # (to int16 wraps 32768..65535 to the uint16 patterns the states keep, as ``vptq.compact_indices``)
+        self._codes[g, r, c] = (rows - g * spec.num_centroids).to(self._codes.dtype)
 
     def state_indices(self) -> torch.Tensor:
         """The current main codes in the state's layout, dtype and device ([G, R, group_size])."""
-        spec = self.spec
-        rows = self._rows.view(spec.rows, spec.group_num, spec.group_size).permute(1, 0, 2)
-        offsets = (torch.arange(spec.group_num, device=rows.device) * spec.num_centroids).view(-1, 1, 1)
         ref = self.state.indices
-        return (rows - offsets).to(ref.device, ref.dtype).contiguous()
+        return self._codes.to(ref.device, ref.dtype).clone()
 
 
 class CodeUpdates:
@@ -197,7 +199,7 @@ class CodeUpdates:
         rule of ``train.improves``, which ``train_holdout`` keeps the codebooks by)."""
         if self._best is None or value < self._best:
             self._best = value
-            self._kept[self._checks] = {name: layer._rows.clone() for name, layer in self.layers.items()}
+            self._kept[self._checks] = {name: layer._codes.clone() for name, layer in self.layers.items()}
         self._checks += 1
 
     def finish(self, best_index: int) -> int:
@@ -206,8 +208,7 @@ class CodeUpdates:
         kept = self._kept[best_index]
         moved = 0
         for name, layer in self.layers.items():
-            layer._rows.copy_(kept[name])
-            layer._row_sums.pop("centroids", None)
+            layer._codes.copy_(kept[name])
             new = layer.state_indices()
             moved += int((as_index(new) != as_index(layer.state.indices)).sum())
             layer.state.indices = new

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
-import weakref
 from collections.abc import Callable, Iterable
 
 import torch
@@ -30,57 +28,64 @@ from .states import ScalarLayerState, VQLayerState
 TRAINED_TENSORS = ("centroids", "res_centroids", "outlier_centroids", "weight_scale", "weight_bias")
 
 
-# device -> float32 ones that the row-sum matrices of the trainable layers alive share (held by those layers)
-_ONES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+def _native_codebooks(*tensors: torch.Tensor):
+    """The native extension when its codebook gather / sum can take these float32 CPU tensors, else None (the torch
+    path: no compiler, a failed build, ``VPTQ_NATIVE=0``, another device or dtype)."""
+    if any(t.device.type != "cpu" for t in tensors) or any(
+            t.is_floating_point() and t.dtype != torch.float32 for t in tensors):
+        return None
+    from vptq_core.kernels import native
+
+    usable, _ = native.status()
+    return native._ext() if usable else None
 
 
-def shared_ones(n: int, device: torch.device) -> torch.Tensor:
-    """At least n float32 ones on ``device``: the tensor the trainable layers alive share, a longer one when it is
-    too short. Every row-sum matrix's values are ones, one per codebook row gathered: sliced from this tensor,
-    a whole model's layers hold about one layer's worth instead of a copy each."""
-    device = torch.device(device)
-    ones = _ONES.get(device)
-    if ones is None or ones.numel() < n:
-        ones = torch.ones(n, dtype=torch.float32, device=device)
-        _ONES[device] = ones
-    return ones
+def code_rows(codes: torch.Tensor, k: int) -> torch.Tensor:
+    """Codes [G, R, group_size] (int16 as uint16 patterns) -> codebook rows g * k + code, int64, flat in
+    [R, G, group_size] order: one per vector of the stored-order weight, rows of vectors first."""
+    offsets = (torch.arange(codes.shape[0], device=codes.device) * k).view(-1, 1, 1)
+    return (as_index(codes) + offsets).permute(1, 0, 2).reshape(-1)
 
 
-def row_sum_matrix(rows: torch.Tensor, num_rows: int, ones: torch.Tensor | None = None) -> torch.Tensor:
-    """The [num_rows, n] 0/1 matrix (sparse CSR, int32 indices) with a 1 at (rows[j], j): times a [n, v] matrix it
-    sums each group of rows gathered from the same codebook row. ``ones``: float32 ones, at least n, whose first
-    n become its values (``shared_ones``; by default its own)."""
-    order = torch.argsort(rows, stable=True)
-    crow = F.pad(torch.bincount(rows, minlength=num_rows).cumsum(0), (1, 0))
-    values = torch.ones(rows.numel(), dtype=torch.float32, device=rows.device) if ones is None else ones[: rows.numel()]
-    with warnings.catch_warnings():  # "sparse CSR support is in beta": CSR x dense is all this needs
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.sparse_csr_tensor(crow.to(torch.int32), order.to(torch.int32), values,
-                                       size=(num_rows, rows.numel()))
+def expand_codes(codebook: torch.Tensor, codes: torch.Tensor, k: int, out: int) -> torch.Tensor:
+    """The stored-order weight W [out, G * group_size] of codes [G, R, group_size] in codebook [G * k, v]:
+    ``W[r * v + j, g * group_size + c] = codebook[g * k + codes[g, r, c], j]``."""
+    ext = _native_codebooks(codebook)
+    if ext is not None and codes.is_contiguous():
+        return ext.codebook_expand(codebook, codes, k, out)
+    G, R, gs = codes.shape
+    v = codebook.shape[1]
+    vectors = codebook.index_select(0, code_rows(codes, k))  # [R * G * gs, v]
+    return vectors.view(R, G * gs, v).permute(0, 2, 1).reshape(R * v, G * gs)[:out]
 
 
-def _rows32(rows: torch.Tensor) -> torch.Tensor:
-    """Codebook row numbers as int32 (a layer's codebooks hold far fewer than 2^31 rows)."""
-    return rows.to(torch.int32)
+def sum_into_codes(grad: torch.Tensor, codes: torch.Tensor, k: int, v: int) -> torch.Tensor:
+    """``expand_codes``' backward: grad [out, G * group_size] -> the codebook's gradient [G * k, v], each entry the
+    sum of the weight gradients at the places its codebook row was gathered to."""
+    ext = _native_codebooks(grad)
+    if ext is not None and codes.is_contiguous():
+        return ext.codebook_sum(grad.contiguous(), codes, k, v)
+    G, R, gs = codes.shape
+    padded = grad.new_zeros(R * v, G * gs)
+    padded[: grad.shape[0]] = grad
+    vectors = padded.view(R, v, G * gs).permute(0, 2, 1).reshape(-1, v)
+    return grad.new_zeros(G * k, v).index_add_(0, code_rows(codes, k), vectors)
 
 
-class _RowGather(torch.autograd.Function):
-    """codebook [K, v] -> codebook[rows] [n, v], whose backward sums the n row gradients into the K codebook rows
-    as one sparse x dense product (``row_sum_matrix``) instead of autograd's index_add, which is several times
-    slower on the CPU at the row counts of a model's codebooks."""
+class _Expand(torch.autograd.Function):
+    """codebook [G * k, v] -> ``expand_codes``; the backward sums the weight's gradient into the codebook rows
+    (``sum_into_codes``). Nothing but the codes (held by the layer anyway) is kept for it."""
 
     @staticmethod
-    def forward(ctx, codebook: torch.Tensor, rows: torch.Tensor, row_sums: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(rows)
-        ctx.row_sums, ctx.num_rows = row_sums, codebook.shape[0]
-        return codebook.index_select(0, rows)
+    def forward(ctx, codebook: torch.Tensor, codes: torch.Tensor, k: int, out: int) -> torch.Tensor:
+        ctx.save_for_backward(codes)
+        ctx.k, ctx.v = k, codebook.shape[1]
+        return expand_codes(codebook, codes, k, out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if grad.dtype != ctx.row_sums.dtype:  # e.g. a reduced-precision gradient: the plain sum
-            (rows,) = ctx.saved_tensors
-            return grad.new_zeros(ctx.num_rows, grad.shape[1]).index_add_(0, rows, grad), None, None
-        return torch.sparse.mm(ctx.row_sums, grad.contiguous()), None, None
+        (codes,) = ctx.saved_tensors
+        return sum_into_codes(grad, codes, ctx.k, ctx.v), None, None, None
 
 
 class CodebookLinear(nn.Module):
@@ -101,46 +106,28 @@ class CodebookLinear(nn.Module):
             for key in TRAINED_TENSORS if getattr(state, key) is not None
         })
         self.bias = bias
-        G, k = spec.group_num, spec.num_centroids
-        offsets = (torch.arange(G, device=device) * k).view(G, 1, 1)
-        # [G, R, gs] -> [R, G, gs]: one codebook row per vector, in stored column order; int32, half of int64's
-        # bytes for what a whole model's layers hold while distillation trains them all
-        self._rows = _rows32((as_index(state.indices).to(device) + offsets).permute(1, 0, 2).reshape(-1))
-        self._res_rows = None
-        if state.res_indices is not None:
-            res_offsets = offsets // k * spec.num_res_centroids
-            self._res_rows = _rows32((as_index(state.res_indices).to(device) + res_offsets).permute(1, 0, 2)
-                                     .reshape(-1))
-        self._outlier_rows = None
-        if state.outlier_indices is not None:
-            self._outlier_rows = _rows32(as_index(state.outlier_indices[0]).to(device).reshape(-1))
+        # The codes as stored (int16 [G, R, group_size] for a state on this device: the state's own tensor, no
+        # copy); each forward gathers the weight from them, so a whole model's layers hold 2 bytes per vector.
+        self._codes = state.indices.to(device).contiguous()
+        self._res_codes = None if state.res_indices is None else state.res_indices.to(device).contiguous()
+        self._outlier_codes = None if state.outlier_indices is None else state.outlier_indices.to(device).contiguous()
         self._perm = None if state.perm is None else as_index(state.perm).to(device)
-        self._row_sums: dict[str, torch.Tensor] = {}  # codebook name -> row_sum_matrix, built at the first step
-        self._ones: torch.Tensor | None = None  # the row-sum matrices' values (``shared_ones``), held here
 
-    def _expand(self, key: str, rows: torch.Tensor, v: int, n_rows: int, cols: int, out: int):
+    def _expand(self, key: str, codes: torch.Tensor, k: int, v: int) -> torch.Tensor:
         codebook = self.params[key].reshape(-1, v)
-        if codebook.requires_grad and codebook.device.type == "cpu" and torch.is_grad_enabled():
-            if key not in self._row_sums:
-                if self._ones is None or self._ones.numel() < rows.numel():
-                    self._ones = shared_ones(rows.numel(), rows.device)
-                self._row_sums[key] = row_sum_matrix(rows, codebook.shape[0], self._ones)
-            vectors = _RowGather.apply(codebook, rows, self._row_sums[key])
-        else:
-            vectors = codebook.index_select(0, rows)  # [n_rows * cols, v]
-        return vectors.view(n_rows, cols, v).permute(0, 2, 1).reshape(n_rows * v, cols)[:out]
+        if codebook.requires_grad and torch.is_grad_enabled():
+            return _Expand.apply(codebook, codes, k, self.spec.out_features)
+        return expand_codes(codebook, codes, k, self.spec.out_features)
 
     def stored_weight(self) -> torch.Tensor:
         """Ŵp [out, in] float32 in stored column order (``Ŵ = Ŵp[:, argsort(perm)]``), differentiable."""
         spec = self.spec
-        cols = spec.group_num * spec.group_size
-        weight = self._expand("centroids", self._rows, spec.vector_len, spec.rows, cols, spec.out_features)
-        if self._res_rows is not None:
-            weight = weight + self._expand("res_centroids", self._res_rows, spec.vector_len, spec.rows, cols,
-                                           spec.out_features)
-        if self._outlier_rows is not None:
-            outliers = self._expand("outlier_centroids", self._outlier_rows, spec.outlier_vector_len,
-                                    spec.outlier_rows, spec.outlier_size, spec.out_features)
+        weight = self._expand("centroids", self._codes, spec.num_centroids, spec.vector_len)
+        if self._res_codes is not None:
+            weight = weight + self._expand("res_centroids", self._res_codes, spec.num_res_centroids, spec.vector_len)
+        if self._outlier_codes is not None:
+            outliers = self._expand("outlier_centroids", self._outlier_codes, spec.num_outlier_centroids,
+                                    spec.outlier_vector_len)
             weight = torch.cat([outliers, weight], dim=1)
         p = self.params
         if "weight_scale" in p:
