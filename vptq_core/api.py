@@ -132,7 +132,7 @@ def quantize_to_dir(
         job.model, job.calib_ids, job.method, job.config, on_layer=on_layer, should_stop=should_stop,
         device=job.device, inplace=True, weights=job.source.weights if job.source is not None else None,
         capture_dtype=torch.float32, on_block=job.persist, resume=job.point, keep_states=job.needs.reference,
-        on_step=on_step, reference=original_for(job) if job.needs.reference else None,
+        on_step=on_step, load_reference=(lambda: original_for(job)) if job.needs.reference else None,
         on_metrics=on_metrics, plan=job.plan, progress=progress,
     )
     summary = job.summary(result)

@@ -128,6 +128,8 @@ def distill_model(run: Run) -> None:
 
     budget = run.needs.time_budget
     deadline = run.start - run.earlier_seconds + budget if budget > 0 else None
+    if run.reference is None and run.load_reference is not None:  # before the model's dtype changes: the loader
+        run.reference, run.load_reference = run.load_reference(), None  # may share its embedding and head
     model = run.model
     orig_device, orig_dtype = next(model.parameters()).device, next(model.parameters()).dtype
     to_training_dtype(model, run.device, run.result.states)  # float32 but the large frozen tensors (student.py)
@@ -194,6 +196,7 @@ def quantize_model(
     resume: ResumePoint | None = None,
     keep_states: bool = True,
     reference: nn.Module | None = None,
+    load_reference: Callable[[], nn.Module] | None = None,
     on_step: OnStep | None = None,
     on_stage: Callable[[str], None] | None = None,
     on_metrics: Callable[[str, dict], None] | None = None,
@@ -221,7 +224,9 @@ def quantize_model(
     drops each block's states once ``on_block`` has them. ``reference``: the original model for the after-model
     hooks (by default ``model`` itself when it is not quantized in place); they run on the whole model on
     ``device`` in float32 (not with ``weights``, a resume or ``keep_states=False``), report their steps through
-    ``on_step(phase, step, steps, loss)``, and keep their best check when stopped. The windows distillation holds
+    ``on_step(phase, step, steps, loss)``, and keep their best check when stopped. ``load_reference``: instead of
+    ``reference``, what loads the original as those hooks start, so that it is not in memory before them and is
+    freed once they let it go (a ``reference`` passed in stays alive in the caller's arguments). The windows distillation holds
     out are held out of the block stage as well (``layerwise_count``).
 
     ``plan``: a ``run_plan.RunPlan`` for this run (``api.quantize_to_dir`` makes one): its config is the one to
@@ -238,7 +243,7 @@ def quantize_model(
     # until the run ends
     with torch.no_grad():
         run = start_run(model, calib_ids, method, config, device, inplace, weights=weights, resume=resume,
-                        keep_states=keep_states, reference=reference, on_layer=on_layer or (lambda _r: None),
+                        keep_states=keep_states, reference=reference, load_reference=load_reference, on_layer=on_layer or (lambda _r: None),
                         should_stop=shared_stop(should_stop or (lambda: False)), on_step=on_step, on_block=on_block,
                         skip=skip, capture_dtype=capture_dtype, on_metrics=on_metrics,
                         plan_windows=plan.plan_windows if plan is not None else 0, progress=progress)
@@ -325,7 +330,8 @@ def _refuse_impossible(needs: RunNeeds, options: dict) -> None:
     if needs.after_model:
         why = ("streamed weights" if weights is not None else "a resume" if resumed
                else "keep_states=False" if not options.get("keep_states", True)
-               else "no reference model" if options.get("reference") is None else None)
+               else "no reference model" if options.get("reference") is None and options.get("load_reference") is None
+               else None)
         if why:
             raise ValueError(f"{', '.join(needs.after_model)} runs on the whole quantized model against the "
                              f"original; not possible with {why}")

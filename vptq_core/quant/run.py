@@ -41,6 +41,9 @@ class Run:
     resume: ResumePoint | None = None
     keep_states: bool = True
     reference: nn.Module | None = None  # the original, for the after-model hooks
+    # or what loads it as they start: then no caller holds the original through the run (a call with many
+    # arguments keeps them in a dict on the caller's stack until it returns, whatever the callee drops)
+    load_reference: Callable[[], nn.Module] | None = None
     teacher: dict | None = None  # the original's top-k on the windows it wrote itself (``sampled_calibration``)
     start: float = field(default_factory=time.perf_counter)
     earlier_seconds: float = 0.0  # seconds the interrupted run had spent before this one resumed it
