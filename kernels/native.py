@@ -24,6 +24,11 @@ Same math as ``kernels.reference`` / ``kernels.cpu`` (see their docstrings), rep
   layer)``: the same for scalar codes (bits 1..8, any group size; codes repacked to 4- or 8-bit containers with
   each group padded to 32 codes). GEMV up to 4 tokens where the micro-kernel path exists (8 elsewhere; measured
   crossover), then dequantize + GEMM.
+* Training (``vptq_core.quant.trainable``): the extension's ``codebook_expand(codebook, codes, k, out)`` gathers a
+  trainable VQ linear's stored-order weight from its codes ([G, R, group_size], int16 as uint16 patterns) and
+  ``codebook_sum(grad, codes, k, v)`` sums the weight's gradient back into the codebook rows (one buffer per thread
+  chunk, added in chunk order); torch's ``index_select`` / ``index_add_`` do the same where the extension is not
+  built.
 
 The kernels exist for AVX-512 (F/BW/VL/DQ/BF16), AVX2+FMA and plain C++; the best one the CPU supports is chosen
 at run time (``isa()``, ``set_isa()`` to force a lower one). Big layers run on ATen's thread pool
