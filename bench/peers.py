@@ -3,8 +3,8 @@
 llama.cpp runs through ``llama-cpp-python`` in its own interpreter (``--llama-python``, a venv built for the
 benchmark; not a dependency of the project). The bundled SmolLM2 GGUF (stored as Q4_1) is re-quantized with
 llama.cpp's own quantizer (``llama_cpp.llama_model_quantize``, requantizing allowed) to BF16, Q8_0, Q4_K_M and
-Q2_K; our side is the bf16 original (``load_model``) and a quantized checkpoint (``--checkpoint``, e.g. a
-``--preset 2.5`` run), each through the project's lean loop (``decode_loop``) and through ``model.generate``.
+Q2_K; our side is the bf16 original (``load_model``) and quantized checkpoints (``--checkpoint DIR[,DIR...]``,
+e.g. a ``--preset 2.5`` and a ``--preset 3.5`` run), each through the project's lean loop (``decode_loop``) and through ``model.generate``.
 
 Protocol: every model lives in its own worker process (loaded once; its peak RSS is that process's), so the
 runs do not share an allocator or caches; the driver asks one worker at a time, so no two runs overlap. Per
@@ -16,7 +16,7 @@ llama.cpp's logits for every position (``logits_all``) and through ``vptq_core.e
 every weight tensor once (GGUF tensor sizes; our modules' tensors, codebooks and scales included) plus the KV
 cache at the mean context (llama.cpp's f16, our bf16).
 
-    python bench/peers.py --llama-python /work/llama-venv/bin/python --checkpoint DIR [--threads 1,2]
+    python bench/peers.py --llama-python /work/llama-venv/bin/python --checkpoint DIR[,DIR] [--threads 1,2]
 """
 
 from __future__ import annotations
@@ -270,7 +270,8 @@ def quantize_ggufs(python: str, source: Path, out_dir: Path, types: list[str]) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-python", help="an interpreter with llama-cpp-python and gguf")
-    parser.add_argument("--checkpoint", help="our quantized checkpoint (e.g. a --preset 2.5 run)")
+    parser.add_argument("--checkpoint", help="our quantized checkpoints, comma-separated (e.g. a --preset 2.5 and a "
+                        "--preset 3.5 run)")
     parser.add_argument("--original", default="smollm2-135m-instruct", help="our bf16 side (load_model name/dir)")
     parser.add_argument("--gguf", help="the GGUF to re-quantize (default: the bundled SmolLM2's)")
     parser.add_argument("--types", default="BF16,Q8_0,Q4_K_M,Q2_K", help=f"of {list(GGUF_TYPES)}")
@@ -320,8 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         sides[f"llama.cpp {name}"] = (Worker(args.llama_python, "llama", str(path), max(threads), not crashed),
                                       ["llama.cpp"])
     sides["ours bf16"] = (Worker(here, "torch", args.original, max(threads)), loops)
-    if args.checkpoint:
-        sides[f"ours {Path(args.checkpoint).name}"] = (Worker(here, "torch", args.checkpoint, max(threads)), loops)
+    for checkpoint in filter(None, (args.checkpoint or "").split(",")):
+        sides[f"ours {Path(checkpoint).name}"] = (Worker(here, "torch", checkpoint, max(threads)), loops)
     runs = [(name, loop) for name, (_, ls) in sides.items() for loop in ls]
     times: dict[tuple[str, str, int], list[float]] = {(n, lp, t): [] for n, lp in runs for t in threads}
     ids: dict[tuple[str, str], list[int]] = {}
