@@ -127,6 +127,8 @@ def test_the_distillation_forecast_counts_the_steps_the_budget_leaves():
     share = (budget - rest) / stages["distill"]  # of distillation's seconds, part of them a fixed teacher pass
     assert 0 < forecast.after < 80 and forecast.after == pytest.approx(80 * share, abs=80 * share * 0.25)
     assert plan.seconds == pytest.approx(budget)
+    # the command line says it is a forecast, not a setting: the steps fit themselves to the time left
+    assert forecast.line().startswith(f"distill_iters: 80, about {forecast.after} expected to fit (a forecast")
 
 
 def test_the_report_and_the_command_line_get_every_decision():
