@@ -3,8 +3,9 @@
 llama.cpp runs through ``llama-cpp-python`` in its own interpreter (``--llama-python``, a venv built for the
 benchmark; not a dependency of the project). The bundled SmolLM2 GGUF (stored as Q4_1) is re-quantized with
 llama.cpp's own quantizer (``llama_cpp.llama_model_quantize``, requantizing allowed) to BF16, Q8_0, Q4_K_M and
-Q2_K; our side is the bf16 original (``load_model``) and quantized checkpoints (``--checkpoint DIR[,DIR...]``,
-e.g. a ``--preset 2.5`` and a ``--preset 3.5`` run), each through the project's lean loop (``decode_loop``) and through ``model.generate``.
+Q2_K; our side is the bf16 original (``load_model``) and quantized checkpoints (``--checkpoint
+DIR[,DIR...]``, e.g. a ``--preset 2.5`` and a ``--preset 3.5`` run), each through the project's lean loop
+(``decode_loop``) and through ``model.generate``.
 
 Protocol: every model lives in its own worker process (loaded once; its peak RSS is that process's), so the
 runs do not share an allocator or caches; the driver asks one worker at a time, so no two runs overlap. Per

@@ -95,7 +95,8 @@ def test_codebook_linears_gather_from_the_states_codes_and_hold_nothing_per_vect
         layer = CodebookLinear(state)
         assert layer._codes.untyped_storage().data_ptr() == state.indices.untyped_storage().data_ptr()
         layer(torch.randn(3, state.in_features)).square().sum().backward()
-        per_vector = [t for t in vars(layer).values() if isinstance(t, torch.Tensor) and t.numel() >= state.indices.numel()]
+        per_vector = [t for t in vars(layer).values()
+                      if isinstance(t, torch.Tensor) and t.numel() >= state.indices.numel()]
         assert all(t is state.indices or t is state.res_indices for t in per_vector)
 
 

@@ -226,8 +226,8 @@ def quantize_model(
     ``device`` in float32 (not with ``weights``, a resume or ``keep_states=False``), report their steps through
     ``on_step(phase, step, steps, loss)``, and keep their best check when stopped. ``load_reference``: instead of
     ``reference``, what loads the original as those hooks start, so that it is not in memory before them and is
-    freed once they let it go (a ``reference`` passed in stays alive in the caller's arguments). The windows distillation holds
-    out are held out of the block stage as well (``layerwise_count``).
+    freed once they let it go (a ``reference`` passed in stays alive in the caller's arguments). The windows
+    distillation holds out are held out of the block stage as well (``layerwise_count``).
 
     ``plan``: a ``run_plan.RunPlan`` for this run (``api.quantize_to_dir`` makes one): its config is the one to
     pass, its stage seconds give the ETA and its ``plan_windows`` the windows of the plan hooks' measurement;
@@ -243,7 +243,8 @@ def quantize_model(
     # until the run ends
     with torch.no_grad():
         run = start_run(model, calib_ids, method, config, device, inplace, weights=weights, resume=resume,
-                        keep_states=keep_states, reference=reference, load_reference=load_reference, on_layer=on_layer or (lambda _r: None),
+                        keep_states=keep_states, reference=reference, load_reference=load_reference,
+                        on_layer=on_layer or (lambda _r: None),
                         should_stop=shared_stop(should_stop or (lambda: False)), on_step=on_step, on_block=on_block,
                         skip=skip, capture_dtype=capture_dtype, on_metrics=on_metrics,
                         plan_windows=plan.plan_windows if plan is not None else 0, progress=progress)

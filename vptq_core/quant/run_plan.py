@@ -58,8 +58,8 @@ class Decision:
 
     def line(self) -> str:
         if not self.applied:  # a forecast: the stage measures its own pace and fits itself to the time left
-            return (f"{self.setting}: {self.before}, about {self.after} expected to fit (a forecast, not a setting: the "
-                    f"stage fits itself to the time left when it runs; {self.reason})")
+            return (f"{self.setting}: {self.before}, about {self.after} expected to fit (a forecast, not a setting: "
+                    f"the stage fits itself to the time left when it runs; {self.reason})")
         return f"{self.setting}: {self.before} -> {self.after} ({self.reason})"
 
     def to_dict(self) -> dict:

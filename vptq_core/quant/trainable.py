@@ -100,7 +100,7 @@ class CodebookLinear(nn.Module):
         super().__init__()
         device = torch.device(device) if device is not None else state.centroids.device
         self.state = state
-        self.spec = spec = state.spec
+        self.spec = state.spec
         self.params = nn.ParameterDict({
             key: nn.Parameter(getattr(state, key).detach().to(device, torch.float32).clone())
             for key in TRAINED_TENSORS if getattr(state, key) is not None
