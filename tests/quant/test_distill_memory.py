@@ -107,33 +107,6 @@ def _original(model: torch.nn.Module, seen: list) -> torch.nn.Module:
     return reference
 
 
-def test_a_run_from_a_directory_loads_the_original_for_distillation_and_lets_it_go_before_the_steps(
-        tmp_path, calib, monkeypatch):
-    """``api.quantize_to_dir`` (the CLI's and the app's path) hands the run a loader, not the original: a call with
-    as many arguments as its call of ``quantize_model`` keeps them in a dict on the caller's stack until it returns,
-    so an original passed in stayed in memory through every distillation step (0.7 GB on a 0.5B model)."""
-    from vptq_core import api
-
-    seen, during = [], []
-    load = api.original_for
-
-    def original_for(job):
-        reference = load(job)
-        seen.append(weakref.ref(reference))
-        return reference
-
-    monkeypatch.setattr(api, "original_for", original_for)
-
-    def on_step(phase, step, steps, loss):
-        if phase == "distill":
-            during.append(seen[0]() is not None)
-
-    cfg = dataclasses.replace(TINY, **TRAIN)
-    _, summary = api.quantize_to_dir("tiny-random-llama", "vptq", cfg, calib, tmp_path / "q", on_step=on_step)
-    assert summary["model_metrics"]["distill"]["steps"] == 4
-    assert len(seen) == 1 and during == [False] * 4
-
-
 def test_distillation_lets_the_original_go_and_holds_no_fake_quant_weights_while_it_steps(tiny_model, windows):
     model, _ = tiny_model
     qmodel = copy.deepcopy(model)

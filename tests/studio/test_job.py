@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 from pathlib import Path
 
 from vptq_core.quant import methods
@@ -44,7 +45,7 @@ def test_the_job_view_shows_the_plans_decisions(tmp_path: Path):
     shown = views.progress_html(job.snapshot())
     assert "loading the model" in shown
     for decision in plan.decisions:
-        assert f"plan: {decision.setting}: {decision.before} -&gt; {decision.after}" in shown
+        assert f"plan: {html.escape(decision.line())}" in shown
     assert job.snapshot().extras["plan"]["samples"] == plan.samples
 
 

@@ -43,7 +43,9 @@ def _native_codebooks(*tensors: torch.Tensor):
 def code_rows(codes: torch.Tensor, k: int) -> torch.Tensor:
     """Codes [G, R, group_size] (int16 as uint16 patterns) -> codebook rows g * k + code, int64, flat in
     [R, G, group_size] order: one per vector of the stored-order weight, rows of vectors first."""
-    offsets = (torch.arange(codes.shape[0], device=codes.device) * k).view(-1, 1, 1)
+    # the offsets from ``codes`` itself (no factory call with a device): a backward runs this on autograd's
+    # device thread, where only the tensor's own methods are sure to reach its device
+    offsets = (codes.new_ones(codes.shape[0], dtype=torch.int64).cumsum(0) - 1).mul_(k).view(-1, 1, 1)
     return (as_index(codes) + offsets).permute(1, 0, 2).reshape(-1)
 
 
