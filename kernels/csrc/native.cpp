@@ -1041,6 +1041,18 @@ void with_codes(const Tensor& codes, const F& f) {
     f(codes.data_ptr<int64_t>());
 }
 
+// Every code of the first ``rows`` rows of vectors in 0..k-1 (a bad code would read or write outside the
+// codebook): one pass over the codes, a small part of a gather's time.
+void check_range(const Tensor& codes, int64_t k, int64_t rows) {
+  const int64_t G = codes.size(0), R = codes.size(1), gs = codes.size(2);
+  bool bad = false;
+  with_codes(codes, [&](const auto* ip) {
+    for (int64_t g = 0; g < G && !bad; ++g)
+      for (int64_t i = g * R * gs; i < (g * R + rows) * gs; ++i) bad |= uint64_t(code_at(ip, i)) >= uint64_t(k);
+  });
+  TORCH_CHECK(!bad, "codes must lie in 0..", k - 1, " (the codebook's rows per group); a code is out of range");
+}
+
 Tensor codebook_expand_op(const Tensor& codebook, const Tensor& codes, int64_t k, int64_t out) {
   at::NoGradGuard no_grad;
   TORCH_CHECK(codebook.dim() == 2 && codebook.scalar_type() == at::kFloat && codebook.device().is_cpu(),
@@ -1054,6 +1066,7 @@ Tensor codebook_expand_op(const Tensor& codebook, const Tensor& codes, int64_t k
   const float* cp = cb.data_ptr<float>();
   float* wp = W.data_ptr<float>();
   const int64_t rows = (out + v - 1) / v;
+  check_range(codes, k, rows);
   with_codes(codes, [&](const auto* ip) {
     run_chunks(rows, threads_for(rows * v * cols, rows), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
@@ -1083,6 +1096,7 @@ Tensor codebook_sum_op(const Tensor& grad, const Tensor& codes, int64_t k, int64
   Tensor g = grad.contiguous();
   const float* gp = g.data_ptr<float>();
   const int64_t nc = G * k, rows = (out + v - 1) / v;
+  check_range(codes, k, rows);
   const int64_t chunks = threads_for(rows * v * cols, rows);
   Tensor sums = at::zeros({chunks, nc, v}, grad.options());
   float* sp = sums.data_ptr<float>();

@@ -88,6 +88,24 @@ def test_codebook_gather_and_sum_read_every_code_of_a_full_16_bit_codebook(dtype
     torch.testing.assert_close(summed, manual)
 
 
+@pytest.mark.parametrize("bad", [16, -1])
+def test_the_native_gather_and_sum_refuse_a_code_outside_the_codebook(bad):
+    """The native kernels check every code against k before they touch memory (torch's index ops check rows
+    against the whole codebook themselves)."""
+    from vptq_core.kernels import native
+
+    usable, why = native.status()
+    if not usable:
+        pytest.skip(why)
+    codebook, grad = torch.randn(2 * 16, 4), torch.randn(8, 2 * 3)
+    codes = torch.randint(0, 16, (2, 2, 3))
+    codes[1, 1, 2] = bad  # -1 would alias the last row of group 0, 16 the first of a group past the codebook
+    with pytest.raises(RuntimeError, match=r"codes must lie in 0\.\.15 .* a code is out of range"):
+        expand_codes(codebook, codes, 16, 8)
+    with pytest.raises(RuntimeError, match=r"codes must lie in 0\.\.15 .* a code is out of range"):
+        sum_into_codes(grad, codes, 16, 4)
+
+
 def test_scale_linear_is_the_scalar_layer_with_its_activation_quantizer():
     from tests.factories import random_scalar_state
     from vptq_core.quant.act_quant import quantize_activations
