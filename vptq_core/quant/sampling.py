@@ -152,17 +152,17 @@ class WritingProjection:
 def sampled_calibration(model: nn.Module, calib_ids: torch.Tensor, config,
                         should_stop: Callable[[], bool] | None = None, topk: int = 0,
                         info: dict | None = None):
-    """``calib_ids`` with the last ``sampled_count`` of the windows the block-by-block stage sees
-    (``layerwise_count``) replaced by windows ``model`` writes itself (``sample_windows``, seeded by
-    ``config.seed``, each started from the first token of the window it replaces); the held-out check windows
-    after them stay text. ``calib_ids`` itself when ``calib_sampled_share`` is 0; None if ``should_stop`` turned
-    true. With ``topk`` > 0 it returns (windows, known): ``known`` the teacher's top-k on the written windows,
-    taken from the sampling's own logits, as ``distill(known_teacher=...)`` takes it ({"rows", "logp", "index",
-    "rest"} on the CPU; None when no window is written). A written window stuck in a loop is drawn again
-    (``repetition``, ``sample_windows(max_repeated=...)``); one still degenerate after that stays text (``info`` gets
-    "degenerate_kept_text"). With a ``time_budget`` the writing stops early and every
-    window stays text when it is projected to take more than ``SAMPLING_BUDGET_SHARE`` of the budget; ``info``
-    (a dict) then gets "self_written": 0 and the projection."""
+    """``calib_ids`` with the last ``sampled_count`` of the windows the block-by-block stage sees (``layerwise_count``)
+    replaced by windows ``model`` writes itself (``sample_windows``, seeded by ``config.seed``, each started from
+    the first token of the window it replaces, ``start_tokens``); the held-out check windows after them stay text.
+    ``calib_ids`` itself when ``calib_sampled_share`` is 0; None if ``should_stop`` turned true. With ``topk`` > 0
+    it returns (windows, known): ``known`` the teacher's top-k on the written windows, taken from the sampling's own
+    logits, as ``distill(known_teacher=...)`` takes it ({"rows", "logp", "index", "rest"} on the CPU; None when no
+    window is written). A written window stuck in a loop is drawn again (``repetition``,
+    ``sample_windows(max_repeated=...)``); one still degenerate after that stays text (``info`` gets
+    "degenerate_kept_text"). With a ``time_budget`` the writing stops early and every window stays text when it is
+    projected to take more than ``SAMPLING_BUDGET_SHARE`` of the budget; ``info`` (a dict) then gets "self_written":
+    0 and the projection."""
     rows = written_rows(calib_ids.shape[0], config)
     if not rows.numel():
         return (calib_ids, None) if topk else calib_ids
@@ -186,8 +186,8 @@ def sampled_calibration(model: nn.Module, calib_ids: torch.Tensor, config,
             return True
         return False
 
-    got = sample_windows(model, calib_ids[rows, :1], calib_ids.shape[1], seed=settings.seed, batch=SAMPLE_BATCH,
-                         should_stop=stop, rows=rows + CALIB_SAMPLE_ROWS, topk=topk,
+    got = sample_windows(model, start_tokens(model, calib_ids[rows]), calib_ids.shape[1], seed=settings.seed,
+                         batch=SAMPLE_BATCH, should_stop=stop, rows=rows + CALIB_SAMPLE_ROWS, topk=topk,
                          device=torch.device("cpu"), dtype=settings.sample_dtype, max_repeated=MAX_REPEATED_SHARE)
     if got is None and over:
         if info is not None:
@@ -204,6 +204,16 @@ def sampled_calibration(model: nn.Module, calib_ids: torch.Tensor, config,
     if not topk:
         return out
     return out, {"rows": rows[keep], **{key: value[keep.to(value.device)] for key, value in teacher.items()}}
+
+
+def start_tokens(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
+    """What the windows ``model`` writes in place of ``windows`` [n, seqlen] start from: each window's first token,
+    or its first two when the windows begin with the model's BOS token (``data.wants_bos``), which alone would
+    start every written window alike."""
+    bos = getattr(getattr(model, "config", None), "bos_token_id", None)
+    if isinstance(bos, int) and windows.shape[1] > 2 and bool((windows[:, 0] == bos).all()):
+        return windows[:, :2]
+    return windows[:, :1]
 
 
 @torch.no_grad()
