@@ -13,8 +13,9 @@ Protocol, per model (``--models``: built-in names or model directories; loaded a
   ``--steps`` timed steps after one, no held-out check between; the median step;
 - writing: ``sampling.sample_windows`` (float32, top-64, as the self-written calibration) of ``--write-windows``
   windows in one batch, ``--write-tokens`` tokens each; seconds per window per token.
-The price is the cost model's for one window / step / window-token on the reference machine, divided by the speed
-the run plan's probe measures (``run_plan.measure_speed``) just before each model.
+The price is the cost model's for one window / step / window-token (``cost.KD_*`` times the parameters a pass
+multiplies by, ``RunSize.pass_params``) on the reference machine, divided by the speed the run plan's probe
+measures (``run_plan.measure_speed``) just before each model.
 
     python bench/pass_cost.py --models smollm2-135m-instruct gemma3-270m /tmp/sm/w/qwen05b
 """
@@ -36,13 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def shape_of(model) -> dict:
-    """Block-linear weights, the head's weights and vocabulary, all parameters."""
-    from vptq_core.quant.blocks import total_linear_shapes
+    """Block-linear weights, the head's weights and vocabulary, all parameters, those a pass multiplies by."""
+    from vptq_core.quant.blocks import lookup_params, total_linear_shapes
 
     linear = sum(o * i for o, i in total_linear_shapes(model))
     head = model.get_output_embeddings().weight
-    return {"linear_weights": linear, "head_weights": head.numel(), "vocab": head.shape[0],
-            "params": sum(p.numel() for p in model.parameters())}
+    params = sum(p.numel() for p in model.parameters())
+    return {"linear_weights": linear, "head_weights": head.numel(), "vocab": head.shape[0], "params": params,
+            "pass_params": params - lookup_params(model)}
 
 
 def measure(name: str, args) -> dict:
@@ -88,7 +90,7 @@ def measure(name: str, args) -> dict:
     del student, trial, states, reference
 
     tokens = args.seqlen - 1
-    params = size["params"]
+    params = size["pass_params"]  # what the plan prices a pass by (cost.RunSize.pass_params)
     row["teacher_price"] = cost.KD_TEACHER_S * params * tokens / speed
     row["step_price"] = cost.KD_STEP_S * params * tokens / speed
     row["write_price"] = (cost.KD_SAMPLE_S + cost.KD_SAMPLE_PASS_S / args.write_windows) * params / speed
@@ -121,12 +123,13 @@ def main() -> None:
         if args.json:
             with open(args.json, "a", encoding="utf-8") as f:
                 f.write(json.dumps(row) + "\n")
-    print("\n| model | block linears | head (vocab) | params | teacher s/window (price) | step s (price) | "
+    print("\n| model | block linears | head (vocab) | params (priced) | teacher s/window (price) | step s (price) | "
           "writing ms/window-token (price) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {Path(r['model']).name} | {r['linear_weights'] / 1e6:.0f} M | {r['head_weights'] / 1e6:.0f} M "
-              f"({r['vocab']}) | {r['params'] / 1e6:.0f} M | {r['teacher_s']:.2f} ({r['teacher_price']:.2f}, "
+              f"({r['vocab']}) | {r['params'] / 1e6:.0f} M ({r['pass_params'] / 1e6:.0f} M) | "
+              f"{r['teacher_s']:.2f} ({r['teacher_price']:.2f}, "
               f"{r['teacher_s'] / r['teacher_price']:.2f}x) | {r['step_s']:.2f} ({r['step_price']:.2f}, "
               f"{r['step_s'] / r['step_price']:.2f}x) | {1e3 * r['write_s']:.2f} ({1e3 * r['write_price']:.2f}, "
               f"{r['write_s'] / r['write_price']:.2f}x) |")

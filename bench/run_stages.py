@@ -66,7 +66,7 @@ def main() -> None:
     from scaling import build_model
 
     from vptq_core.quant import methods
-    from vptq_core.quant.blocks import total_linear_shapes
+    from vptq_core.quant.blocks import lookup_params, total_linear_shapes
     from vptq_core.quant.cost import RunSize
     from vptq_core.quant.pipeline import quantize_model
     from vptq_core.quant.run_plan import measure_speed, plan_run
@@ -83,7 +83,8 @@ def main() -> None:
     model = build_model(args.shape, args.layers, VOCAB[args.shape], 0)
     shapes = tuple(total_linear_shapes(model))
     linear = sum(o * i for o, i in shapes)
-    size = RunSize(shapes, sum(p.numel() for p in model.parameters()) - linear, args.samples, args.seqlen)
+    size = RunSize(shapes, sum(p.numel() for p in model.parameters()) - linear, args.samples, args.seqlen,
+                   lookup_params=lookup_params(model))
     calib = torch.randint(0, VOCAB[args.shape], (args.samples, args.seqlen), generator=torch.Generator().manual_seed(1))
     speed = args.speed or measure_speed("cpu")
     plan = plan_run(method, size, config, speed)

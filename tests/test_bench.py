@@ -67,6 +67,10 @@ SMOKES: dict[str, Smoke] = {
         ("--model", TINY, "--threads", "1", "--seqlen", "32", "--steps", "1", "--warmup", "1", "--rounds", "1",
          "--variants", "float32"),
         ("| variant | median s per step | × first row | steps timed |", "| float32 |")),
+    "bench/pass_cost.py": Smoke(
+        ("--models", TINY, "--threads", "1", "--seqlen", "32", "--windows", "1", "--steps", "1", "--write-windows", "2",
+         "--write-tokens", "8"),
+        ("| model | block linears | head (vocab) | params (priced) |", "| tiny-random-llama |")),
     "bench/distill_variants.py": Smoke(
         ("--model", TINY, "--row", "rtn-2", "--variants", "kd1:distill_iters=1", "--calib-samples", "2",
          "--seqlen", "32", "--distill-seqlen", "16", "--windows", "1", "--threads", "1",

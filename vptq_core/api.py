@@ -20,7 +20,7 @@ from .data import DEFAULT_EVAL_SPLIT, EVAL_SPLITS, PYDOCS, WIKI, calibration_win
 from .eval import EvalResult, evaluate
 from .models import BUNDLED, NotStreamable, load_model, model_directory, open_streaming
 from .quant import distributed, methods
-from .quant.blocks import blocks_prefix, decoder_blocks, total_linear_shapes
+from .quant.blocks import blocks_prefix, decoder_blocks, lookup_params, total_linear_shapes
 from .quant.calib_windows import with_heldout
 from .quant.config import CalibConfig
 from .quant.cost import RunSize
@@ -258,7 +258,7 @@ def plan_stage(job: _DirRun) -> None:
     shapes = tuple(total_linear_shapes(job.model))
     linear = sum(o * i for o, i in shapes)
     size = RunSize(shapes, sum(p.numel() for p in job.model.parameters()) - linear, job.calib.samples,
-                   job.calib.seqlen)
+                   job.calib.seqlen, lookup_params=lookup_params(job.model))
     speed = once("speed", lambda: measure_speed(job.device), lambda: False, job.device)
     job.plan = plan_run(job.method, size, job.config, speed)
     job.config = job.plan.config

@@ -91,3 +91,34 @@ def test_run_size_counts_what_the_cost_models_use():
     size = cost.RunSize(((8, 4), (2, 4)), other_params=10, samples=0, seqlen=16)
     assert size.linear_weights == 40 and size.params == 50 and size.linear_outputs == 10
     assert size.tokens == 16 and size.self_written  # at least one window
+
+
+def test_whole_model_passes_are_priced_by_what_they_multiply_by_not_an_untied_input_embedding():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from vptq_core.quant.blocks import lookup_params, total_linear_shapes
+    from vptq_core.quant.calib_windows import sampled_count
+    from vptq_core.quant.distill_hook import DISTILL_HOOK, distill_seconds
+    from vptq_core.quant.vptq_cost import allocation_seconds
+
+    def model(tied: bool):
+        return LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied))
+
+    tied, untied = model(True), model(False)
+    assert lookup_params(tied) == 0 and lookup_params(untied) == 512 * 32
+    shapes = tuple(total_linear_shapes(untied))
+    other = sum(p.numel() for p in untied.parameters()) - sum(o * i for o, i in shapes)
+    size = cost.RunSize(shapes, other, 32, 512, lookup_params=lookup_params(untied))
+    assert size.pass_params == size.params - 512 * 32 and size.params == sum(p.numel() for p in untied.parameters())
+    assert cost.RunSize(shapes, other, 32, 512).pass_params == size.params  # unknown: every parameter
+    preset = methods.get("vptq").make_config(methods.get("vptq").preset("2.5 bits"))
+    assert cost.writing_seconds(size, preset) == pytest.approx(
+        cost.sampling_seconds(size.pass_params, sampled_count(32, preset), 512))
+    assert DISTILL_HOOK.cost(size, preset) == pytest.approx(
+        distill_seconds(size.pass_params, preset, 32, 512, size.linear_outputs))
+    # the sensitivity measurement's passes too: the untied embedding's share is what the tied-size price adds
+    full = size._replace(lookup_params=0)
+    assert allocation_seconds(full, preset) > allocation_seconds(size, preset)
+    assert cost.stage_seconds(methods.get("vptq"), size, preset)["load"] == pytest.approx(
+        cost.stage_seconds(methods.get("vptq"), full, preset)["load"])  # loading reads every parameter

@@ -83,6 +83,18 @@ def check_linear_shapes(
                                  f"{what}: {seen[shape]}")
 
 
+def lookup_params(model: nn.Module) -> int:
+    """The parameters of ``model``'s input embedding when its LM head is another tensor (a forward pass looks rows
+    up in it, never multiplies by it; ``cost.RunSize.lookup_params``); 0 when the head is tied to it."""
+    embedding = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    if embedding is None or getattr(embedding, "weight", None) is None:
+        return 0
+    if head is not None and getattr(head, "weight", None) is embedding.weight:
+        return 0
+    return embedding.weight.numel()
+
+
 def total_linear_shapes(model: nn.Module) -> list[tuple[int, int]]:
     """(out, in) of every block linear: what the app uses to show bits and size before a run."""
     shapes = []

@@ -28,8 +28,9 @@ ROUND_S = 0.02e-6  # per weight, rounding to a grid
 # LRQ's training in block forwards: per training token, and passes over the calibration whatever the steps.
 LRQ_STEP = 2.3
 LRQ_FIXED = 2.75
-# Whole-model passes per model parameter (embedding and head included) per token of a window, fitted to SmolLM2-
-# 135M (134.5 M parameters, 511 predicted tokens per window): a distillation training step (forward,
+# Whole-model passes per model parameter a pass multiplies by (``RunSize.pass_params``: the head included, an untied
+# input embedding not) per token of a window, fitted to SmolLM2-135M (134.5 M parameters, its head tied to its
+# embedding; 511 predicted tokens per window): a distillation training step (forward,
 # recomputation, backward), a held-out check, the teacher's pass, and writing windows (one token at a time,
 # up to sampling.SAMPLE_BATCH windows at once: a cost per batched pass and one per window).
 KD_TOKENS = 134.5e6 * 511
@@ -45,7 +46,9 @@ class RunSize(NamedTuple):
     """What the estimate knows of a run before it starts: the model's block-linear shapes and its other
     parameters, the calibration windows and their length. ``self_written``: the windows the original would
     write itself are kept (False once they are priced out, as over their share of a time budget).
-    ``plan_windows``: the windows a plan hook measures on (0: its own setting, e.g. ``sensitivity_windows``)."""
+    ``plan_windows``: the windows a plan hook measures on (0: its own setting, e.g. ``sensitivity_windows``).
+    ``lookup_params``: parameters a pass only looks rows up in, never multiplies by (an input embedding that is not
+    also the LM head: ``blocks.lookup_params``); 0 for a tied head, whose weights the head multiplies by."""
 
     linear_shapes: tuple[tuple[int, int], ...]
     other_params: int
@@ -53,6 +56,7 @@ class RunSize(NamedTuple):
     seqlen: int
     self_written: bool = True
     plan_windows: int = 0
+    lookup_params: int = 0
 
     @property
     def linear_weights(self) -> int:
@@ -61,6 +65,11 @@ class RunSize(NamedTuple):
     @property
     def params(self) -> int:
         return self.linear_weights + self.other_params
+
+    @property
+    def pass_params(self) -> int:
+        """The parameters a whole-model pass multiplies by (what its seconds scale with): all but ``lookup_params``."""
+        return max(self.params - max(int(self.lookup_params), 0), self.linear_weights)
 
     @property
     def tokens(self) -> int:
@@ -137,7 +146,7 @@ def writing_seconds(size: RunSize, config) -> float:
     """The calibration windows of the block stage the original writes itself (``calib_windows.sampled_count``)."""
     from .calib_windows import sampled_count
 
-    return sampling_seconds(size.params, sampled_count(max(int(size.samples), 1), config), size.seqlen)
+    return sampling_seconds(size.pass_params, sampled_count(max(int(size.samples), 1), config), size.seqlen)
 
 
 def sampling_seconds(params: int, windows: int, seqlen: int) -> float:

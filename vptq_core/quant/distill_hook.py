@@ -40,13 +40,13 @@ def _run(ctx: ModelContext) -> dict | None:
 
 def distill_seconds(params: int, config: DistillSettings, samples: int, seqlen: int,
                     linear_outputs: int | None = None, self_written: bool = True) -> float:
-    """Rough seconds of a config's end-to-end distillation (0 when off) for a model of ``params`` parameters
-    calibrated on ``samples`` windows of ``seqlen`` tokens (and the held-out windows drawn on top,
-    ``with_heldout``): the teacher's pass over the windows it uses (not the self-written calibration windows,
-    whose top-k comes from the sampling, unless ``self_written`` is False), the sampled windows, the training
-    steps and the held-out checks. ``linear_outputs`` (the quantized linears' out_features, summed) resolves
-    "auto" checkpointing as the run will (``student.use_checkpointing``); without it the steps are priced as
-    checkpointed ones."""
+    """Rough seconds of a config's end-to-end distillation (0 when off) for a model whose passes multiply by ``params``
+    parameters (``RunSize.pass_params``) calibrated on ``samples`` windows of ``seqlen`` tokens (and the held-out
+    windows drawn on top, ``with_heldout``): the teacher's pass over the windows it uses (not the self-written
+    calibration windows, whose top-k comes from the sampling, unless ``self_written`` is False), the sampled
+    windows, the training steps and the held-out checks. ``linear_outputs`` (the quantized linears' out_features,
+    summed) resolves "auto" checkpointing as the run will (``student.use_checkpointing``); without it the steps are
+    priced as checkpointed ones."""
     steps = config.distill_iters
     if not steps:
         return 0.0
@@ -73,7 +73,7 @@ def distill_seconds(params: int, config: DistillSettings, samples: int, seqlen: 
 
 
 def _cost(size: RunSize, config: DistillSettings) -> float:
-    return distill_seconds(size.params, config, size.samples, size.seqlen, size.linear_outputs or None,
+    return distill_seconds(size.pass_params, config, size.samples, size.seqlen, size.linear_outputs or None,
                            size.self_written)
 
 

@@ -120,7 +120,7 @@ def allocation_seconds(size: RunSize, config: VPTQConfig) -> float:
     windows = size.plan_windows or config.sensitivity_windows
     if size.samples > 0:
         windows = min(windows, int(size.samples))
-    seconds = windows * SENS_WINDOW_S * size.params * max(int(size.seqlen) - 1, 1)
+    seconds = windows * SENS_WINDOW_S * size.pass_params * max(int(size.seqlen) - 1, 1)
     # each linear's damped inverse Hessian in the sweep's order, for its error feedback weight (as the block stage)
     seconds += sum(LAYER_S + LAYER_HESSIAN_S * in_features ** 3 for _, in_features in size.linear_shapes)
     fit = dataclasses.replace(config, kmeans_iters=DISTORTION_ITERS)

@@ -17,7 +17,7 @@ from transformers import AutoConfig
 
 from ..models import KNOWN_MODELS, load_model
 from ..quant import methods
-from ..quant.blocks import block_linears, decoder_blocks, total_linear_shapes
+from ..quant.blocks import block_linears, decoder_blocks, lookup_params, total_linear_shapes
 from ..quant.cost import RunSize, estimate_seconds, sampling_seconds
 from ..quant.distill_hook import distill_seconds
 from ..quant.run_plan import RunPlan, plan_run
@@ -35,6 +35,7 @@ class ModelInfo:
     modules: tuple[str, ...]  # linear names inside a block, e.g. ("self_attn.q_proj", ...)
     linear_shapes: tuple[tuple[int, int], ...]  # (out, in) of every block linear, block by block
     other_params: int  # parameters kept as they are (embeddings, norms, biases, LM head if untied)
+    lookup_params: int = 0  # an untied input embedding's parameters (``blocks.lookup_params``): no pass multiplies
 
     @property
     def linear_weights(self) -> int:
@@ -72,7 +73,8 @@ def _info_cached(name: str, stamp: float) -> ModelInfo:
     else:
         model = _meta_model(name)
     blocks, modules, shapes, other = describe_model(model)
-    return ModelInfo(name=name, num_blocks=blocks, modules=modules, linear_shapes=shapes, other_params=other)
+    return ModelInfo(name=name, num_blocks=blocks, modules=modules, linear_shapes=shapes, other_params=other,
+                     lookup_params=lookup_params(model))
 
 
 def model_info(name: str) -> ModelInfo:
@@ -176,7 +178,8 @@ def estimate(info: ModelInfo, method: str, config) -> Estimate:
 
 def run_size(info: ModelInfo, samples: int, seqlen: int) -> RunSize:
     """What the cost models know of a run of ``info`` on ``samples`` windows of ``seqlen`` tokens."""
-    return RunSize(info.linear_shapes, info.other_params, int(samples), int(seqlen))
+    return RunSize(info.linear_shapes, info.other_params, int(samples), int(seqlen),
+                   lookup_params=info.lookup_params)
 
 
 def method_for(config) -> methods.Method:
