@@ -23,12 +23,14 @@ measures (``run_plan.measure_speed``) just before each model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -60,7 +62,7 @@ def measure(name: str, args) -> dict:
     from vptq_core.quant.states import VQLayerState
     from vptq_core.quant.teacher import teacher_topk
 
-    reference, tok = load_model(name, dtype="auto")
+    reference, tok = load_model(name, dtype=getattr(torch, args.dtype) if args.dtype != "auto" else "auto")
     reference.eval()
     size = shape_of(reference)
     windows = calibration_windows(tok, "wiki", samples=max(args.windows, 4), seqlen=args.seqlen, seed=0)
@@ -73,6 +75,13 @@ def measure(name: str, args) -> dict:
     t0 = time.perf_counter()
     teacher_topk(reference, windows[: args.windows], 64, cpu)
     row["teacher_s"] = (time.perf_counter() - t0) / args.windows
+    if args.unwidened:  # the same pass with the model's own products (no float32 widening of bf16 linears)
+        with mock.patch("vptq_core.quant.teacher.widened_linears", lambda _model: contextlib.nullcontext()):
+            t0 = time.perf_counter()
+            teacher_topk(reference, windows[: args.windows], 64, cpu)
+            row["teacher_unwidened_s"] = (time.perf_counter() - t0) / args.windows
+    if args.teacher_only:
+        return row
 
     starts = start_tokens(reference, windows[: args.write_windows])
     sample_windows(reference, starts[:1], starts.shape[1] + 4, batch=SAMPLE_BATCH, topk=64, dtype="float32")
@@ -106,10 +115,15 @@ def main() -> None:
     ap.add_argument("--write-windows", type=int, default=8)
     ap.add_argument("--write-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                    help="the dtype the models load in (auto: as a run loads the original, as stored)")
+    ap.add_argument("--unwidened", action="store_true", help="also time the teacher pass without widening bf16 "
+                    "linears to float32 (``device.widened_linears``, what a CPU without bf16 products gets)")
+    ap.add_argument("--teacher-only", action="store_true", help="time the teacher pass only")
     ap.add_argument("--json", help="append the rows to this JSON-lines file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from vptq_core.quant.device import cpu_flags
+    from vptq_core.quant.device import cpu_flags, native_bf16
 
     flags = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
     print(f"# pass costs: {args.threads} threads, CPU flags {', '.join(flags) or 'none known'}, load average "
@@ -123,6 +137,16 @@ def main() -> None:
         if args.json:
             with open(args.json, "a", encoding="utf-8") as f:
                 f.write(json.dumps(row) + "\n")
+    if args.teacher_only:
+        print(f"\n$ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '')!r}, bf16 products in hardware: "
+              f"{native_bf16('cpu')}")
+        print("\n| model | dtype | teacher s/window (as a run) | without widening | × |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            plain = r.get("teacher_unwidened_s")
+            cells = f"{plain:.2f} | {plain / r['teacher_s']:.2f}" if plain else "- | -"
+            print(f"| {Path(r['model']).name} | {r['dtype']} | {r['teacher_s']:.2f} | {cells} |")
+        return
     print("\n| model | block linears | head (vocab) | params (priced) | teacher s/window (price) | step s (price) | "
           "writing ms/window-token (price) |")
     print("|---|---|---|---|---|---|---|")

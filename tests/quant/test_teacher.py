@@ -76,3 +76,50 @@ def test_the_top_k_is_taken_a_few_positions_at_a_time_with_the_same_values(monke
     for got in (whole, chunked):
         assert torch.equal(got["logp"], top) and torch.equal(got["index"], index)
         assert torch.equal(got["rest"], logp.scatter(-1, index, float("-inf")).logsumexp(-1))
+
+
+def _bf16_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attention_bias=True)
+    return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def test_a_bf16_original_on_a_cpu_without_bf16_products_multiplies_in_float32(monkeypatch):
+    from vptq_core.quant import device
+
+    model = _bf16_llama()
+    head = model.lm_head
+    x = torch.randn(3, 5, 32).to(torch.bfloat16)
+    monkeypatch.setattr(device, "WIDEN_CHUNK", 7 * 32)  # the head in row chunks of 7 (300 rows: 43 chunks)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not device.native_bf16("cpu")
+    with device.widened_linears(model):
+        out = head(x)
+        q = model.model.layers[0].self_attn.q_proj
+        with_bias = q(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, torch.nn.functional.linear(x.float(), head.weight.float()).to(torch.bfloat16))
+    torch.testing.assert_close(with_bias, torch.nn.functional.linear(x.float(), q.weight.float(),
+                                                                    q.bias.float()).to(torch.bfloat16))
+    assert "forward" not in vars(head) and "forward" not in vars(q)  # the layers' own forward again after
+    # the teacher's top-k of the widened pass: the float32 model's, to bf16 rounding of the activations
+    windows = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    widened = teacher_topk(model, windows, 8, torch.device("cpu"))
+    reference = teacher_topk(model.float(), windows, 8, torch.device("cpu"))
+    torch.testing.assert_close(widened["logp"], reference["logp"], atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("isa, native", [("", True), ("ALL", True), ("AVX512_CORE_AMX", True), ("AVX2", False),
+                                         ("avx512_core", False)])
+def test_bf16_counts_as_native_only_where_onednn_may_use_it(monkeypatch, isa, native):
+    from vptq_core.quant import device
+
+    monkeypatch.setattr(device, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    assert device.native_bf16("cpu") is native
+    model = _bf16_llama()
+    with device.widened_linears(model):
+        assert ("forward" in vars(model.lm_head)) is not native

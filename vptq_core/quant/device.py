@@ -53,7 +53,53 @@ def native_bf16(device: str | torch.device = "cpu") -> bool:
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     if device.type != "cpu":
         return False
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"}) and _onednn_allows_bf16()
+
+
+# oneDNN's ISA names (``$ONEDNN_MAX_CPU_ISA``) that include bf16 products; a lower limit makes bf16 emulated
+_ONEDNN_BF16_ISAS = ("ALL", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX10_1_512")
+
+
+def _onednn_allows_bf16() -> bool:
+    """False when ``$ONEDNN_MAX_CPU_ISA`` holds oneDNN (torch's CPU bf16 products) below bf16 instructions."""
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    return not isa or isa.startswith(_ONEDNN_BF16_ISAS)
+
+
+WIDEN_CHUNK = 16 << 20  # weight elements widened to float32 at a time by ``widened_linears`` (an LM head in rows)
+
+
+@contextlib.contextmanager
+def widened_linears(model: torch.nn.Module):
+    """Inside, the bf16 / fp16 ``nn.Linear`` layers of ``model`` multiply in float32 when its device does not
+    multiply bf16 in hardware (``native_bf16``): torch there widens every operand of a bf16 product on the fly,
+    several times slower than float32 products (a bf16 SmolLM2's forward: 4.2 s a window against 0.62 s,
+    bench/results/pass_cost_spr.txt). Each output comes back in its input's dtype; a weight's float32 copy lives
+    only for its own product, ``WIDEN_CHUNK`` elements at a time (an LM head in row chunks). Elsewhere, and for
+    float32 layers, nothing changes."""
+    param = next(model.parameters(), None)
+    if param is None or native_bf16(param.device):
+        yield
+        return
+    patched = [m for m in model.modules() if type(m) is torch.nn.Linear
+               and m.weight.dtype in (torch.bfloat16, torch.float16)]
+    for module in patched:
+        module.forward = functools.partial(_widened_linear, module)
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+
+
+def _widened_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    weight, bias = module.weight, module.bias
+    x32 = x.float()
+    rows = max(1, WIDEN_CHUNK // max(weight.shape[1], 1))
+    parts = [torch.nn.functional.linear(x32, weight[i : i + rows].float(),
+                                        None if bias is None else bias[i : i + rows].float())
+             for i in range(0, weight.shape[0], rows)]
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)).to(x.dtype)
 
 
 def compute_dtype(choice: str, device: str | torch.device = "cpu") -> torch.dtype:

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .device import widened_linears
+
 TEACHER_KEYS = ("logp", "index", "rest")
 
 
@@ -27,11 +29,12 @@ def teacher_topk(reference: nn.Module, windows: torch.Tensor, k: int, device: to
     """
     ref_device = next(reference.parameters()).device
     rows = []
-    for row in windows:
-        if should_stop is not None and should_stop():
-            return None
-        logits = reference(row.unsqueeze(0).to(ref_device), use_cache=False).logits[0, :-1]
-        rows.append(topk_of(logits, k, device))
+    with widened_linears(reference):  # a bf16 original on a CPU without bf16 products: float32 products
+        for row in windows:
+            if should_stop is not None and should_stop():
+                return None
+            logits = reference(row.unsqueeze(0).to(ref_device), use_cache=False).logits[0, :-1]
+            rows.append(topk_of(logits, k, device))
     return stack_teacher(rows)
 
 
