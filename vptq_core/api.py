@@ -24,6 +24,7 @@ from .quant.blocks import blocks_prefix, decoder_blocks, lookup_params, total_li
 from .quant.calib_windows import with_heldout
 from .quant.config import CalibConfig
 from .quant.cost import RunSize
+from .quant.device import widened_linears
 from .quant.distributed_once import once
 from .quant.embedding import TIED, EmbeddingParts, head_and_embedding_names, normed_block_outputs, quantize_embeddings
 from .quant.pipeline import quantize_model
@@ -376,7 +377,7 @@ def _last_block_outputs(model, calib_ids: torch.Tensor, device, batch: int = 4) 
     handle = block.register_forward_hook(keep)
     moved = model.to(device)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), widened_linears(moved):  # a bf16 model on a CPU without bf16 products: float32
             for i in range(0, calib_ids.shape[0], batch):
                 moved(calib_ids[i : i + batch].to(device), use_cache=False)
     finally:

@@ -71,12 +71,12 @@ WIDEN_CHUNK = 16 << 20  # weight elements widened to float32 at a time by ``wide
 
 @contextlib.contextmanager
 def widened_linears(model: torch.nn.Module):
-    """Inside, the bf16 / fp16 ``nn.Linear`` layers of ``model`` multiply in float32 when its device does not
-    multiply bf16 in hardware (``native_bf16``): torch there widens every operand of a bf16 product on the fly,
-    several times slower than float32 products (a bf16 SmolLM2's forward: 4.2 s a window against 0.62 s,
-    bench/results/pass_cost_spr.txt). Each output comes back in its input's dtype; a weight's float32 copy lives
-    only for its own product, ``WIDEN_CHUNK`` elements at a time (an LM head in row chunks). Elsewhere, and for
-    float32 layers, nothing changes."""
+    """Inside, the bf16 / fp16 ``nn.Linear`` layers of ``model`` multiply in float32 when its device does not multiply
+    bf16 in hardware (``native_bf16``): torch there widens every operand of a bf16 product on the fly, several times
+    slower than float32 products (the teacher pass of a bf16 SmolLM2 with oneDNN held to AVX2: 4.42 s a window
+    against 0.82 s widened, bench/results/pass_cost_spr.txt). Each output comes back in its input's dtype; a
+    weight's float32 copy lives only for its own product, ``WIDEN_CHUNK`` elements at a time (an LM head in row
+    chunks). Elsewhere, and for float32 layers, nothing changes."""
     param = next(model.parameters(), None)
     if param is None or native_bf16(param.device):
         yield
