@@ -2,7 +2,8 @@
 the distillation's check KL, and perplexity against bf16 on the held-out split `eval` used (test by default) of
 both texts, with the KL statistics (mean, median, p99) and Δp of the original's top token.
 
-usage: python bench/preset_summary.py NAME [NAME ...]   (env OUT, default /tmp/presets, as for preset_run.sh)
+usage: python bench/preset_summary.py NAME [NAME ...]   (env OUT, default /tmp/presets, and SPLIT, default test, as
+       for preset_run.sh)
 """
 import json
 import os
@@ -31,8 +32,9 @@ def summary(root: Path, name: str) -> str:
     if d:
         lines.append(f"  distillation {d['steps']} of {d.get('planned_steps')} steps, check KL {d['kl_before']:.4f} -> "
                      f"{d['kl_after']:.4f} (best {d['best_step']}); teacher {d['teacher_seconds']:.1f} s")
+    tag = "" if os.environ.get("SPLIT", "test") == "test" else f"_{os.environ['SPLIT']}"
     for text in ("wiki", "pydocs"):
-        e = json.loads((root / f"{name}_{text}.json").read_text())
+        e = json.loads((root / f"{name}{tag}_{text}.json").read_text())
         ratio = e["perplexity"] / e["reference_perplexity"]
         split = f"{e['split']} " if e.get("split") else ""  # the held-out split `eval` used (test by default)
         stats = (f", KL median {e['kl_median']:.4f}, p99 {e['kl_p99']:.3f}, Δp {100 * e['delta_p_mean']:+.2f}%"

@@ -1021,13 +1021,15 @@ inline int64_t code_at(const I* p, int64_t i) {
     return int64_t(p[i]);
 }
 
-void check_codes(const Tensor& codes, int64_t k, int64_t nc) {
+// nc: the rows of the codebook the codes index, or -1 where the caller makes the codebook (the gradient's sum).
+void check_codes(const Tensor& codes, int64_t k, int64_t nc = -1) {
   TORCH_CHECK(codes.dim() == 3 && codes.device().is_cpu() && codes.is_contiguous() &&
                   (codes.scalar_type() == at::kShort || codes.scalar_type() == at::kInt ||
                    codes.scalar_type() == at::kLong),
               "codes must be a contiguous int16 / int32 / int64 CPU tensor [G, R, group_size], got ",
               codes.scalar_type(), " ", codes.sizes());
-  TORCH_CHECK(k >= 1 && codes.size(0) * k == nc, "the codebook must hold G * k = ", codes.size(0), " * ", k,
+  TORCH_CHECK(k >= 1, "the codebook size k must be positive, got ", k);
+  TORCH_CHECK(nc < 0 || codes.size(0) * k == nc, "the codebook must hold G * k = ", codes.size(0), " * ", k,
               " rows, got ", nc);
 }
 
@@ -1089,7 +1091,7 @@ Tensor codebook_sum_op(const Tensor& grad, const Tensor& codes, int64_t k, int64
               "grad must be a 2-D float32 CPU tensor [out, G * group_size], got ", grad.scalar_type(), " ",
               grad.sizes());
   TORCH_CHECK(v >= 1, "vector length must be positive, got ", v);
-  check_codes(codes, k, codes.size(0) * k);
+  check_codes(codes, k);
   const int64_t G = codes.size(0), R = codes.size(1), gs = codes.size(2), cols = G * gs, out = grad.size(0);
   TORCH_CHECK(grad.size(1) == cols && out <= R * v, "grad must be [at most ", R * v, ", ", cols, "], got ",
               grad.sizes());

@@ -106,6 +106,22 @@ def test_the_native_gather_and_sum_refuse_a_code_outside_the_codebook(bad):
         sum_into_codes(grad, codes, 16, 4)
 
 
+def test_the_native_gather_and_sum_refuse_an_empty_codebook_and_a_codebook_of_another_size():
+    from vptq_core.kernels import native
+
+    usable, why = native.status()
+    if not usable:
+        pytest.skip(why)
+    ext = native._ext()
+    codes = torch.zeros(2, 2, 3, dtype=torch.int16)
+    with pytest.raises(RuntimeError, match="the codebook size k must be positive, got 0"):
+        ext.codebook_sum(torch.randn(8, 6), codes, 0, 4)
+    with pytest.raises(RuntimeError, match="the codebook size k must be positive, got 0"):
+        ext.codebook_expand(torch.randn(0, 4), codes, 0, 8)
+    with pytest.raises(RuntimeError, match=r"the codebook must hold G \* k = 2 \* 16 rows, got 31"):
+        ext.codebook_expand(torch.randn(31, 4), codes, 16, 8)
+
+
 def test_scale_linear_is_the_scalar_layer_with_its_activation_quantizer():
     from tests.factories import random_scalar_state
     from vptq_core.quant.act_quant import quantize_activations
