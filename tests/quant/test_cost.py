@@ -122,3 +122,29 @@ def test_whole_model_passes_are_priced_by_what_they_multiply_by_not_an_untied_in
     assert allocation_seconds(full, preset) > allocation_seconds(size, preset)
     assert cost.stage_seconds(methods.get("vptq"), size, preset)["load"] == pytest.approx(
         cost.stage_seconds(methods.get("vptq"), full, preset)["load"])  # loading reads every parameter
+
+
+def test_a_bit_plans_block_stage_prices_its_k_means_at_the_measured_share_of_the_capped_layout():
+    """The sensitivity plan gives many layers smaller codebooks than the capped layout priced per shape; its k-means
+    is priced at PLANNED_KMEANS_SHARE of that, the sweep and the rest as they are. A layer plan already made, and
+    the cap allocation, keep the whole price."""
+    import dataclasses
+
+    from vptq_core.quant.cost import RunSize
+    from vptq_core.quant.vptq_cost import PLANNED_KMEANS_SHARE, vptq_layer_phases, vptq_seconds
+
+    size = RunSize(((576, 576), (192, 576), (1536, 576), (576, 1536)), 0.0, 32, 512)
+    planned = methods.get("vptq").make_config(methods.get("vptq").preset("2.5 bits"))
+    assert planned.allocation == "sensitivity" and 0.0 < PLANNED_KMEANS_SHARE < 1.0
+    phases = [vptq_layer_phases(o, i, planned) for o, i in size.linear_shapes]
+    kmeans = sum(p["kmeans"] for p in phases)
+    whole = sum(p["whole"] for p in phases)
+    assert kmeans > 0.0
+    assert vptq_seconds(size, planned) == pytest.approx(whole - (1.0 - PLANNED_KMEANS_SHARE) * kmeans)
+    capped = dataclasses.replace(planned, allocation="cap", bits_budget=0.0, layer_bits_cap=2.5)
+    assert vptq_seconds(size, capped) == pytest.approx(sum(vptq_layer_phases(o, i, capped)["whole"]
+                                                           for o, i in size.linear_shapes))
+    # more k-means iterations cost more, by the priced share of their k-means
+    more = dataclasses.replace(planned, kmeans_iters=planned.kmeans_iters + 10)
+    extra = sum(vptq_layer_phases(o, i, more)["kmeans"] for o, i in size.linear_shapes) - kmeans
+    assert vptq_seconds(size, more) - vptq_seconds(size, planned) == pytest.approx(PLANNED_KMEANS_SHARE * extra)

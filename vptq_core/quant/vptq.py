@@ -321,9 +321,10 @@ DISTILL_LR_3BIT = 1.25e-3
 # distill_samples is named so that picking the preset resets every distillation field of the form
 _PRESET_DISTILL = {"distill_data": "calibration", "distill_samples": 16, "distill_eval_every": 8, **PRESET_BUDGET}
 _PRESET_NO_REFIT = {"refit_iters": 0}  # every VPTQ preset leaves the codebook refit off: it did not help them
-# 20 k-means iterations, not the default 5: on the dev split (3 seeds) the "2.5 bits" recipe's KL fell 4.0% on wiki
-# and 2.6% on pydocs, every seed on both texts, for about 25 s more of the block stage on the bundled model
-# (bench/results/presets_cli_dev_spr.txt). Every preset names its iterations, so picking one resets the form's.
+# 20 k-means iterations, not the default 5: on the dev split the "2.5 bits" recipe's KL fell 4.0% on wiki and 2.6%
+# on pydocs (3 seeds), the "3.5 bits" one's 5.6% and 6.1% (2 seeds), every seed lower on both texts, for about 25 s
+# more of the block stage on the bundled model (bench/results/presets_cli_dev_spr.txt). Every preset names its
+# iterations, so picking one resets the form's.
 _PRESET_KMEANS = {"kmeans_iters": 20}
 _DEFAULT_KMEANS = {"kmeans_iters": 5}
 PRESETS = {
@@ -332,7 +333,7 @@ PRESETS = {
                  "calib_sampled_share": 0.75, **_PRESET_DISTILL, **_PRESET_NO_REFIT, **_PRESET_KMEANS},
     "3.5 bits": {"vector_len": 4, "num_centroids": 4096, "num_res_centroids": 0, "layer_bits_cap": 0.0,
                  "bits_budget": 3.5, "allocation": "sensitivity", "distill_iters": 48, "distill_lr": DISTILL_LR_3BIT,
-                 "calib_sampled_share": 0.75, **_PRESET_DISTILL, **_PRESET_NO_REFIT, **_DEFAULT_KMEANS},
+                 "calib_sampled_share": 0.75, **_PRESET_DISTILL, **_PRESET_NO_REFIT, **_PRESET_KMEANS},
     "4.5 bits": {"vector_len": 4, "num_centroids": 256, "num_res_centroids": 256, "layer_bits_cap": 4.5,
                  "bits_budget": 0.0, "allocation": "cap", "distill_lr": DISTILL_LR, **PRESET_OFF, **_PRESET_NO_REFIT,
                  **_DEFAULT_KMEANS},

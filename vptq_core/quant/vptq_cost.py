@@ -101,11 +101,23 @@ def vptq_layer_phases(out_features: int, in_features: int, config: VPTQConfig, t
     return {**phases, "whole": sum(phases.values())}
 
 
+# A bit plan by sensitivity gives many layers smaller codebooks than the capped v{vector_len} k{num_centroids} that
+# ``vptq_seconds`` prices (fewer vectors fitted, cheaper searches): the k-means of whole ``--preset 2.5`` runs took
+# 0.40 (SmolLM2-135M), 0.53 (Gemma-3-270M) and 0.44 (0.5B qwen2 shape) of that price at the run's measured speed
+# (bench/results/presets_cli_spr.txt), so a planned run's k-means is priced at their mean share.
+PLANNED_KMEANS_SHARE = 0.45
+
+
 def vptq_seconds(size: RunSize, config: VPTQConfig) -> float:
     """VPTQ's block work (``Method.cost``): every block linear's phases, each distinct shape priced once (a
-    per-layer plan as the cap allocation of the same budget: it is not known before the run)."""
-    shapes = collections.Counter(size.linear_shapes)
-    return sum(count * vptq_layer_phases(*shape, config)["whole"] for shape, count in shapes.items())
+    per-layer plan as the cap allocation of the same budget: it is not known before the run; its k-means at
+    ``PLANNED_KMEANS_SHARE`` of that)."""
+    kmeans_share = PLANNED_KMEANS_SHARE if config.allocation == "sensitivity" and not config.layer_plan else 1.0
+    total = 0.0
+    for shape, count in collections.Counter(size.linear_shapes).items():
+        phases = vptq_layer_phases(*shape, config)
+        total += count * (phases["whole"] - (1.0 - kmeans_share) * phases["kmeans"])
+    return total
 
 
 def allocation_seconds(size: RunSize, config: VPTQConfig) -> float:
