@@ -144,6 +144,9 @@ def test_a_bit_plans_block_stage_prices_its_k_means_at_the_measured_share_of_the
     capped = dataclasses.replace(planned, allocation="cap", bits_budget=0.0, layer_bits_cap=2.5)
     assert vptq_seconds(size, capped) == pytest.approx(sum(vptq_layer_phases(o, i, capped)["whole"]
                                                            for o, i in size.linear_shapes))
+    made = dataclasses.replace(planned, layer_plan=(("model.layers.0.self_attn.q_proj", 4, 256),))
+    assert vptq_seconds(size, made) == pytest.approx(sum(vptq_layer_phases(o, i, made)["whole"]
+                                                         for o, i in size.linear_shapes))
     # more k-means iterations cost more, by the priced share of their k-means
     more = dataclasses.replace(planned, kmeans_iters=planned.kmeans_iters + 10)
     extra = sum(vptq_layer_phases(o, i, more)["kmeans"] for o, i in size.linear_shapes) - kmeans
