@@ -221,8 +221,16 @@ def test_the_estimate_before_start_bounds_a_planned_run_by_its_budget():
     assert allocation_estimate(info, planned, 64) > 0
     assert allocation_estimate(info, capped, 64) == 0
     assert allocation_estimate(info, dataclasses.replace(planned, layer_plan=(("x", 4, 16),)), 64) == 0
+    # ... and its block stage is priced lower than the capped one: the plan's smaller codebooks (their k-means at
+    # the share whole runs measured, tests/quant/test_cost.py)
+    from vptq_core.quant.cost import stage_seconds
+    from vptq_core.studio.estimate import run_size
+
+    vptq, size = methods.get("vptq"), run_size(info, 4, 64)
+    saved = stage_seconds(vptq, size, capped)["blocks"] - stage_seconds(vptq, size, planned)["blocks"]
+    assert saved > 0.0
     assert time_estimate(info, planned, 4, 64) == pytest.approx(
-        time_estimate(info, capped, 4, 64) + allocation_estimate(info, planned, 64))
+        time_estimate(info, capped, 4, 64) + allocation_estimate(info, planned, 64) - saved)
 
 
 def test_the_measured_windows_spread_over_text_and_self_written_ones():
