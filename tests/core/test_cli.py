@@ -65,6 +65,7 @@ FLAGS = {
     "--res-centroids": ("num_res_centroids", "int"), "--outlier-percent": ("outlier_percent", "float"),
     "--outlier-vector-len": ("outlier_vector_len", "int"), "--outlier-centroids": ("outlier_centroids", "int"),
     "--groups": ("group_num", "int"), "--norm": ("enable_norm", "bool"), "--perm": ("enable_perm", "bool"),
+    "--codebook-bits": ("codebook_bits", "int"),
     "--kmeans-iters": ("kmeans_iters", "int"), "--finetune-iters": ("finetune_iters", "int"),
     "--layer-bits-cap": ("layer_bits_cap", "float"), "--bits-budget": ("bits_budget", "float"),
     "--allocation": ("allocation", "choice:cap,sensitivity"), "--no-second-order": ("second_order", "false"),

@@ -186,7 +186,7 @@ def test_builtin_form_layout_comes_from_the_declarations():
     assert layout == {
         "VPTQ": ([["vector length", "centroids (power of 2)", "residual centroids (0 = none)"],
                   ["outlier columns %", "groups", "k-means iterations"],
-                  ["normalize columns", "permute columns (Hessian order)"],
+                  ["normalize columns", "permute columns (Hessian order)", "codebook bits"],
                   ["fine-tune iterations", "codebook refit steps (after the sweep; 0 = off)"],
                   ["total bits budget (0 = off)", "max total bits per layer (0 = off)",
                    "bits allocation (sensitivity = measured per layer)"]], ("vptq",)),

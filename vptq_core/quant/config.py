@@ -24,6 +24,8 @@ __all__ = [
 
 DISTILL_DATA = ("calibration", "sampled", "mixed")  # DistillSettings.distill_data
 ALLOCATIONS = ("cap", "sensitivity")  # VPTQConfig.allocation
+# VPTQConfig.codebook_bits: how a codebook entry is stored (quant/codebook_grid.py)
+CODEBOOK_BITS = {16: "the model's float dtype, the public format", 8: "int8, a float32 scale per dimension"}
 ACT_GRANULARITIES = ("token", "token_asym", "tensor")  # act_granularity of the scalar methods
 
 # The groups the settings are shown in, in the order the app's form and --help show them (a new method's own
@@ -215,6 +217,10 @@ class VPTQConfig(DistillSettings):
                                 help="per-input-column normalisation")
     enable_perm: bool = setting(True, label="permute columns", hint="Hessian order", flag="--perm", row=2,
                                 group=VPTQ_GROUP, help="process columns by decreasing Hessian diagonal")
+    # 8: every codebook stored as int8 entries with a float32 scale per dimension (quant/codebook_grid.py), half
+    # the codebook bits, which a bits budget spends on index bits; 16: the model's float dtype, the public format.
+    codebook_bits: int = setting(16, choices=CODEBOOK_BITS, label="codebook bits", row=2, group=VPTQ_GROUP,
+                                 help="bits per stored codebook entry: 16 (public format) or 8")
     # Lloyd iterations on at most kmeans_sample vectors (and at most 64 per centroid): 5 iterations lose little
     # proxy loss against 10 at two thirds of the time, while a smaller sample loses more.
     kmeans_iters: int = setting(5, lo=0, hi=1000, label="k-means iterations", row=1, group=VPTQ_GROUP,

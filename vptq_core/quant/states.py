@@ -28,6 +28,7 @@ from vptq_core.kernels import VQSpec
 from vptq_core.kernels.reference import scalar_expand, vq_expand
 
 from .bits import BitsInfo, scalar_bits, vq_bits
+from .codebook_grid import snap
 
 
 @dataclass
@@ -39,6 +40,8 @@ class VQLayerState:
       res_centroids [G, k_res*v] | None; res_indices [G, R, group_size] | None;
       outlier_centroids [1, k_o*vo] | None; outlier_indices [1, Ro, outlier_size] | None;
       perm [in] int64 | None; weight_scale, weight_bias [in] | None; bias [out] | None.
+    codebook_bits 8: the codebooks are stored as int8 and a scale per dimension (``codebook_grid``); the
+    float tensors here then hold the grid's values (``snap_codebooks``).
     """
 
     in_features: int
@@ -61,8 +64,11 @@ class VQLayerState:
     weight_scale: torch.Tensor | None = None
     weight_bias: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    codebook_bits: int = 16
 
     def __post_init__(self) -> None:
+        if self.codebook_bits not in (8, 16):
+            raise ValueError(f"codebook_bits must be 16 or 8, got {self.codebook_bits!r}")
         rows = math.ceil(self.out_features / self.vector_len)
         expected = (self.group_num, rows, self.group_size)
         if tuple(self.indices.shape) != expected:
@@ -100,9 +106,27 @@ class VQLayerState:
         return VQSpec.from_state(self)
 
     def layer_config(self) -> dict:
-        """The per-layer entry of ``quantization_config["config_for_layers"]`` (public VPTQ schema)."""
-        return self.spec.layer_config(bias=self.bias is not None, enable_norm=self.enable_norm,
-                                      enable_perm=self.enable_perm)
+        """The per-layer entry of ``quantization_config["config_for_layers"]`` (public VPTQ schema; with 8-bit
+        codebooks, its ``codebook_bits`` key besides)."""
+        config = self.spec.layer_config(bias=self.bias is not None, enable_norm=self.enable_norm,
+                                        enable_perm=self.enable_perm)
+        return {**config, "codebook_bits": 8} if self.codebook_bits == 8 else config
+
+    def codebook_tables(self) -> dict[str, tuple[torch.Tensor, int]]:
+        """Name -> (codebook table, its vector length) of every codebook this layer has."""
+        tables = {"centroids": (self.centroids, self.vector_len)}
+        if self.res_centroids is not None:
+            tables["res_centroids"] = (self.res_centroids, self.vector_len)
+        if self.outlier_centroids is not None:
+            tables["outlier_centroids"] = (self.outlier_centroids, self.outlier_vector_len)
+        return tables
+
+    def snap_codebooks(self) -> None:
+        """With 8-bit codebooks, put every codebook on its grid (in place: after training moved them); else
+        nothing."""
+        if self.codebook_bits == 8:
+            for name, (table, v) in self.codebook_tables().items():
+                setattr(self, name, snap(table, v))
 
     def dequantize(self) -> torch.Tensor:
         """Ŵ [out, in] in the dtype of ``centroids`` (``kernels.reference.vq_expand``; differentiable in the
@@ -116,7 +140,7 @@ class VQLayerState:
         return vq_bits(
             self.out_features, self.in_features, self.vector_len, self.num_centroids,
             max(self.num_res_centroids, 0), self.outlier_size, self.outlier_vector_len,
-            self.num_outlier_centroids, self.group_num, self.enable_norm, self.enable_perm,
+            self.num_outlier_centroids, self.group_num, self.enable_norm, self.enable_perm, self.codebook_bits,
         )
 
 

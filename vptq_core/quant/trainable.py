@@ -275,6 +275,8 @@ def write_states(linears: dict[str, nn.Module], trainables: dict[str, CodebookLi
             state = states[name]
             for key, value in layer.trained().items():
                 setattr(state, key, value)
+            if isinstance(state, VQLayerState):
+                state.snap_codebooks()  # 8-bit codebooks: back on the grid the checkpoint stores
             linear = linears[name]
             if linear.bias is not None:
                 ref = state.bias if state.bias is not None else linear.bias

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .allocate import budget_for_model
+from .codebook_grid import snap
 from .config import DISTILL_LR, PRESET_BUDGET, PRESET_OFF, VPTQConfig
 from .distill_hook import DISTILL_HOOK, settings_needs
 from .hessian import inverse_hessian_cholesky, prepare_hessian, proxy_loss
@@ -151,6 +152,13 @@ def _segment_weights(diag: torch.Tensor, seg: _Segment, vectors: torch.Tensor) -
     return diag[seg.start : seg.end].repeat_interleave(rows)
 
 
+def _stored(centroids: torch.Tensor, vector_len: int, config: VPTQConfig) -> torch.Tensor:
+    """A fitted codebook [k, v] as the checkpoint will store it: on its 8-bit grid with ``codebook_bits`` 8, so
+    the sweep assigns against the stored centroids."""
+    return snap(centroids.reshape(1, -1), vector_len).reshape(centroids.shape) if config.codebook_bits == 8 \
+        else centroids
+
+
 def fit_codebooks(W: torch.Tensor, diag: torch.Tensor, layout: ColumnLayout, config: VPTQConfig) -> None:
     """Hessian-weighted k-means codebook per segment, on the (normalised, permuted) weight W [out, in]."""
     for s, seg in enumerate(layout.segments):
@@ -160,6 +168,7 @@ def fit_codebooks(W: torch.Tensor, diag: torch.Tensor, layout: ColumnLayout, con
             vectors, _segment_weights(diag, seg, vectors), k, config.kmeans_iters, seed=config.seed + s,
             sample=fit_sample(config, k),
         ).centroids
+        seg.centroids = _stored(seg.centroids, seg.vector_len, config)
 
 
 def fit_residual_codebooks(residuals: dict[int, list[torch.Tensor]], diag: torch.Tensor, layout: ColumnLayout,
@@ -172,6 +181,7 @@ def fit_residual_codebooks(residuals: dict[int, list[torch.Tensor]], diag: torch
             vectors, _segment_weights(diag, seg, vectors), config.num_res_centroids, config.kmeans_iters,
             seed=config.seed + 1000 + s, sample=fit_sample(config, config.num_res_centroids),
         ).centroids
+        seg.res_centroids = _stored(seg.res_centroids, seg.vector_len, config)
 
 
 def compact_indices(indices: torch.Tensor, codes: int) -> torch.Tensor:
@@ -188,7 +198,7 @@ def build_state(layout: ColumnLayout, config: VPTQConfig, out_features: int, in_
     main = layout.main_segments
     residual = config.num_res_centroids > 0
     outliers = layout.segments[0] if layout.outlier_size else None
-    return VQLayerState(
+    state = VQLayerState(
         in_features=in_features, out_features=out_features, vector_len=config.vector_len,
         num_centroids=config.num_centroids, group_num=config.group_num, group_size=layout.group_size,
         centroids=torch.stack([seg.centroids.reshape(-1) for seg in main]),
@@ -203,8 +213,10 @@ def build_state(layout: ColumnLayout, config: VPTQConfig, out_features: int, in_
         outlier_centroids=outliers.centroids.reshape(1, -1) if outliers else None,
         outlier_indices=outliers.indices.unsqueeze(0) if outliers else None,
         perm=layout.perm, weight_scale=weight_scale, weight_bias=weight_bias,
-        bias=None if bias is None else bias.detach().clone(),
+        bias=None if bias is None else bias.detach().clone(), codebook_bits=config.codebook_bits,
     )
+    state.snap_codebooks()  # a refit moved them off the grid
+    return state
 
 
 def vptq_quantize(
@@ -322,21 +334,26 @@ DISTILL_LR_3BIT = 1.25e-3
 _PRESET_DISTILL = {"distill_data": "calibration", "distill_samples": 16, "distill_eval_every": 8, **PRESET_BUDGET}
 _PRESET_NO_REFIT = {"refit_iters": 0}  # every VPTQ preset leaves the codebook refit off: it did not help them
 # 20 k-means iterations, not the default 5: on the dev split the "2.5 bits" recipe's KL fell 4.0% on wiki and 2.6%
-# on pydocs (3 seeds), the "3.5 bits" one's 5.6% and 6.1% (2 seeds), every seed lower on both texts, for about 25 s
+# on pydocs (3 seeds), the "3.5 bits" one's 5.6% and 6.1% (2 seeds), every seed lower on both texts, for about 22 s
 # more of the block stage on the bundled model (bench/results/presets_cli_dev_spr.txt). Every preset names its
 # iterations, so picking one resets the form's.
 _PRESET_KMEANS = {"kmeans_iters": 20}
-_DEFAULT_KMEANS = {"kmeans_iters": 5}
+_DEFAULT_KMEANS = {"kmeans_iters": VPTQConfig().kmeans_iters}
+# 8-bit codebooks (codebook_grid.py): the plan spends the bits they save on index bits and larger codebooks. On the
+# dev split the "2.5 bits" recipe's KL fell 4.7% / 6.5% on wiki and 7.1% / 7.0% on pydocs (seeds 0 and 1; every
+# seed lower on both texts; bench/results/presets_cli_dev_spr.txt).
+_CODEBOOK_8 = {"codebook_bits": 8}
+_CODEBOOK_16 = {"codebook_bits": 16}
 PRESETS = {
     "2.5 bits": {"vector_len": 6, "num_centroids": 4096, "num_res_centroids": 0, "bits_budget": 2.5,
                  "layer_bits_cap": 0.0, "allocation": "sensitivity", "distill_iters": 80, "distill_lr": DISTILL_LR,
-                 "calib_sampled_share": 0.75, **_PRESET_DISTILL, **_PRESET_NO_REFIT, **_PRESET_KMEANS},
+                 "calib_sampled_share": 0.75, **_PRESET_DISTILL, **_PRESET_NO_REFIT, **_PRESET_KMEANS, **_CODEBOOK_8},
     "3.5 bits": {"vector_len": 4, "num_centroids": 4096, "num_res_centroids": 0, "layer_bits_cap": 0.0,
                  "bits_budget": 3.5, "allocation": "sensitivity", "distill_iters": 48, "distill_lr": DISTILL_LR_3BIT,
-                 "calib_sampled_share": 0.75, **_PRESET_DISTILL, **_PRESET_NO_REFIT, **_PRESET_KMEANS},
+                 "calib_sampled_share": 0.75, **_PRESET_DISTILL, **_PRESET_NO_REFIT, **_PRESET_KMEANS, **_CODEBOOK_16},
     "4.5 bits": {"vector_len": 4, "num_centroids": 256, "num_res_centroids": 256, "layer_bits_cap": 4.5,
                  "bits_budget": 0.0, "allocation": "cap", "distill_lr": DISTILL_LR, **PRESET_OFF, **_PRESET_NO_REFIT,
-                 **_DEFAULT_KMEANS},
+                 **_DEFAULT_KMEANS, **_CODEBOOK_16},
 }
 _NO_BUDGET = {"time_budget": 0.0, "time_budget_scale": "fixed"}
 PRESETS["2.5-best"] = {**PRESETS["2.5 bits"], "distill_iters": 128, "distill_eval_every": 16, **_NO_BUDGET}

@@ -62,5 +62,5 @@ def shape_bits(config: VPTQConfig, out_features: int, in_features: int) -> BitsI
     return vq_bits(
         out_features, in_features, config.vector_len, config.num_centroids, config.num_res_centroids, outliers,
         config.outlier_vector_len, config.outlier_centroids, config.group_num, config.enable_norm,
-        config.enable_perm or outliers > 0,
+        config.enable_perm or outliers > 0, config.codebook_bits,
     )

@@ -62,7 +62,9 @@ _SAFETENSORS_DTYPES = {
     torch.int64: "I64", torch.uint8: "U8", torch.int8: "I8", torch.bool: "BOOL", torch.float64: "F64",
 }
 _INDEX_TENSORS = ("indices", "outlier_indices", "codes")
-_CODEBOOK_TENSORS = ("centroids.weight", "res_centroids.weight", "outlier_centroids.weight")
+_INT8_CODEBOOK_SCALES = "centroids.scale"  # the end of every 8-bit codebook's scale name (res_, outlier_ too)
+_CODEBOOK_TENSORS = ("centroids.weight", "res_centroids.weight", "outlier_centroids.weight",
+                     "centroids.scale", "res_centroids.scale", "outlier_centroids.scale")  # scales: 8-bit ones
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -619,6 +621,8 @@ def _check_tensor_values(name: str, tensor: torch.Tensor, module: nn.Module, wha
             if values.numel() and int(values.max()) >= spec.num_outlier_centroids:
                 raise ValueError(f"tensor {name!r}: outlier index {int(values.max())} >= num_outlier_centroids "
                                  f"({spec.num_outlier_centroids})")
+        elif what == "scale" and (not bool(torch.isfinite(tensor).all()) or bool((tensor <= 0).any())):
+            raise ValueError(f"tensor {name!r}: an 8-bit codebook's scales must be positive and finite")
         elif what == "perm":
             values = tensor.to(torch.int64) & 0xFFFF
             if not torch.equal(torch.sort(values).values, torch.arange(spec.in_features)):
@@ -745,7 +749,10 @@ def _read_checked_tensors(
         for name, like in expected.items():
             slice_ = f.get_slice(name)
             shape, stored = tuple(slice_.get_shape()), slice_.get_dtype()
-            want = _SAFETENSORS_DTYPES[stored_dtype if like.is_floating_point() else like.dtype]
+            # an 8-bit codebook's scales are float32 whatever the model's dtype, and stay so
+            float32 = name.endswith(_INT8_CODEBOOK_SCALES)
+            want = _SAFETENSORS_DTYPES[torch.float32 if float32 else
+                                       stored_dtype if like.is_floating_point() else like.dtype]
             if shape != tuple(like.shape):
                 raise ValueError(f"{weights_path}: tensor {name!r} has shape {shape}, expected {tuple(like.shape)}")
             # 1-D float tensors (norms, biases) may be float32 beside the stored dtype (``plain_tensor_dtype``)
@@ -760,7 +767,7 @@ def _read_checked_tensors(
             module = modules.get(owner) or modules.get(owner.rpartition(".")[0])
             if module is not None:
                 _check_tensor_values(name, tensor, module, what)
-            tensors[name] = tensor.to(target_dtype) if tensor.is_floating_point() else tensor
+            tensors[name] = tensor.to(target_dtype) if tensor.is_floating_point() and not float32 else tensor
     return tensors
 
 

@@ -12,6 +12,10 @@ packed indices), under the same state-dict names, so checkpoints written from it
     weight_scale, weight_bias [in]              model dtype   (norm)
     bias                  [out]                 model dtype
 
+With ``codebook_bits`` 8 in the layer config (this project's extension, which the public reader does not know),
+every ``<codebook>.weight`` is int8 and a ``<codebook>.scale`` [G (1 for outliers), v] float32 comes beside it
+(``quant.codebook_grid``); the module computes the float table the kernels read once, when the tensors arrive.
+
 ``ScalarQLinear`` holds bit-packed integer codes with per-(row, group) scales and zero points (RTN, GPTQ, LRQ)
 and optionally fake-quantizes its input activations. No dense weight is ever cached: each module binds its
 tensors to a ``kernels`` backend once (``kernels.bind_vq`` / ``bind_scalar``: checked, prepared, backend
@@ -45,6 +49,7 @@ from vptq_core.kernels.ops import backend_module
 
 from ..quant.act_quant import _EPS as _ACT_EPS
 from ..quant.act_quant import asym_token_grid, quantize_activations
+from ..quant.codebook_grid import from_grid, to_grid
 from ..quant.config import ACT_GRANULARITIES
 from ..quant.states import ScalarLayerState, VQLayerState
 
@@ -57,6 +62,8 @@ VQ_CONFIG_KEYS = (
 _VQ_OPTIONAL_KEYS = {"bias": False, "enable_norm": False, "enable_perm": False, "indices_as_float": False,
                      "is_indice_packed": True, "outlier_size": 0}
 _VQ_IGNORED_KEYS = {"vector_quant_dim": "out", "enable_proxy_error": None}
+# This project's own keys (the public reader does not know them), with the value that means their absence.
+_VQ_EXTENSION_KEYS = {"codebook_bits": 16}
 
 SCALAR_CONFIG_KEYS = (
     "act_bits", "act_granularity", "bias", "bits", "group_size", "in_features", "method", "out_features",
@@ -70,8 +77,52 @@ class Codebook(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device), requires_grad=False)
 
+    @property
+    def table(self) -> torch.Tensor:
+        """The float table the kernels read."""
+        return self.weight
+
+    def fill(self, table: torch.Tensor) -> None:
+        """Set from a state's table (cast to this codebook's dtype)."""
+        self.weight.copy_(table)
+
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, {self.weight.shape[1]}"
+
+
+class Int8Codebook(nn.Module):
+    """An 8-bit codebook as stored (``quant.codebook_grid``): ``weight`` int8 [rows, cols] and ``scale`` float32
+    [rows, v], whatever the model's dtype; ``table``, the float table the kernels read, in the model's dtype, is
+    computed from them when they are filled or loaded and is not stored."""
+
+    def __init__(self, rows: int, cols: int, vector_len: int, dtype: torch.dtype | None = None, device=None) -> None:
+        super().__init__()
+        self.vector_len = vector_len
+        self.register_buffer("weight", torch.zeros(rows, cols, dtype=torch.int8, device=device))
+        self.register_buffer("scale", torch.ones(rows, vector_len, dtype=torch.float32, device=device))
+        self.register_buffer("table", torch.zeros(rows, cols, dtype=dtype, device=device), persistent=False)
+        self.register_load_state_dict_post_hook(lambda module, _keys: module.refresh())
+
+    def fill(self, table: torch.Tensor) -> None:
+        """Set from a state's table: its grid codes and scales, then the table they give."""
+        codes, scale = to_grid(table, self.vector_len)
+        self.weight.copy_(codes)
+        self.scale.copy_(scale)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """``table`` from ``weight`` and ``scale`` (after they were loaded or edited in place)."""
+        if self.weight.device.type != "meta":
+            self.table = from_grid(self.weight, self.scale, self.vector_len).to(self.weight.device, self.table.dtype)
+
+    def _apply(self, fn, recurse=True):  # .to(dtype) converts the table; the scale stays float32
+        scale = self.scale
+        super()._apply(fn, recurse)
+        self._buffers["scale"] = scale.to(self.weight.device)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, {self.weight.shape[1]}, int8"
 
 
 def _as_uint16_pattern(values: torch.Tensor, name: str) -> torch.Tensor:
@@ -102,9 +153,13 @@ def vq_spec_from_config(layer_config: dict) -> VQSpec:
         raise ValueError(  # noqa: TRY004 - a malformed config file is a bad value
             f"a VPTQ layer config must be a JSON object, got {type(layer_config).__name__}"
         )
-    unknown = set(layer_config) - set(VQ_CONFIG_KEYS) - set(_VQ_IGNORED_KEYS)
+    unknown = set(layer_config) - set(VQ_CONFIG_KEYS) - set(_VQ_IGNORED_KEYS) - set(_VQ_EXTENSION_KEYS)
     if unknown:
-        raise ValueError(f"unknown VPTQ layer config keys {sorted(unknown)}; allowed: {list(VQ_CONFIG_KEYS)}")
+        raise ValueError(f"unknown VPTQ layer config keys {sorted(unknown)}; allowed: "
+                         f"{[*VQ_CONFIG_KEYS, *_VQ_EXTENSION_KEYS]}")
+    codebook_bits = layer_config.get("codebook_bits", 16)
+    if isinstance(codebook_bits, bool) or codebook_bits not in (16, 8):
+        raise ValueError(f"codebook_bits must be 16 or 8, got {codebook_bits!r}")
     missing = [k for k in VQ_CONFIG_KEYS if k not in layer_config and k not in _VQ_OPTIONAL_KEYS]
     if missing:
         raise ValueError(f"VPTQ layer config misses keys {missing}")
@@ -233,6 +288,7 @@ class VQLinear(_BoundLinear):
         bias: bool = False,
         indices_as_float: bool = False,
         is_indice_packed: bool = True,
+        codebook_bits: int = 16,
         dtype: torch.dtype | None = None,
         device=None,
         **ignored,
@@ -243,23 +299,27 @@ class VQLinear(_BoundLinear):
             "num_centroids": list(num_centroids), "num_res_centroids": list(num_res_centroids),
             "group_num": group_num, "group_size": group_size, "outlier_size": outlier_size,
             "enable_norm": enable_norm, "enable_perm": enable_perm, "bias": bias,
-            "indices_as_float": indices_as_float, "is_indice_packed": is_indice_packed, **ignored,
+            "indices_as_float": indices_as_float, "is_indice_packed": is_indice_packed, "codebook_bits": codebook_bits,
+            **ignored,
         }
         self.spec = vq_spec_from_config(config)
         spec = self.spec
         self.in_features, self.out_features = spec.in_features, spec.out_features
         self.enable_norm, self.enable_perm = enable_norm, enable_perm
         float_kw = {"dtype": dtype, "device": device}
-        self.centroids = Codebook(spec.group_num, spec.num_centroids * spec.vector_len, **float_kw)
-        self.res_centroids = (
-            Codebook(spec.group_num, spec.num_res_centroids * spec.vector_len, **float_kw)
+        self.codebook_bits = codebook_bits
+
+        def codebook(rows: int, k: int, v: int) -> Codebook | Int8Codebook:
+            return Int8Codebook(rows, k * v, v, **float_kw) if codebook_bits == 8 else Codebook(rows, k * v, **float_kw)
+
+        self.centroids = codebook(spec.group_num, spec.num_centroids, spec.vector_len)
+        self.res_centroids = codebook(spec.group_num, spec.num_res_centroids, spec.vector_len) \
             if spec.has_residual else None
-        )
         self.register_buffer(
             "indices", torch.zeros(spec.group_num, spec.rows, spec.packed_words, dtype=torch.int32, device=device)
         )
         if spec.has_outliers:
-            self.outlier_centroids = Codebook(1, spec.num_outlier_centroids * spec.outlier_vector_len, **float_kw)
+            self.outlier_centroids = codebook(1, spec.num_outlier_centroids, spec.outlier_vector_len)
             self.register_buffer(
                 "outlier_indices",
                 torch.zeros(1, spec.outlier_rows, spec.outlier_size, dtype=torch.int16, device=device),
@@ -297,18 +357,18 @@ class VQLinear(_BoundLinear):
         spec = module.spec
         device = module.indices.device
         with torch.no_grad():
-            module.centroids.weight.copy_(state.centroids)
+            module.centroids.fill(state.centroids)
             module.indices.copy_(pack_indices(
                 state.indices.to(device), spec.index_bits,
                 None if state.res_indices is None else state.res_indices.to(device), spec.res_bits,
             ))
             if spec.has_residual:
-                module.res_centroids.weight.copy_(state.res_centroids)
+                module.res_centroids.fill(state.res_centroids)
             if spec.has_outliers:
                 outlier_indices = state.outlier_indices.to(torch.int64)
                 if int(outlier_indices.max()) >= spec.num_outlier_centroids or int(outlier_indices.min()) < 0:
                     raise ValueError(f"outlier_indices must be in [0, {spec.num_outlier_centroids})")
-                module.outlier_centroids.weight.copy_(state.outlier_centroids)
+                module.outlier_centroids.fill(state.outlier_centroids)
                 module.outlier_indices.copy_(_as_uint16_pattern(outlier_indices, "outlier_indices"))
             if state.perm is not None:
                 module.perm.copy_(_as_uint16_pattern(state.perm, "perm"))
@@ -320,17 +380,18 @@ class VQLinear(_BoundLinear):
         return module
 
     def layer_config(self) -> dict:
-        """The public ``config_for_layers`` entry of this module."""
-        return self.spec.layer_config(bias=self.bias is not None, enable_norm=self.enable_norm,
-                                      enable_perm=self.enable_perm)
+        """The public ``config_for_layers`` entry of this module (with 8-bit codebooks, ``codebook_bits``)."""
+        config = self.spec.layer_config(bias=self.bias is not None, enable_norm=self.enable_norm,
+                                        enable_perm=self.enable_perm)
+        return {**config, "codebook_bits": 8} if self.codebook_bits == 8 else config
 
     def weights(self) -> VQWeights:
         """This module's tensors as the kernels take them."""
         return VQWeights(
-            indices=self.indices, centroids=self.centroids.weight,
-            res_centroids=None if self.res_centroids is None else self.res_centroids.weight,
+            indices=self.indices, centroids=self.centroids.table,
+            res_centroids=None if self.res_centroids is None else self.res_centroids.table,
             outlier_indices=self.outlier_indices,
-            outlier_centroids=None if self.outlier_centroids is None else self.outlier_centroids.weight,
+            outlier_centroids=None if self.outlier_centroids is None else self.outlier_centroids.table,
             perm=self.perm, weight_scale=self.weight_scale, weight_bias=self.weight_bias, bias=self.bias,
         )
 
