@@ -79,8 +79,15 @@ SMOLLM2 = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 5
 
 def test_bits_budget_resolves_to_its_cap_once_and_refuses_a_different_cap():
     # the "2.5 bits" preset's budget as the cap allocator spends it (the preset itself plans per layer by sensitivity)
-    preset = dataclasses.replace(methods.get("vptq").make_config(methods.get("vptq").preset("2.5 bits")),
+    chosen = dataclasses.replace(methods.get("vptq").make_config(methods.get("vptq").preset("2.5 bits")),
                                  allocation="cap")
+    # with the preset's 8-bit codebooks every layer fits v6 k4096 (2 index bits) well under the budget
+    eight = chosen.for_model(SMOLLM2)
+    layouts = {(layer_config(eight, *shape).vector_len, layer_config(eight, *shape).num_centroids)
+               for shape in set(SMOLLM2)}
+    assert chosen.codebook_bits == 8 and layouts == {(6, 4096)}
+    assert 2.43 < methods.get("vptq").model_bits(chosen, SMOLLM2).total_bits_per_weight < 2.45
+    preset = dataclasses.replace(chosen, codebook_bits=16)  # 16-bit codebooks: the cap steps the small layers down
     assert preset.bits_budget == 2.5 and preset.layer_bits_cap == 0.0
     resolved = preset.for_model(SMOLLM2)
     cap, bits = cap_for_budget(dataclasses.replace(preset, bits_budget=0.0), SMOLLM2, 2.5)

@@ -149,3 +149,23 @@ def test_a_codebook_width_other_than_16_or_8_is_refused(checkpoint, tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="codebook_bits must be 16 or 8, got 4"):
         load_quantized(path)
+
+
+def test_transformers_loads_and_saves_it_as_load_quantized_does(checkpoint, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from vptq_core.storage import hf_integration
+
+    hf_integration.install()
+    path = checkpoint[0]
+    ours, _ = load_quantized(path)
+    theirs = AutoModelForCausalLM.from_pretrained(str(path))
+    q = theirs.get_submodule(Q)
+    assert q.centroids.scale.dtype == torch.float32 and q.centroids.table.dtype == torch.bfloat16
+    theirs_sd = theirs.state_dict()
+    for key, tensor in ours.state_dict().items():
+        assert tensor.dtype == theirs_sd[key].dtype and torch.equal(tensor, theirs_sd[key]), key
+    torch.testing.assert_close(_logits(theirs), _logits(ours), rtol=0, atol=0)
+    theirs.save_pretrained(str(tmp_path / "resaved"))
+    again, _ = load_quantized(tmp_path / "resaved")
+    torch.testing.assert_close(_logits(again), _logits(ours), rtol=0, atol=0)

@@ -87,9 +87,9 @@ def test_time_estimate_of_the_presets_matches_their_runs(monkeypatch):
     from vptq_core.studio.estimate import plan_estimate, time_estimate, vptq_layer_phases
 
     info = model_info("smollm2-135m-instruct")
-    # those runs checkpointed the blocks during distillation, had no time budget and ran 5 k-means iterations;
-    # "2.5 bits" capped every layer at 2.5 bits then (its total-bits budget came later)
-    measured = {"distill_checkpointing": True, "time_budget": 0.0, "kmeans_iters": 5}
+    # those runs checkpointed the blocks during distillation, had no time budget, ran 5 k-means iterations and
+    # stored 16-bit codebooks; "2.5 bits" capped every layer at 2.5 bits then (its total-bits budget came later)
+    measured = {"distill_checkpointing": True, "time_budget": 0.0, "kmeans_iters": 5, "codebook_bits": 16}
     two = VPTQConfig(**{**PRESETS["2.5 bits"], "distill_iters": 32, "bits_budget": 0.0, "layer_bits_cap": 2.5,
                         "allocation": "cap",
                         **measured})

@@ -92,37 +92,46 @@ class Codebook(nn.Module):
 
 class Int8Codebook(nn.Module):
     """An 8-bit codebook as stored (``quant.codebook_grid``): ``weight`` int8 [rows, cols] and ``scale`` float32
-    [rows, v], whatever the model's dtype; ``table``, the float table the kernels read, in the model's dtype, is
-    computed from them when they are filled or loaded and is not stored."""
+    [rows, v], whatever the model's dtype. ``table``, the float table the kernels read, is computed from them in
+    ``dtype`` (the model's: ``.to(dtype)`` changes it) whenever they or it changed, so it follows ``fill``,
+    ``load_state_dict``, transformers' loading and ``.to`` alike; it is not stored."""
 
     def __init__(self, rows: int, cols: int, vector_len: int, dtype: torch.dtype | None = None, device=None) -> None:
         super().__init__()
         self.vector_len = vector_len
+        self.dtype = dtype or torch.get_default_dtype()
         self.register_buffer("weight", torch.zeros(rows, cols, dtype=torch.int8, device=device))
         self.register_buffer("scale", torch.ones(rows, vector_len, dtype=torch.float32, device=device))
-        self.register_buffer("table", torch.zeros(rows, cols, dtype=dtype, device=device), persistent=False)
-        self.register_load_state_dict_post_hook(lambda module, _keys: module.refresh())
+        self._table: torch.Tensor | None = None
+        self._made_from: tuple | None = None
 
     def fill(self, table: torch.Tensor) -> None:
-        """Set from a state's table: its grid codes and scales, then the table they give."""
+        """Set from a state's table: its grid codes and scales."""
         codes, scale = to_grid(table, self.vector_len)
         self.weight.copy_(codes)
         self.scale.copy_(scale)
-        self.refresh()
 
-    def refresh(self) -> None:
-        """``table`` from ``weight`` and ``scale`` (after they were loaded or edited in place)."""
-        if self.weight.device.type != "meta":
-            self.table = from_grid(self.weight, self.scale, self.vector_len).to(self.weight.device, self.table.dtype)
+    @property
+    def table(self) -> torch.Tensor:
+        """The float table [rows, cols] in ``dtype``, on ``weight``'s device."""
+        source = (self.weight.data_ptr(), self.weight._version, self.scale.data_ptr(), self.scale._version,
+                  self.weight.device, self.dtype)
+        if source != self._made_from or self._table is None:
+            if self.weight.device.type == "meta":
+                return torch.empty(self.weight.shape, dtype=self.dtype, device="meta")
+            table = from_grid(self.weight, self.scale.to(self.weight.device), self.vector_len)
+            self._table, self._made_from = table.to(self.dtype), source
+        return self._table
 
-    def _apply(self, fn, recurse=True):  # .to(dtype) converts the table; the scale stays float32
+    def _apply(self, fn, recurse=True):  # .to(dtype) changes the table's dtype; the scale stays float32
         scale = self.scale
         super()._apply(fn, recurse)
         self._buffers["scale"] = scale.to(self.weight.device)
+        self.dtype = fn(torch.zeros(0, dtype=self.dtype)).dtype
         return self
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, {self.weight.shape[1]}, int8"
+        return f"{self.weight.shape[0]}, {self.weight.shape[1]}, int8, {self.dtype}"
 
 
 def _as_uint16_pattern(values: torch.Tensor, name: str) -> torch.Tensor:
