@@ -14,7 +14,7 @@ packed indices), under the same state-dict names, so checkpoints written from it
 
 With ``codebook_bits`` 8 in the layer config (this project's extension, which the public reader does not know),
 every ``<codebook>.weight`` is int8 and a ``<codebook>.scale`` [G (1 for outliers), v] float32 comes beside it
-(``quant.codebook_grid``); the module computes the float table the kernels read once, when the tensors arrive.
+(``quant.codebook_grid``); the module computes the float table the kernels read from them (``Int8Codebook``).
 
 ``ScalarQLinear`` holds bit-packed integer codes with per-(row, group) scales and zero points (RTN, GPTQ, LRQ)
 and optionally fake-quantizes its input activations. No dense weight is ever cached: each module binds its
