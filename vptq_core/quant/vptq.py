@@ -341,7 +341,9 @@ _PRESET_KMEANS = {"kmeans_iters": 20}
 _DEFAULT_KMEANS = {"kmeans_iters": VPTQConfig().kmeans_iters}
 # 8-bit codebooks (codebook_grid.py): the plan spends the bits they save on index bits and larger codebooks. On the
 # dev split the "2.5 bits" recipe's KL fell 4.7% / 6.5% on wiki and 7.1% / 7.0% on pydocs (seeds 0 and 1; every
-# seed lower on both texts; bench/results/presets_cli_dev_spr.txt).
+# seed lower on both texts; bench/results/presets_cli_dev_spr.txt). The "3.5 bits" recipe keeps 16-bit ones: with 8-bit
+# ones its plan bought larger codebooks for little more index bits, and its dev KL was mixed (wiki +3.7% / +1.9%,
+# pydocs -3.5% / +0.2%) for 4x the k-means time.
 _CODEBOOK_8 = {"codebook_bits": 8}
 _CODEBOOK_16 = {"codebook_bits": 16}
 PRESETS = {
