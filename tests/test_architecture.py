@@ -265,6 +265,7 @@ TEST_HOMES = {
     "test_quantized_linear.py": "storage",
     "test_head_bits.py": "storage",
     "test_vptq_compat.py": "storage",
+    "test_codebook_bits_checkpoint.py": "storage",
     "test_eval_bos.py": "core",
     "test_app_chat.py": "studio",
     "test_app_runs.py": "studio",
