@@ -117,8 +117,7 @@ class Int8Codebook(nn.Module):
         source = (self.weight.data_ptr(), self.weight._version, self.scale.data_ptr(), self.scale._version,
                   self.weight.device, self.dtype)
         if source != self._made_from or self._table is None:
-            if self.weight.device.type == "meta":
-                return torch.empty(self.weight.shape, dtype=self.dtype, device="meta")
+            # on the codes' device (on "meta", a table of the right shape and no data)
             table = from_grid(self.weight, self.scale.to(self.weight.device), self.vector_len)
             self._table, self._made_from = table.to(self.dtype), source
         return self._table
