@@ -92,6 +92,11 @@ def test_the_quantizer_assigns_against_the_stored_grid_and_counts_its_bits(corre
     # a few percent, as the sweep's choices differ), far from the next coarser layout's
     coarse = vptq_quantize(W, H, VPTQConfig(**{**common, "num_centroids": 32})).proxy_loss
     assert result.proxy_loss <= wide_result.proxy_loss * 1.03 < coarse
+    # a codebook refit moves the entries off the grid; the layer is put back on it, and its loss stays near
+    refit = vptq_quantize(W, H, VPTQConfig(**common, codebook_bits=8, refit_iters=2))
+    for name, (table, v) in refit.state.codebook_tables().items():
+        assert _on_grid(table, v), name
+    assert refit.proxy_loss <= result.proxy_loss * 1.03
 
 
 def test_training_writes_the_codebooks_back_onto_the_grid():

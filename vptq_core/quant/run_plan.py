@@ -40,7 +40,9 @@ PLAN_WINDOWS = (4, 2, 1)
 # ``--preset 2.5`` runs on an idle machine, whose stage seconds they then match in sum
 # (bench/results/run_plan_fit_spr.txt). A wide-vector CPU multiplies float32 matrices much faster than it runs the
 # stages (sampling, k-means, sweeps, training steps), so the probe's time there is below this reference's.
-PROBE_ROWS, PROBE_DIM, PROBE_ITERS, PROBE_REPEATS = 256, 1024, 2, 5
+# 25 timings (about 0.1 s idle), not 5: a Gemma-3-270M run on an idle machine read 0.30x with 5, where probes of the
+# same machine just after read 0.72-1.06x; a slow tenth of a second no longer decides the median.
+PROBE_ROWS, PROBE_DIM, PROBE_ITERS, PROBE_REPEATS = 256, 1024, 2, 25
 PROBE_REF_S = 0.0046
 SPEED_RANGE = (0.05, 100.0)
 

@@ -215,7 +215,6 @@ def build_state(layout: ColumnLayout, config: VPTQConfig, out_features: int, in_
         perm=layout.perm, weight_scale=weight_scale, weight_bias=weight_bias,
         bias=None if bias is None else bias.detach().clone(), codebook_bits=config.codebook_bits,
     )
-    state.snap_codebooks()  # a refit moved them off the grid
     return state
 
 
@@ -271,6 +270,8 @@ def vptq_quantize(
         with timings.timed("refit"):
             refit_codebooks(Wd, Hd, uses, config.refit_iters)
     state = build_state(layout, config, out_features, in_features, weight_scale, weight_bias, bias)
+    if config.refit_iters > 0:
+        state.snap_codebooks()  # 8-bit codebooks: the refit moved them off the grid k-means put them on
     W_hat = state.dequantize()
     loss, rel = proxy_loss(W_orig, W_hat, H.float())
     rel_w = float(torch.linalg.norm(W_hat - W_orig) / torch.linalg.norm(W_orig).clamp(min=1e-12))

@@ -102,17 +102,21 @@ def vptq_layer_phases(out_features: int, in_features: int, config: VPTQConfig, t
 
 
 # A bit plan by sensitivity gives many layers smaller codebooks than the capped v{vector_len} k{num_centroids} that
-# ``vptq_seconds`` prices (fewer vectors fitted, cheaper searches): the k-means of whole ``--preset 2.5`` runs took
-# 0.40 (SmolLM2-135M), 0.53 (Gemma-3-270M) and 0.44 (0.5B qwen2 shape) of that price at the run's measured speed
-# (bench/results/presets_cli_spr.txt), so a planned run's k-means is priced at their mean share.
-PLANNED_KMEANS_SHARE = 0.45
+# ``vptq_seconds`` prices (fewer vectors fitted, cheaper searches). With 16-bit codebooks the k-means of whole
+# ``--preset 2.5`` runs took 0.40 (SmolLM2-135M), 0.53 (Gemma-3-270M) and 0.44 (0.5B qwen2 shape) of that price at
+# the run's measured speed; with 8-bit ones, which cost half, the plan buys larger codebooks (v3 k4096 on 36-39
+# SmolLM2 layers instead of 22-24) and k-means took 0.89 (SmolLM2-135M) and about 0.86 (Gemma-3-270M, against its
+# 16-bit run's stage times) (bench/results/presets_cli_spr.txt). A planned run's k-means is priced at the mean share
+# of its codebook width.
+PLANNED_KMEANS_SHARE = {16: 0.45, 8: 0.88}
 
 
 def vptq_seconds(size: RunSize, config: VPTQConfig) -> float:
     """VPTQ's block work (``Method.cost``): every block linear's phases, each distinct shape priced once (a
     per-layer plan as the cap allocation of the same budget: it is not known before the run; its k-means at
-    ``PLANNED_KMEANS_SHARE`` of that)."""
-    kmeans_share = PLANNED_KMEANS_SHARE if config.allocation == "sensitivity" and not config.layer_plan else 1.0
+    ``PLANNED_KMEANS_SHARE`` of that for its codebook width)."""
+    planned = config.allocation == "sensitivity" and not config.layer_plan
+    kmeans_share = PLANNED_KMEANS_SHARE[config.codebook_bits] if planned else 1.0
     total = 0.0
     for shape, count in collections.Counter(size.linear_shapes).items():
         phases = vptq_layer_phases(*shape, config)
