@@ -42,6 +42,11 @@ QUALITY_ROW = "vptq-2-v6k4096-kd32"  # quantization then distillation: both path
 NO_CUDA = "torch.cuda.is_available() is False"
 
 SMOKES: dict[str, Smoke] = {
+    "bench/act_share.py": Smoke(
+        ("--make", TINY, "--checkpoint", "{root}/act_share", "--max-windows", "1", "--seqlen", "32", "--threads",
+         "1"),
+        ("14 linears quantize their inputs (8-bit token)", "| activations | text | perplexity | × original |",
+         "| as stored | wiki |", "| weights alone | pydocs |")),
     "bench/ablation.py": Smoke(
         ("--model", TINY, "--layers", "0:self_attn.q_proj", "1:mlp.down_proj", "--calib-samples", "2",
          "--seqlen", "32"),
