@@ -62,9 +62,9 @@ def main() -> None:
     print("|---|---|---|---|")
     for k, at, projected in decisions:
         print(f"| {k} | {at:.1f} | {projected:.1f} | {'stop' if projected > limit else 'go on'} |")
-    print(f"writing took {seconds:.1f} s; {'stopped: ' + info['reason'] if info else 'all windows written'}")
+    print(f"writing took {seconds:.1f} s; {info['reason'] if 'reason' in info else 'all windows written'}")
     cost = [b - a for a, b in zip(times, times[1:])]
-    if not info and cost:
+    if "reason" not in info and cost:
         chunks = [sum(cost[i:i + 64]) / len(cost[i:i + 64]) for i in range(0, len(cost), 64)]
         print("seconds per token by chunks of 64 tokens: " + " ".join(f"{c:.3f}" for c in chunks))
 

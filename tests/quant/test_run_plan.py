@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from vptq_core.quant import methods, run_plan
+from vptq_core.quant import cost, methods, run_plan
 from vptq_core.quant.config import BUDGET_REF_PARAMS, BUDGET_SCALE_MAX, ScalarConfig
-from vptq_core.quant.cost import RunSize, run_seconds, stage_seconds
+from vptq_core.quant.cost import RunSize, run_seconds, sampling_seconds, stage_seconds
 from vptq_core.quant.run_plan import DISTILL_SHARE, MIN_SAMPLES, plan_run
 
 VPTQ = methods.get("vptq")
@@ -52,11 +52,11 @@ def test_a_budget_the_run_fits_changes_nothing():
     assert plan.seconds == pytest.approx(plan.requested_seconds)
 
 
-def test_a_tight_budget_gives_up_the_cheapest_quality_first_and_says_why():
+def test_a_tight_budget_gives_up_the_cheapest_quality_first_and_says_why(monkeypatch):
     rest = {name: s for name, s in stage_seconds(VPTQ, SMOLLM2, dataclasses.replace(PRESET, time_budget=0.0)).items()
             if name != "distill"}
-    # a budget the self-written calibration would take over 20% of, and the other stages fit without it: it goes,
-    # as the run would leave it text
+    # a budget the self-written calibration would take over 20% of, and the other stages fit without it, not with
+    # even the windows that fit in 20%: they go first
     fits_without = (sum(rest.values()) - rest["calibrate"]) / (1 - DISTILL_SHARE)
     assert fits_without < rest["calibrate"] / 0.2
     budget = (fits_without + rest["calibrate"] / 0.2) / 2
@@ -64,12 +64,25 @@ def test_a_tight_budget_gives_up_the_cheapest_quality_first_and_says_why():
     assert rest["calibrate"] > 0.2 * budget
     assert [d.setting for d in plan.decisions if d.applied] == ["calib_sampled_share"]
     assert plan.config.calib_sampled_share == 0.0 and plan.samples == 32 and plan.plan_windows == 0
-    assert plan.decisions[0].reason.startswith(
-        f"writing them ~{rest['calibrate']:.0f} s, over 20% of the {budget:.0f} s budget")
+    assert plan.decisions[0].reason.startswith(f"writing them ~{rest['calibrate']:.0f} s; the run before distillation")
     assert "calibrate" not in plan.stages
     # on a device twice as fast the same budget leaves them in: the budget is this device's seconds
     fast = plan_run(VPTQ, SMOLLM2, dataclasses.replace(PRESET, time_budget=budget), speed=2.0)
     assert fast.config.calib_sampled_share == 0.75 and fast.stages["calibrate"] == pytest.approx(rest["calibrate"] / 2)
+    # a budget of which the writing needs a little over 20%, the run fitting with fewer windows: as many as fit, as
+    # the run itself decides (sampling.windows_that_fit)
+    roomy = 800.0
+    assert sum(rest.values()) - rest["calibrate"] + 0.2 * roomy < (1 - DISTILL_SHARE) * roomy
+    slower = 1.02 * 0.2 * roomy / rest["calibrate"]  # writing priced ~2% over its share of the budget
+    monkeypatch.setattr(cost, "KD_SAMPLE_S", cost.KD_SAMPLE_S * slower)
+    monkeypatch.setattr(cost, "KD_SAMPLE_PASS_S", cost.KD_SAMPLE_PASS_S * slower)
+    plan = plan_run(VPTQ, SMOLLM2, dataclasses.replace(PRESET, time_budget=roomy))
+    (decision,) = [d for d in plan.decisions if d.applied]
+    written = round(plan.config.calib_sampled_share * 32)
+    assert decision.setting == "calib_sampled_share" and 0 < plan.config.calib_sampled_share < 0.75
+    assert decision.reason.endswith(f"the {written} of 24 that fit") and 12 <= written < 24
+    assert plan.stages["calibrate"] <= 0.2 * roomy < sampling_seconds(SMOLLM2.pass_params, written + 1, 512)
+    assert plan.samples == 32 and plan.plan_windows == 0
 
 
 def test_a_large_model_on_a_slow_device_is_cut_down_in_order_to_the_floors():

@@ -1,5 +1,6 @@
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -213,6 +214,78 @@ def test_self_written_windows_stay_text_when_too_slow_for_the_time_budget(tiny_m
         sampling_mod.SAMPLING_BUDGET_SHARE * preset.time_budget
     assert est.time_estimate(big, preset, 32, 512) == est.time_estimate(big, text, 32, 512)
     assert est.time_estimate(small, preset, 32, 512) != est.time_estimate(small, text, 32, 512)
+
+
+class _Clock:
+    """A stand-in for the ``time`` module whose perf_counter advances one second a call: every token costs 1 s."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_writing_a_little_over_its_share_goes_on_with_the_windows_that_fit(family, windows, monkeypatch):
+    """Projected over SAMPLING_BUDGET_SHARE of the budget at the growth-aware decision, the writing goes on with as
+    many of its windows as fit (the first ones, each exactly as without a budget, the teacher too) and the others
+    stay text; fewer than MIN_WRITTEN_SHARE of them fitting, every window stays text. Both decoders drop the rows
+    they no longer write: the lean one (llama) and the model's own cache (gemma3)."""
+    from vptq_core.models import tiny_random_model
+    from vptq_core.quant.calib_windows import written_rows
+    from vptq_core.quant.sampling import MIN_WRITTEN_SHARE, SAMPLING_BUDGET_SHARE
+
+    model, _ = tiny_random_model(family)
+    cfg = ScalarConfig(bits=3, group_size=16, calib_sampled_share=1.0, distill_iters=2, distill_holdout=0.25)
+    rows = written_rows(windows.shape[0], cfg)
+    planned = rows.numel()
+    assert planned == 6
+    full, full_teacher = sampled_calibration(model, windows, cfg, topk=4)
+    # every token costs 1 s and n windows n / 6 of 6: the projection at the decision (16 tokens in) is the
+    # window's 63 tokens, and the windows that fit are those whose remaining ~47 s, scaled by n / 6, fit
+    tokens = windows.shape[1] - 1
+    monkeypatch.setattr(sampling_mod, "sampling_ratio", lambda n, of: n / of)
+    for limit, fit in ((0.9 * tokens, 5), (0.7 * tokens, 3)):
+        monkeypatch.setattr(sampling_mod, "time", _Clock())
+        info: dict = {}
+        budgeted = dataclasses.replace(cfg, time_budget=limit / SAMPLING_BUDGET_SHARE)
+        got, teacher = sampled_calibration(model, windows, budgeted, topk=4, info=info)
+        assert info["self_written"] == fit and info["planned"] == planned
+        assert info["reason"].endswith(f"{fit} written, {planned - fit} stay text")
+        kept = rows[:fit]
+        assert torch.equal(got[kept], full[kept])  # the rows written are those of the writing without a budget
+        assert torch.equal(got[rows[fit:]], windows[rows[fit:]])  # the others stay text
+        others = torch.ones(windows.shape[0], dtype=torch.bool)
+        others[rows] = False
+        assert torch.equal(got[others], windows[others])  # and the windows never to be written too
+        assert torch.equal(teacher["rows"], kept)
+        for key in ("logp", "index", "rest"):
+            torch.testing.assert_close(teacher[key], full_teacher[key][:fit], rtol=1e-5, atol=1e-6)
+    # under half of them fitting: all text
+    assert math.ceil(MIN_WRITTEN_SHARE * planned) == 3
+    monkeypatch.setattr(sampling_mod, "time", _Clock())
+    info = {}
+    got, teacher = sampled_calibration(model, windows, dataclasses.replace(
+        cfg, time_budget=0.5 * tokens / SAMPLING_BUDGET_SHARE), topk=4, info=info)
+    assert got is windows and teacher is None and info["self_written"] == 0
+    assert info["reason"].endswith("fewer than 50% of them fit, the calibration stays text")
+
+
+def test_windows_that_fit_take_the_most_that_fit_down_to_the_floor():
+    from vptq_core.quant.cost import sampling_ratio
+    from vptq_core.quant.sampling import SAMPLE_BATCH, windows_that_fit
+
+    cost = {n: 10.0 * n for n in range(25)}
+    assert windows_that_fit(24, cost.get, 240.0) == 24
+    assert windows_that_fit(24, cost.get, 239.0) == 23
+    assert windows_that_fit(24, cost.get, 120.0) == 12
+    assert windows_that_fit(24, cost.get, 119.0) == 0  # fewer than half: none
+    assert windows_that_fit(1, cost.get, 5.0) == 0
+    # a batched pass costs much the same for fewer windows: half of them cost well over half as much
+    assert 0.5 < sampling_ratio(12, 24) < 1.0 and sampling_ratio(24, 24) == 1.0
+    assert sampling_ratio(SAMPLE_BATCH + 1, SAMPLE_BATCH) > 1.5  # a second pass
 
 
 def test_writing_projection_allows_for_tokens_growing_dearer_along_the_window():

@@ -10,6 +10,7 @@ bench/results/, docs/results.md); layer-wise fine-tuning is not priced.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -97,8 +98,9 @@ def stage_seconds(method: Method, size: RunSize, config) -> dict[str, float]:
     """Seconds per stage of a run, in run order: "load" (starting, loading), "calibrate" (the windows the original
     writes itself), "plan" (the plan hooks), "blocks" (the block forwards and the method's own block work),
     "distill" (the after-model hooks) and "save". A time budget caps the after-model hooks at what the rest leaves
-    of it, never the block stage, and leaves the self-written windows out when they would take more than
-    ``sampling.SAMPLING_BUDGET_SHARE`` of it, as the run does. Stages a run does not go through are left out."""
+    of it, never the block stage, and writes only the self-written windows that fit in
+    ``sampling.SAMPLING_BUDGET_SHARE`` of it (``share_that_fits``; none when fewer than half of them fit), as the
+    run does. Stages a run does not go through are left out."""
     from .sampling import SAMPLING_BUDGET_SHARE
 
     config = method.for_model(config, size.linear_shapes)
@@ -108,7 +110,11 @@ def stage_seconds(method: Method, size: RunSize, config) -> dict[str, float]:
     writing = writing_seconds(size, config) if needs.sampled_share and size.self_written else 0.0
     budget = needs.time_budget
     if budget > 0 and writing > SAMPLING_BUDGET_SHARE * budget:
-        writing, size = 0.0, size._replace(self_written=False)
+        config = dataclasses.replace(config, calib_sampled_share=share_that_fits(size, config,
+                                                                                 SAMPLING_BUDGET_SHARE * budget))
+        writing = writing_seconds(size, config)
+        if not writing:
+            size = size._replace(self_written=False)
     if writing:
         stages["calibrate"] = writing
     hooks = [hook.cost(size, config) for hook in method.before_blocks if hook.cost and hook.phase in needs.plan]
@@ -147,6 +153,26 @@ def writing_seconds(size: RunSize, config) -> float:
     from .calib_windows import sampled_count
 
     return sampling_seconds(size.pass_params, sampled_count(max(int(size.samples), 1), config), size.seqlen)
+
+
+def share_that_fits(size: RunSize, config, seconds: float, speed: float = 1.0) -> float:
+    """The ``calib_sampled_share`` under which writing the block stage's self-written windows (``writing_seconds``)
+    takes at most ``seconds`` on a device ``speed`` times as fast as the reference: the config's own when they all
+    fit, else that of as many of them as fit (``sampling.windows_that_fit``, as the run decides), 0 when fewer than
+    ``sampling.MIN_WRITTEN_SHARE`` of them do."""
+    from .calib_windows import distill_settings, sampled_count
+    from .sampling import windows_that_fit
+
+    samples = max(int(size.samples), 1)
+    planned = sampled_count(samples, config)
+    fit = windows_that_fit(planned, lambda n: sampling_seconds(size.pass_params, n, size.seqlen) / speed, seconds)
+    return distill_settings(config).calib_sampled_share if fit == planned else fit / samples
+
+
+def sampling_ratio(windows: int, of: int) -> float:
+    """The seconds of writing ``windows`` windows over those of writing ``of`` windows of the same length
+    (``sampling_seconds``: a batched pass costs much the same for fewer windows)."""
+    return sampling_seconds(1, windows, 2) / max(sampling_seconds(1, of, 2), 1e-30)
 
 
 def sampling_seconds(params: int, windows: int, seqlen: int) -> float:

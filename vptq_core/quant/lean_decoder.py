@@ -334,6 +334,14 @@ class LeanDecoder:
         self.pos = 0
         return self._forward(ids, last_only=not all_positions)
 
+    def keep_rows(self, rows: int) -> None:
+        """Go on with the first ``rows`` sequences only (1 <= rows <= batch): the others' cache is dropped."""
+        if not 1 <= rows <= self.batch:
+            raise ValueError(f"rows must be 1..{self.batch}, got {rows}")
+        self.k_cache = [c[:rows] for c in self.k_cache]
+        self.v_cache = [c[:rows] for c in self.v_cache]
+        self.batch = int(rows)
+
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append one token per sequence (``tokens`` [batch, 1]); their logits [batch, vocab]."""
         return self._forward(tokens.view(self.batch, 1), last_only=True)

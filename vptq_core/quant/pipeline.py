@@ -59,7 +59,7 @@ class Stage(NamedTuple):
 
 def calibrate(run: Run) -> None:
     """The original model writes the last ``needs.sampled_share`` of the block stage's windows itself
-    (``sampling.sampled_calibration``); a time budget it would take too much of leaves them text.
+    (``sampling.sampled_calibration``); under a time budget it would take too much of, only those that fit.
 
     The model about to be quantized writes them, not the reference, which stays untouched (not paged in) until
     distillation; with distillation to follow, the original's top-k on those windows is kept from the
@@ -73,7 +73,7 @@ def calibrate(run: Run) -> None:
 
     with run.result.timed("sample_calibration"):
         sampled, written = once("calibrate", write, run.should_stop, run.device)  # with several ranks: rank 0's
-    if written:  # too slow for the time budget here: the calibration stayed text
+    if written:  # too slow for the time budget here (fewer windows written, or none), or a window kept as text
         run.result.model_metrics["calibration"] = written
     if sampled is None:
         run.result.cancelled = True

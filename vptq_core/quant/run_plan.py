@@ -23,10 +23,11 @@ from typing import Any
 
 import torch
 
+from .calib_windows import sampled_count
 from .config import BUDGET_REF_PARAMS, BUDGET_SCALE_MAX
-from .cost import RunSize, stage_seconds
+from .cost import RunSize, share_that_fits, stage_seconds
 from .methods import Method
-from .sampling import SAMPLING_BUDGET_SHARE
+from .sampling import MIN_WRITTEN_SHARE, SAMPLING_BUDGET_SHARE
 
 # What the plan keeps for distillation: the seconds of all its steps, but at most this share of the budget.
 DISTILL_SHARE = 0.4
@@ -188,17 +189,27 @@ def _writing_over(method, size, config, speed, budget) -> bool:
 
 
 def _cut_self_written(method, size, config, speed, budget):
+    """Fewer self-written windows when writing them all would take more than ``SAMPLING_BUDGET_SHARE`` of the
+    budget (as many as fit, ``cost.share_that_fits``, as the run decides) and the run fits with them; else none."""
     share = getattr(config, "calib_sampled_share", 0.0)
     if not share:
         return size, config, None
     writing = _seconds(method, size, config, speed).get("calibrate", 0.0)
-    if _writing_over(method, size, config, speed, budget):
-        why = (f"writing them ~{writing:.0f} s, over {SAMPLING_BUDGET_SHARE:.0%} of the {budget:.0f} s budget (the "
-               "run would leave them text)")
+    over = _writing_over(method, size, config, speed, budget)
+    head = f"writing them ~{writing:.0f} s, over {SAMPLING_BUDGET_SHARE:.0%} of the {budget:.0f} s budget: "
+    fewer = share_that_fits(size, method.for_model(config, size.linear_shapes), SAMPLING_BUDGET_SHARE * budget,
+                            speed) if over else 0.0
+    changed = dataclasses.replace(config, calib_sampled_share=fewer)
+    if fewer and _fits(method, size, changed, speed, budget):
+        samples = max(size.samples, 1)
+        why = f"{head}the {sampled_count(samples, changed)} of {sampled_count(samples, config)} that fit"
+        return size, changed, Decision("calib_sampled_share", share, round(fewer, 4), why)
+    if over and not fewer:
+        why = f"{head}fewer than {MIN_WRITTEN_SHARE:.0%} of them fit, the run would leave them text"
     else:
         why = f"writing them ~{writing:.0f} s; {_over_text(method, size, config, speed, budget)}"
-    config = dataclasses.replace(config, calib_sampled_share=0.0)
-    return size, config, Decision("calib_sampled_share", share, 0.0, why)
+    return size, dataclasses.replace(config, calib_sampled_share=0.0), Decision("calib_sampled_share", share, 0.0,
+                                                                                why)
 
 
 def _cut_plan_windows(method, size, config, speed, budget):

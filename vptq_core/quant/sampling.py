@@ -5,7 +5,9 @@ training windows (``distill_data`` "sampled" / "mixed"); docs/methods.md#self-wr
 Text drawn from the original model covers every domain it knows, in proportion to how it predicts, not only the
 calibration text's. The sampling's own logits give the teacher's top-k on the written windows for free
 (``teacher.topk_of``). Under a ``time_budget`` the writing of the calibration windows is projected from its first
-tokens (``WritingProjection``) and given up when it would take too large a share of the budget.
+tokens (``WritingProjection``); when it would take too large a share of the budget, the writing goes on with as
+many of the windows as fit (``windows_that_fit``), the others staying text, or is given up when fewer than
+``MIN_WRITTEN_SHARE`` of them would.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from .calib_windows import distill_settings, written_rows
+from .cost import sampling_ratio
 from .device import native_bf16
 from .packed_dense import packed_linears
 from .repetition import MAX_REPEATED_SHARE, degenerate
@@ -33,9 +36,14 @@ SAMPLE_DTYPES = ("float32", "bfloat16", "model", "auto")
 DEFAULT_SAMPLE_DTYPE = "float32"
 CALIB_SAMPLE_ROWS = 1 << 20  # generator row numbers of calibration samples (distillation's own start at 0)
 # Under a ``time_budget`` the windows the original writes itself may take at most this share of it, as
-# ``WritingProjection`` projects it from the tokens drawn so far; over it they stay text: a writing that takes
-# much more leaves distillation too few steps to help (docs/methods.md#time-budget).
+# ``WritingProjection`` projects it from the tokens drawn so far; over it the writing goes on with the windows that
+# fit, the later ones staying text: a writing that takes much more leaves distillation too few steps to help
+# (docs/methods.md#time-budget).
 SAMPLING_BUDGET_SHARE = 0.2
+# The fewest of the windows a writing under a budget goes on with, as a share of them; when fewer fit, every window
+# stays text. A batched pass costs much the same for fewer windows (``cost.sampling_ratio``), so a writing cut
+# below this would pay most of its seconds for few windows.
+MIN_WRITTEN_SHARE = 0.5
 PROJECT_AFTER = 16  # polls before the first (lower-bound) projection
 FIT_CHUNKS = 4  # runs of tokens whose median costs the growth is fitted to (``WritingProjection.projected``)
 # The fitted projection never exceeds this multiple of the mean-cost one: the true totals of the models measured
@@ -87,6 +95,16 @@ def _runner(model: nn.Module, params: dict[str, torch.Tensor] | None) -> Callabl
     return forward
 
 
+def windows_that_fit(windows: int, seconds: Callable[[int], float], limit: float) -> int:
+    """The most windows, of ``windows``, whose writing takes at most ``limit`` seconds (``seconds(n)``: the
+    seconds of writing n of them), but not fewer than ``MIN_WRITTEN_SHARE`` of them: 0 then."""
+    fewest = max(1, math.ceil(MIN_WRITTEN_SHARE * windows))
+    for n in range(windows, fewest - 1, -1):
+        if seconds(n) <= limit:
+            return n
+    return 0
+
+
 class WritingProjection:
     """The projected seconds of writing ``batches`` batches of ``per_batch`` tokens each, from the times of the
     polls so far (one poll before every token; ``sample_windows``' ``should_stop``).
@@ -105,6 +123,11 @@ class WritingProjection:
         self.draws = per_batch * batches
         self.final = max(PROJECT_AFTER, per_batch // 4)  # the poll of the growth-aware decision
         self.times: list[float] = []  # the polls' times after ``start``, up to the final decision
+
+    @property
+    def final_decision(self) -> bool:
+        """The last poll recorded was the growth-aware decision (``projected``); later polls decide nothing."""
+        return len(self.times) == self.final
 
     def poll(self, now: float) -> float | None:
         """Record one poll at ``now``; the projected total seconds at a decision point, else None."""
@@ -160,9 +183,11 @@ def sampled_calibration(model: nn.Module, calib_ids: torch.Tensor, config,
     logits, as ``distill(known_teacher=...)`` takes it ({"rows", "logp", "index", "rest"} on the CPU; None when no
     window is written). A written window stuck in a loop is drawn again (``repetition``,
     ``sample_windows(max_repeated=...)``); one still degenerate after that stays text (``info`` gets
-    "degenerate_kept_text"). With a ``time_budget`` the writing stops early and every window stays text when it is
-    projected to take more than ``SAMPLING_BUDGET_SHARE`` of the budget; ``info`` (a dict) then gets "self_written":
-    0 and the projection."""
+    "degenerate_kept_text"). With a ``time_budget``, when the writing is projected to take more than
+    ``SAMPLING_BUDGET_SHARE`` of the budget, it goes on with as many of the windows as fit (the first ones;
+    ``windows_that_fit``, the seconds of fewer scaled by ``cost.sampling_ratio``) and the others stay text, or it
+    stops and every window stays text when fewer than ``MIN_WRITTEN_SHARE`` of them fit; ``info`` (a dict) then gets
+    "self_written" (the windows written), "planned", the projection and the reason."""
     rows = written_rows(calib_ids.shape[0], config)
     if not rows.numel():
         return (calib_ids, None) if topk else calib_ids
@@ -170,6 +195,7 @@ def sampled_calibration(model: nn.Module, calib_ids: torch.Tensor, config,
     limit = SAMPLING_BUDGET_SHARE * float(settings.time_budget or 0.0)
     batches = math.ceil(rows.numel() / SAMPLE_BATCH)
     projection = WritingProjection(calib_ids.shape[1] - 1, batches, time.perf_counter())
+    going_on = [rows.numel()]  # the windows the writing goes on with
     over = {}
 
     def stop() -> bool:
@@ -177,25 +203,36 @@ def sampled_calibration(model: nn.Module, calib_ids: torch.Tensor, config,
             return True
         if limit <= 0:
             return False
-        projected = projection.poll(time.perf_counter())
-        if projected is not None and projected > limit:
-            over.update(self_written=0, projected_seconds=round(projected, 1), limit_seconds=round(limit, 1),
-                        reason=f"writing {rows.numel()} windows was projected at {projected:.0f} s, over "
-                               f"{SAMPLING_BUDGET_SHARE:.0%} of the {limit / SAMPLING_BUDGET_SHARE:.0f} s "
-                               "time budget: the calibration stays text")
-            return True
-        return False
+        now = time.perf_counter()
+        projected = projection.poll(now)
+        if projected is None or projected <= limit:
+            return False
+        elapsed, planned = now - projection.start, rows.numel()
+        fit = windows_that_fit(planned, lambda n: elapsed + (projected - elapsed) * sampling_ratio(n, planned), limit)
+        if fit and not projection.final_decision:
+            return False  # a lower bound: the growth-aware decision takes the windows that fit
+        budget = limit / SAMPLING_BUDGET_SHARE
+        over.update(self_written=fit, planned=planned, projected_seconds=round(projected, 1),
+                    limit_seconds=round(limit, 1),
+                    reason=f"writing {planned} windows was projected at {projected:.0f} s, over "
+                           f"{SAMPLING_BUDGET_SHARE:.0%} of the {budget:.0f} s time budget: " + (
+                               f"{fit} written, {planned - fit} stay text" if fit else
+                               f"fewer than {MIN_WRITTEN_SHARE:.0%} of them fit, the calibration stays text"))
+        going_on[0] = fit
+        return not fit
 
     got = sample_windows(model, start_tokens(model, calib_ids[rows]), calib_ids.shape[1], seed=settings.seed,
                          batch=SAMPLE_BATCH, should_stop=stop, rows=rows + CALIB_SAMPLE_ROWS, topk=topk,
-                         device=torch.device("cpu"), dtype=settings.sample_dtype, max_repeated=MAX_REPEATED_SHARE)
-    if got is None and over:
-        if info is not None:
-            info.update(over)
+                         device=torch.device("cpu"), dtype=settings.sample_dtype, max_repeated=MAX_REPEATED_SHARE,
+                         keep=lambda: going_on[0])
+    if over and info is not None:
+        info.update(over)
+    if got is None and over and not going_on[0]:
         return (calib_ids, None) if topk else calib_ids
     if got is None:
         return None
     written, teacher = got if topk else (got, None)
+    rows = rows[: written.shape[0]]  # the first ones, when the writing went on with fewer
     keep = ~degenerate(written)  # still a loop after its redraws: the text window stays
     if not bool(keep.all()) and info is not None:
         info.update(degenerate_kept_text=int((~keep).sum()))
@@ -220,7 +257,8 @@ def start_tokens(model: nn.Module, windows: torch.Tensor) -> torch.Tensor:
 def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed: int = 0, batch: int = 8,
                    temperature: float = 1.0, should_stop: Callable[[], bool] | None = None,
                    topk: int = 0, device: torch.device | None = None, rows: torch.Tensor | None = None,
-                   dtype: str = "model", pack: bool = True, max_repeated: float | None = None):
+                   dtype: str = "model", pack: bool = True, max_repeated: float | None = None,
+                   keep: Callable[[], int] | None = None):
     """Windows of ``seqlen`` tokens sampled from ``reference`` itself -> [n, seqlen] int64 on the CPU.
 
     Row i begins with ``starts[i]`` ([n, s] token ids, 1 <= s < seqlen; e.g. the BOS token, or a calibration
@@ -235,7 +273,9 @@ def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed
     (``packed_dense``); False: as it is. ``max_repeated``: a row whose share of repeated 4-grams exceeds it
     (``repetition.repeated_share``, a degenerate loop) is drawn again, up to ``REDRAWS`` times, each time from its
     own generator seeded afresh (``REDRAW_ROWS`` further on), so the redraws too are reproducible and independent of
-    the batch; a row still over it after the last is returned as drawn (the caller decides).
+    the batch; a row still over it after the last is returned as drawn (the caller decides). ``keep``: polled
+    before every token, how many rows, from the first, the writing goes on with; when it falls, the later rows are
+    dropped (their batch's cache with them) and the windows returned are the first that many (never fewer than 1).
     """
     starts = torch.as_tensor(starts, dtype=torch.long)
     if starts.dim() != 2 or starts.shape[0] < 1 or not 1 <= starts.shape[1] < seqlen:
@@ -248,7 +288,8 @@ def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed
     if tuple(rows.shape) != (starts.shape[0],):
         raise ValueError(f"rows must name one row number per start, got shape {tuple(rows.shape)} for "
                          f"{starts.shape[0]} starts")
-    got = _write(reference, starts, seqlen, seed, batch, temperature, should_stop, topk, device, rows, dtype, pack)
+    got = _write(reference, starts, seqlen, seed, batch, temperature, should_stop, topk, device, rows, dtype, pack,
+                 keep)
     for attempt in range(1, REDRAWS + 1):
         if got is None or max_repeated is None:
             break
@@ -270,8 +311,9 @@ def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed
 
 def _write(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed: int, batch: int, temperature: float,
            should_stop: Callable[[], bool] | None, topk: int, device: torch.device | None, rows: torch.Tensor,
-           dtype: str, pack: bool):
-    """``sample_windows`` without the checks and the redraws: every row drawn once."""
+           dtype: str, pack: bool, keep: Callable[[], int] | None = None):
+    """``sample_windows`` without the checks and the redraws: every row drawn once (the first ``keep()`` of
+    them)."""
     from .lean_decoder import LeanDecoder  # the decode loop, loaded only when windows are written
 
     ref_device = next(reference.parameters()).device
@@ -282,6 +324,8 @@ def _write(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed: int, b
     # products), for the sampling only
     with packed_linears(reference, enabled=pack and params is None, rows=min(batch, starts.shape[0])):
         for lo in range(0, starts.shape[0], batch):
+            if keep is not None and lo >= keep():
+                break
             ids = starts[lo : lo + batch].cpu()
             # one generator per row: a row's tokens do not depend on the batch it was sampled in
             gens = [torch.Generator().manual_seed(seed * 1_000_003 + int(r)) for r in rows[lo : lo + batch]]
@@ -291,6 +335,16 @@ def _write(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed: int, b
             while ids.shape[1] < seqlen:
                 if should_stop is not None and should_stop():
                     return None
+                rows_on = ids.shape[0] if keep is None else min(ids.shape[0], max(keep() - lo, 1))
+                if rows_on < ids.shape[0]:  # the writing goes on with fewer rows: the later ones are dropped
+                    first = step_in is ids
+                    ids, gens = ids[:rows_on], gens[:rows_on]
+                    step_in = ids if first else step_in[:rows_on]
+                    steps = [{key: value[:rows_on] for key, value in s.items()} for s in steps]
+                    if lean is not None:
+                        lean.keep_rows(rows_on)
+                    elif past is not None:
+                        past.batch_select_indices(torch.arange(rows_on, device=ref_device))
                 if lean is None:
                     res = forward(input_ids=step_in.to(ref_device), past_key_values=past, use_cache=True)
                     past, logits = res.past_key_values, res.logits
