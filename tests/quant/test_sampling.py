@@ -12,6 +12,17 @@ from vptq_core.quant.sampling import sample_windows, sampled_calibration
 from vptq_core.quant.teacher import teacher_topk
 
 
+class _Clock:
+    """A stand-in for the ``time`` module whose perf_counter advances one second a call: every token costs 1 s."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
 @pytest.fixture(scope="module")
 def windows() -> torch.Tensor:
     return torch.randint(0, 256, (8, 64), generator=torch.Generator().manual_seed(2))
@@ -107,7 +118,10 @@ def test_repeated_share_tells_a_loop_from_text():
 
 def test_degenerate_windows_are_redrawn_and_stay_text_when_they_stay_degenerate(tiny_model, windows, monkeypatch):
     """sample_windows(max_repeated=...) draws a looping row again from a fresh generator (rows + REDRAW_ROWS), the
-    teacher with it; sampled_calibration keeps the text window for a row that loops after every redraw."""
+    teacher with it; sampled_calibration keeps the text window for a row that loops after every redraw, and under a
+    time budget redraws only what fits the writing's share of it."""
+    from vptq_core.quant.calib_windows import written_rows
+
     model, _ = tiny_model
     starts = torch.tensor([[5], [7], [9]])
     plain, teacher = sample_windows(model, starts, 24, seed=3, topk=4)
@@ -118,7 +132,7 @@ def test_degenerate_windows_are_redrawn_and_stay_text_when_they_stay_degenerate(
         got = real_write(reference, starts, seqlen, seed, batch, temperature, should_stop, topk, device, rows, *rest)
         calls.append(rows.tolist())
         if len(calls) == 1:  # the first draw of row 1 loops
-            (got[0] if topk else got)[1] = torch.tensor([7, 1, 2] * 8)
+            (got[0] if topk else got)[1] = torch.tensor([7, 1, 2] * seqlen)[:seqlen]
         return got
 
     monkeypatch.setattr(sampling_mod, "_write", looping_first)
@@ -144,6 +158,20 @@ def test_degenerate_windows_are_redrawn_and_stay_text_when_they_stay_degenerate(
     info: dict = {}
     out = sampled_calibration(model, windows, cfg, info=info)
     assert torch.equal(out, windows) and info == {"degenerate_kept_text": 4}
+    # under a budget a redraw is drawn only when it fits the writing's share: here the writing itself fits its 20%
+    # (1 s a poll, 64 polls), a redraw of the 4 rows would not
+    calls.clear()
+    monkeypatch.setattr(sampling_mod, "_write", looping_first)
+    monkeypatch.setattr(sampling_mod, "time", _Clock())
+    info = {}
+    out = sampled_calibration(model, windows, dataclasses.replace(cfg, time_budget=100.0 / 0.2), info=info)
+    assert len(calls) == 1 and info == {"redraws_skipped": 1, "degenerate_kept_text": 1}
+    assert torch.equal(out[written_rows(8, cfg)[1]], windows[written_rows(8, cfg)[1]])
+    calls.clear()
+    monkeypatch.setattr(sampling_mod, "time", _Clock())
+    info = {}
+    sampled_calibration(model, windows, dataclasses.replace(cfg, time_budget=200.0 / 0.2), info=info)
+    assert len(calls) == 2 and info == {}  # room for the redraw: drawn again, and no longer a loop
 
 
 def test_sampled_calibration_replaces_the_last_block_stage_windows(tiny_model, windows):
@@ -214,17 +242,6 @@ def test_self_written_windows_stay_text_when_too_slow_for_the_time_budget(tiny_m
         sampling_mod.SAMPLING_BUDGET_SHARE * preset.time_budget
     assert est.time_estimate(big, preset, 32, 512) == est.time_estimate(big, text, 32, 512)
     assert est.time_estimate(small, preset, 32, 512) != est.time_estimate(small, text, 32, 512)
-
-
-class _Clock:
-    """A stand-in for the ``time`` module whose perf_counter advances one second a call: every token costs 1 s."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def perf_counter(self) -> float:
-        self.now += 1.0
-        return self.now
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])

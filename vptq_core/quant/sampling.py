@@ -183,7 +183,8 @@ def sampled_calibration(model: nn.Module, calib_ids: torch.Tensor, config,
     logits, as ``distill(known_teacher=...)`` takes it ({"rows", "logp", "index", "rest"} on the CPU; None when no
     window is written). A written window stuck in a loop is drawn again (``repetition``,
     ``sample_windows(max_repeated=...)``); one still degenerate after that stays text (``info`` gets
-    "degenerate_kept_text"). With a ``time_budget``, when the writing is projected to take more than
+    "degenerate_kept_text"; under a budget only redraws that fit the writing's share are drawn, "redraws_skipped"
+    says when one was not). With a ``time_budget``, when the writing is projected to take more than
     ``SAMPLING_BUDGET_SHARE`` of the budget, it goes on with as many of the windows as fit (the first ones;
     ``windows_that_fit``, the seconds of fewer scaled by ``cost.sampling_ratio``) and the others stay text, or it
     stops and every window stays text when fewer than ``MIN_WRITTEN_SHARE`` of them fit; ``info`` (a dict) then gets
@@ -221,10 +222,19 @@ def sampled_calibration(model: nn.Module, calib_ids: torch.Tensor, config,
         going_on[0] = fit
         return not fit
 
+    def redraw_fits(rows_again: int) -> bool:
+        """Under a budget a redraw too must fit the writing's share: it costs about what the writing so far did, scaled
+        to its rows (``cost.sampling_ratio``)."""
+        spent = time.perf_counter() - projection.start
+        if limit <= 0 or spent * (1.0 + sampling_ratio(rows_again, going_on[0])) <= limit:
+            return True
+        over.update(redraws_skipped=rows_again)
+        return False
+
     got = sample_windows(model, start_tokens(model, calib_ids[rows]), calib_ids.shape[1], seed=settings.seed,
                          batch=SAMPLE_BATCH, should_stop=stop, rows=rows + CALIB_SAMPLE_ROWS, topk=topk,
                          device=torch.device("cpu"), dtype=settings.sample_dtype, max_repeated=MAX_REPEATED_SHARE,
-                         keep=lambda: going_on[0])
+                         keep=lambda: going_on[0], redraw_fits=redraw_fits)
     if over and info is not None:
         info.update(over)
     if got is None and over and not going_on[0]:
@@ -258,7 +268,7 @@ def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed
                    temperature: float = 1.0, should_stop: Callable[[], bool] | None = None,
                    topk: int = 0, device: torch.device | None = None, rows: torch.Tensor | None = None,
                    dtype: str = "model", pack: bool = True, max_repeated: float | None = None,
-                   keep: Callable[[], int] | None = None):
+                   keep: Callable[[], int] | None = None, redraw_fits: Callable[[int], bool] | None = None):
     """Windows of ``seqlen`` tokens sampled from ``reference`` itself -> [n, seqlen] int64 on the CPU.
 
     Row i begins with ``starts[i]`` ([n, s] token ids, 1 <= s < seqlen; e.g. the BOS token, or a calibration
@@ -276,6 +286,8 @@ def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed
     the batch; a row still over it after the last is returned as drawn (the caller decides). ``keep``: polled
     before every token, how many rows, from the first, the writing goes on with; when it falls, the later rows are
     dropped (their batch's cache with them) and the windows returned are the first that many (never fewer than 1).
+    ``redraw_fits``: asked before each redraw with the number of rows to draw again; False: no more redraws (the
+    rows are returned as drawn).
     """
     starts = torch.as_tensor(starts, dtype=torch.long)
     if starts.dim() != 2 or starts.shape[0] < 1 or not 1 <= starts.shape[1] < seqlen:
@@ -295,7 +307,7 @@ def sample_windows(reference: nn.Module, starts: torch.Tensor, seqlen: int, seed
             break
         windows, teacher = got if topk else (got, None)
         bad = degenerate(windows, max_repeated).nonzero()[:, 0]
-        if not bad.numel():
+        if not bad.numel() or (redraw_fits is not None and not redraw_fits(bad.numel())):
             break
         again = _write(reference, starts[bad], seqlen, seed, batch, temperature, should_stop, topk, device,
                        rows[bad] + attempt * REDRAW_ROWS, dtype, pack)
