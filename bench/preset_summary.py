@@ -28,6 +28,9 @@ def summary(root: Path, name: str) -> str:
         plan = dict(sorted(a["settings"].items(), key=lambda kv: -kv[1]))
         lines.append(f"  allocation: measure {a['measure_seconds']:.1f} s, distortion {a['distortion_seconds']:.1f} s; "
                      f"predicted loss {a['predicted_loss']:.3g} (cap {a['predicted_loss_cap']:.3g}); plan {plan}")
+    c = metrics.get("calibration")  # the writing of the self-written windows cut short by the budget, or a loop kept
+    if c:
+        lines.append("  calibration: " + "; ".join(f"{k} {v}" for k, v in c.items()))
     d = metrics.get("distill")
     if d:
         lines.append(f"  distillation {d['steps']} of {d.get('planned_steps')} steps, check KL {d['kl_before']:.4f} -> "
