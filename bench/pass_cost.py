@@ -102,7 +102,8 @@ def measure(name: str, args) -> dict:
     params = size["pass_params"]  # what the plan prices a pass by (cost.RunSize.pass_params)
     row["teacher_price"] = cost.KD_TEACHER_S * params * tokens / speed
     row["step_price"] = cost.KD_STEP_S * params * tokens / speed
-    row["write_price"] = (cost.KD_SAMPLE_S + cost.KD_SAMPLE_PASS_S / args.write_windows) * params / speed
+    # a window's token of the writing: its share of the batched pass's seconds (one token: seqlen 2)
+    row["write_price"] = cost.sampling_seconds(params, args.write_windows, 2) / args.write_windows / speed
     return row
 
 

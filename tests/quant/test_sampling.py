@@ -291,8 +291,8 @@ def test_a_writing_a_little_over_its_share_goes_on_with_the_windows_that_fit(fam
 
 
 def test_windows_that_fit_take_the_most_that_fit_down_to_the_floor():
-    from vptq_core.quant.cost import sampling_ratio
-    from vptq_core.quant.sampling import SAMPLE_BATCH, windows_that_fit
+    from vptq_core.quant.cost import sampling_seconds
+    from vptq_core.quant.sampling import SAMPLE_BATCH, sampling_ratio, windows_that_fit
 
     cost = {n: 10.0 * n for n in range(25)}
     assert windows_that_fit(24, cost.get, 240.0) == 24
@@ -303,6 +303,9 @@ def test_windows_that_fit_take_the_most_that_fit_down_to_the_floor():
     # a batched pass costs much the same for fewer windows: half of them cost well over half as much
     assert 0.5 < sampling_ratio(12, 24) < 1.0 and sampling_ratio(24, 24) == 1.0
     assert sampling_ratio(SAMPLE_BATCH + 1, SAMPLE_BATCH) > 1.5  # a second pass
+    # the ratio is that of the seconds the plan prices the writing at
+    assert sampling_ratio(20, 24) == pytest.approx(sampling_seconds(135e6, 20, 512) / sampling_seconds(135e6, 24, 512))
+    assert sampling_seconds(135e6, 0, 512) == 0.0
 
 
 def test_writing_projection_allows_for_tokens_growing_dearer_along_the_window():

@@ -11,7 +11,6 @@ bench/results/, docs/results.md); layer-wise fine-tuning is not priced.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -39,8 +38,7 @@ KD_STEP_S = 3.0 / KD_TOKENS
 KD_NO_CHECKPOINT = 0.76  # a step without activation checkpointing, against one with it
 KD_CHECK_S = 1.5 / KD_TOKENS
 KD_TEACHER_S = 1.1 / KD_TOKENS
-KD_SAMPLE_S = 1.5 / KD_TOKENS
-KD_SAMPLE_PASS_S = 50.0 / KD_TOKENS
+KD_SAMPLE_S = 1.5 / KD_TOKENS  # per window written; a batched pass costs sampling.PASS_WINDOWS windows' worth besides
 
 
 class RunSize(NamedTuple):
@@ -169,18 +167,9 @@ def share_that_fits(size: RunSize, config, seconds: float, speed: float = 1.0) -
     return distill_settings(config).calib_sampled_share if fit == planned else fit / samples
 
 
-def sampling_ratio(windows: int, of: int) -> float:
-    """The seconds of writing ``windows`` windows over those of writing ``of`` windows of the same length
-    (``sampling_seconds``: a batched pass costs much the same for fewer windows)."""
-    return sampling_seconds(1, windows, 2) / max(sampling_seconds(1, of, 2), 1e-30)
-
-
 def sampling_seconds(params: int, windows: int, seqlen: int) -> float:
     """Rough seconds for the original model of ``params`` parameters to write ``windows`` windows of ``seqlen``
-    tokens (``sampling.sample_windows``, up to ``SAMPLE_BATCH`` at once)."""
-    if windows <= 0:
-        return 0.0
-    from .sampling import SAMPLE_BATCH
+    tokens (``sampling.sample_windows``, up to ``SAMPLE_BATCH`` at once: ``sampling.window_equivalents``)."""
+    from .sampling import window_equivalents
 
-    passes = math.ceil(windows / SAMPLE_BATCH)
-    return params * max(int(seqlen) - 1, 1) * (KD_SAMPLE_S * windows + KD_SAMPLE_PASS_S * passes)
+    return params * max(int(seqlen) - 1, 1) * KD_SAMPLE_S * window_equivalents(windows)

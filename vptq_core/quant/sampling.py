@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from .calib_windows import distill_settings, written_rows
-from .cost import sampling_ratio
 from .device import native_bf16
 from .packed_dense import packed_linears
 from .repetition import MAX_REPEATED_SHARE, degenerate
@@ -28,6 +27,10 @@ from .teacher import stack_teacher, topk_of
 
 # Windows written at once: one batched decode step serves them all (bench/sampling.py compares batch sizes).
 SAMPLE_BATCH = 32
+# What writing costs, in windows' worth (``window_equivalents``; seconds: ``cost.sampling_seconds``): each window its
+# own, and each batched pass this many besides, whatever its rows (the weights are read once a token for the whole
+# batch); fitted to SmolLM2-135M, 1.5 s a window and 50 s a pass over 511 tokens on the reference machine.
+PASS_WINDOWS = 50.0 / 1.5
 # The precision windows are written in. The default is one precision on every machine, so a preset gives the same
 # calibration on every CPU: float32 (bf16 would be emulated, many times slower, where the CPU has no bf16
 # instructions; bench/sampling.py measures both). "auto" (bf16 only where the hardware multiplies it) differs by
@@ -41,7 +44,7 @@ CALIB_SAMPLE_ROWS = 1 << 20  # generator row numbers of calibration samples (dis
 # (docs/methods.md#time-budget).
 SAMPLING_BUDGET_SHARE = 0.2
 # The fewest of the windows a writing under a budget goes on with, as a share of them; when fewer fit, every window
-# stays text. A batched pass costs much the same for fewer windows (``cost.sampling_ratio``), so a writing cut
+# stays text. A batched pass costs much the same for fewer windows (``sampling_ratio``), so a writing cut
 # below this would pay most of its seconds for few windows.
 MIN_WRITTEN_SHARE = 0.5
 PROJECT_AFTER = 16  # polls before the first (lower-bound) projection
@@ -93,6 +96,17 @@ def _runner(model: nn.Module, params: dict[str, torch.Tensor] | None) -> Callabl
     def forward(**kwargs):
         return torch.func.functional_call(model, params, (), kwargs, tie_weights=True)
     return forward
+
+
+def window_equivalents(windows: int) -> float:
+    """The cost of writing ``windows`` windows in windows' worth: their own and ``PASS_WINDOWS`` per batched pass of up
+    to ``SAMPLE_BATCH``."""
+    return windows + PASS_WINDOWS * math.ceil(windows / SAMPLE_BATCH) if windows > 0 else 0.0
+
+
+def sampling_ratio(windows: int, of: int) -> float:
+    """The seconds of writing ``windows`` windows over those of writing ``of`` windows of the same length."""
+    return window_equivalents(windows) / max(window_equivalents(of), 1e-30)
 
 
 def windows_that_fit(windows: int, seconds: Callable[[int], float], limit: float) -> int:
@@ -186,7 +200,7 @@ def sampled_calibration(model: nn.Module, calib_ids: torch.Tensor, config,
     "degenerate_kept_text"; under a budget only redraws that fit the writing's share are drawn, "redraws_skipped"
     says when one was not). With a ``time_budget``, when the writing is projected to take more than
     ``SAMPLING_BUDGET_SHARE`` of the budget, it goes on with as many of the windows as fit (the first ones;
-    ``windows_that_fit``, the seconds of fewer scaled by ``cost.sampling_ratio``) and the others stay text, or it
+    ``windows_that_fit``, the seconds of fewer scaled by ``sampling_ratio``) and the others stay text, or it
     stops and every window stays text when fewer than ``MIN_WRITTEN_SHARE`` of them fit; ``info`` (a dict) then gets
     "self_written" (the windows written), "planned", the projection and the reason."""
     rows = written_rows(calib_ids.shape[0], config)
@@ -224,7 +238,7 @@ def sampled_calibration(model: nn.Module, calib_ids: torch.Tensor, config,
 
     def redraw_fits(rows_again: int) -> bool:
         """Under a budget a redraw too must fit the writing's share: it costs about what the writing so far did, scaled
-        to its rows (``cost.sampling_ratio``)."""
+        to its rows (``sampling_ratio``)."""
         spent = time.perf_counter() - projection.start
         if limit <= 0 or spent * (1.0 + sampling_ratio(rows_again, going_on[0])) <= limit:
             return True
