@@ -2,10 +2,11 @@
 
 Protocol: a bundled model, 32 wiki calibration windows x 512 tokens (``--seqlen``; seed 0), the "2.5 bits"
 preset's settings (the windows it writes: 21 of them, one batch), ``--threads`` threads. The original model writes
-the windows as ``distill.sampled_calibration`` does, with ``--budget`` as the run's ``time_budget``; every poll's
-time is recorded and ``distill.WritingProjection``'s decisions are printed: the poll, the seconds so far, the
-projection, and whether it stopped the writing. With a budget too large to stop anything the whole writing runs, so the
-printed total is the true one and the cost per token along the window is shown by chunks of 64 tokens.
+the windows as ``sampling.sampled_calibration`` does, with ``--budget`` as the run's ``time_budget``; every poll's
+time is recorded and ``sampling.WritingProjection``'s decisions are printed: the poll, the seconds so far, the
+projection, and what the writing did (went on, went on with the windows that fit, or stopped). With a budget too
+large to stop anything the whole writing runs, so the printed total is the true one and the cost per token along
+the window is shown by chunks of 64 tokens.
 
     python bench/sampling_projection.py --model gemma3-270m                 # the preset's 570 s
     python bench/sampling_projection.py --model gemma3-270m --budget 1e6    # the whole writing
@@ -60,8 +61,16 @@ def main() -> None:
           f"(writing limit {limit:g} s), {args.threads} threads")
     print("| poll | seconds so far | projected total s | decision |")
     print("|---|---|---|---|")
-    for k, at, projected in decisions:
-        print(f"| {k} | {at:.1f} | {projected:.1f} | {'stop' if projected > limit else 'go on'} |")
+    planned = info.get("planned", calib_windows.written_rows(32, config).numel())
+    for i, (k, at, projected) in enumerate(decisions):
+        last = i == len(decisions) - 1
+        if projected <= limit:
+            what = "go on"
+        elif not last:  # the lower bound over: the writing went on when some of the windows still fit
+            what = "over: the later decision decides"
+        else:
+            what = f"go on with {info['self_written']} of {planned}" if info.get("self_written") else "stop: all text"
+        print(f"| {k} | {at:.1f} | {projected:.1f} | {what} |")
     print(f"writing took {seconds:.1f} s; {info['reason'] if 'reason' in info else 'all windows written'}")
     cost = [b - a for a, b in zip(times, times[1:])]
     if "reason" not in info and cost:

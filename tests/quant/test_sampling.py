@@ -13,13 +13,15 @@ from vptq_core.quant.teacher import teacher_topk
 
 
 class _Clock:
-    """A stand-in for the ``time`` module whose perf_counter advances one second a call: every token costs 1 s."""
+    """A stand-in for the ``time`` module whose perf_counter advances one second a call (every token costs 1 s), or
+    ``slow`` seconds a call after the first ``calls`` calls."""
 
-    def __init__(self) -> None:
-        self.now = 0.0
+    def __init__(self, calls: int = 0, slow: float = 1.0) -> None:
+        self.now, self.calls, self.after, self.slow = 0.0, 0, calls, slow
 
     def perf_counter(self) -> float:
-        self.now += 1.0
+        self.calls += 1
+        self.now += self.slow if self.after and self.calls > self.after else 1.0
         return self.now
 
 
@@ -288,6 +290,15 @@ def test_a_writing_a_little_over_its_share_goes_on_with_the_windows_that_fit(fam
         cfg, time_budget=0.5 * tokens / SAMPLING_BUDGET_SHARE), topk=4, info=info)
     assert got is windows and teacher is None and info["self_written"] == 0
     assert info["reason"].endswith("fewer than 50% of them fit, the calibration stays text")
+    # tokens 3x dearer from the 13th on, as in a busy moment of the machine: the fitted growth (capped at twice the
+    # mean cost so far) says fewer than half fit, the mean cost so far does not: it goes on with half, not none
+    monkeypatch.setattr(sampling_mod, "time", _Clock(calls=13, slow=3.0))
+    info = {}
+    got, teacher = sampled_calibration(model, windows, dataclasses.replace(
+        cfg, time_budget=80.0 / SAMPLING_BUDGET_SHARE), topk=4, info=info)
+    assert info["self_written"] == 3 and info["projected_seconds"] > 150.0  # the fit: ~2x the mean cost's ~100 s
+    assert torch.equal(got[rows[:3]], full[rows[:3]])
+    assert torch.equal(got[rows[3:]], windows[rows[3:]])
 
 
 def test_windows_that_fit_take_the_most_that_fit_down_to_the_floor():
