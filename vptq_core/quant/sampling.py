@@ -109,11 +109,15 @@ def sampling_ratio(windows: int, of: int) -> float:
     return window_equivalents(windows) / max(window_equivalents(of), 1e-30)
 
 
+def fewest_written(windows: int) -> int:
+    """The fewest of ``windows`` planned windows a writing under a budget goes on with (``MIN_WRITTEN_SHARE``)."""
+    return max(1, math.ceil(MIN_WRITTEN_SHARE * windows))
+
+
 def windows_that_fit(windows: int, seconds: Callable[[int], float], limit: float) -> int:
     """The most windows, of ``windows``, whose writing takes at most ``limit`` seconds (``seconds(n)``: the
-    seconds of writing n of them), but not fewer than ``MIN_WRITTEN_SHARE`` of them: 0 then."""
-    fewest = max(1, math.ceil(MIN_WRITTEN_SHARE * windows))
-    for n in range(windows, fewest - 1, -1):
+    seconds of writing n of them), but not fewer than ``fewest_written`` of them: 0 then."""
+    for n in range(windows, fewest_written(windows) - 1, -1):
         if seconds(n) <= limit:
             return n
     return 0
@@ -235,7 +239,7 @@ def sampled_calibration(model: nn.Module, calib_ids: torch.Tensor, config,
             # the fitted growth says fewer than half fit, the lower bound does not: the fit extrapolates a quarter of a
             # window and a busy moment of the machine throws it off (bench/sampling_projection.py), so the writing
             # goes on with the fewest rather than throwing away what it wrote
-            fit = math.ceil(MIN_WRITTEN_SHARE * planned)
+            fit = fewest_written(planned)
         budget = limit / SAMPLING_BUDGET_SHARE
         over.update(self_written=fit, planned=planned, projected_seconds=round(projected, 1),
                     limit_seconds=round(limit, 1),
