@@ -119,6 +119,10 @@ SMOKES: dict[str, Smoke] = {
         ("--model", TINY, "--block", "1", "--calib", "2", "--held", "1", "--seqlen", "32", "--grid", "2:auto",
          "2:full"),
         ("| steps | scale | calib error | held-out error | seconds |", "| 2 | full (FlexRound-style) |")),
+    "bench/lrq_threads.py": Smoke(
+        ("--model", TINY, "--block", "1", "--samples", "2", "--seqlen", "32", "--iters", "2", "--threads", "1", "2",
+         "--rounds", "1"),
+        ("| steps | threads | seconds per block | × first thread count |", "| 2 | 2 |")),
     "bench/lrq_recipe.py": Smoke(
         ("--model", TINY, "--base", "w4a8", "--variants", "base:group_size=32,iters=1,distill_iters=1",
          "--calib-samples", "2", "--calib-seqlen", "32", "--seqlen", "32", "--windows", "1", "--threads", "1",

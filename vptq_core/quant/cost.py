@@ -25,9 +25,11 @@ START_S = 5.0  # starting a job whatever its size (imports, tokenizer, calibrati
 FP_CHAIN_FORWARDS = 1.5  # FP-chain targets: the original blocks run on the original chain's inputs too
 GPTQ_SWEEP_S = 0.3e-6  # per weight, a column sweep with one rounding per weight (rough)
 ROUND_S = 0.02e-6  # per weight, rounding to a grid
-# LRQ's training in block forwards: per training token, and passes over the calibration whatever the steps.
-LRQ_STEP = 2.3
-LRQ_FIXED = 2.75
+# LRQ's training in block forwards: per training token, and passes over the calibration whatever the steps. With
+# the run's threads (2 on the reference machine): one thread's constants (2.3, 2.75, fitted to whole runs) times
+# the ratios bench/lrq_threads.py measured on a SmolLM2 block, 0.46 per step and 0.63 for the fixed passes.
+LRQ_STEP = 1.06
+LRQ_FIXED = 1.73
 # Whole-model passes per model parameter a pass multiplies by (``RunSize.pass_params``: the head included, an untied
 # input embedding not) per token of a window, fitted to SmolLM2-135M (134.5 M parameters, its head tied to its
 # embedding; 511 predicted tokens per window): a distillation training step (forward,

@@ -31,7 +31,7 @@ from .act_quant import ACTIVATION_HOOK, calibrate_static_scales, quantize_activa
 from .config import PRESET_BUDGET, SCALAR_PRESET_OFF, LRQConfig
 from .cost import lrq_seconds
 from .distill_hook import DISTILL_HOOK, settings_needs
-from .hessian import proxy_loss, single_thread_torch
+from .hessian import proxy_loss
 from .methods import BlockContext, Cancelled, Method, QuantResult, register
 from .rtn import describe_scalar, effective_group_size, rtn_quantize, scalar_config_bits
 from .states import ScalarLayerState
@@ -444,8 +444,10 @@ def _train(forward, work, wrappers, inputs, targets, config: LRQConfig, batch_si
 
 def _quantize_block(ctx: BlockContext) -> None:
     """The pipeline's block step: train the whole block, then publish each linear's folded state."""
-    # One torch thread: LRQ's small training steps run slower with more threads on a busy machine.
-    with torch.enable_grad(), single_thread_torch():
+    # The run's torch threads: a training step is a whole block on a 512-token window, big enough to share. On the
+    # reference machine (2 cores, idle) 2 threads train a SmolLM2 block 1.6-1.8x faster than one
+    # (bench/lrq_threads.py); on a machine busy with other jobs one thread can be faster, which --threads sets.
+    with torch.enable_grad():
         res = lrq_quantize_block(ctx.block, list(ctx.linears), ctx.inputs, ctx.targets, ctx.forward, ctx.config,
                                  should_stop=ctx.should_stop)
     if ctx.should_stop():
