@@ -30,8 +30,8 @@ def test_the_w4a8_preset_is_the_recipe():
     config = methods.get("lrq").make_config(methods.get("lrq").preset("w4a8"))
     assert isinstance(config, LRQConfig)
     recipe = {"bits": 4, "group_size": 128, "act_bits": 8, "act_granularity": "token_asym", "target_chain": "fp",
-              "iters": 16, "lr": 1e-2, "rank": 0, "clip_search": True, "distill_iters": 48,
-              "distill_data": "calibration", "distill_lr": 5e-3, "distill_eval_every": 8, "calib_sampled_share": 0.0,
+              "iters": 32, "lr": 1e-2, "rank": 0, "clip_search": True, "distill_iters": 48,
+              "distill_data": "calibration", "distill_lr": 5e-3, "distill_eval_every": 8, "calib_sampled_share": 0.5,
               "time_budget": PRESET_TIME_BUDGET}
     assert {k: getattr(config, k) for k in recipe} == recipe
     assert PRESET_TIME_BUDGET < 600  # the preset promises a run within 10 minutes

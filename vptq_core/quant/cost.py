@@ -26,10 +26,12 @@ FP_CHAIN_FORWARDS = 1.5  # FP-chain targets: the original blocks run on the orig
 GPTQ_SWEEP_S = 0.3e-6  # per weight, a column sweep with one rounding per weight (rough)
 ROUND_S = 0.02e-6  # per weight, rounding to a grid
 # LRQ's training in block forwards: per training token, and passes over the calibration whatever the steps. With
-# the run's threads (2 on the reference machine): one thread's constants (2.3, 2.75, fitted to whole runs) times
-# the ratios bench/lrq_threads.py measured on a SmolLM2 block, 0.46 per step and 0.63 for the fixed passes.
-LRQ_STEP = 1.06
-LRQ_FIXED = 1.73
+# the run's threads (2 on the reference machine), fitted to whole runs of `--preset w4a8 --set iters=32` on
+# SmolLM2-135M (idle, 2 threads, speed probe 0.92: block stage 225 s; bench/results/presets_cli_dev_spr.txt
+# w4a8t32): what the block stage took beyond the block forwards' forecast, split between the two in the ratio
+# bench/lrq_threads.py measured on one block (0.94 : 1.02).
+LRQ_STEP = 0.72
+LRQ_FIXED = 0.78
 # Whole-model passes per model parameter a pass multiplies by (``RunSize.pass_params``: the head included, an untied
 # input embedding not) per token of a window, fitted to SmolLM2-135M (134.5 M parameters, its head tied to its
 # embedding; 511 predicted tokens per window): a distillation training step (forward,
