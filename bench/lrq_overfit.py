@@ -41,6 +41,17 @@ def grid_cell(text: str) -> tuple[int, int | str]:
             f"grid cell must be STEPS:RANK, RANK an integer, auto or full; got {text!r}") from None
 
 
+def block_io(model, ids: torch.Tensor, index: int):
+    """Block ``index`` of ``model``, its inputs on the windows ``ids`` (pushed through the original blocks before it),
+    its outputs on them and the blocks' extra arguments: (block, inputs, targets, kwargs)."""
+    with torch.no_grad():
+        inps, kwargs = capture_block_inputs(model, ids)
+        blocks = decoder_blocks(model)
+        for b in range(index):
+            inps = run_batched(blocks[b], inps, kwargs)
+        return blocks[index], inps, run_batched(blocks[index], inps, kwargs), kwargs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--block", type=int, default=5)
@@ -57,13 +68,7 @@ def main() -> None:
     calib = calibration_windows(tok, "wiki", args.calib, args.seqlen)
     held = eval_windows(tok, "wiki", args.seqlen, args.held)
     n = args.calib
-    with torch.no_grad():
-        inps, kwargs = capture_block_inputs(model, torch.cat([calib, held]))
-        blocks = decoder_blocks(model)
-        for b in range(args.block):
-            inps = run_batched(blocks[b], inps, kwargs)
-        block = blocks[args.block]
-        targets = run_batched(block, inps, kwargs)
+    block, inps, targets, kwargs = block_io(model, torch.cat([calib, held]), args.block)
     names = list(block_linears(block))
 
     def rel_error(blk, rows: slice) -> float:

@@ -27,12 +27,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from gguf_export import cpu_name  # noqa: E402
+from lrq_overfit import block_io  # noqa: E402
 
 from vptq_core.data import calibration_windows  # noqa: E402
 from vptq_core.models import load_model  # noqa: E402
-from vptq_core.quant.blocks import block_linears, decoder_blocks  # noqa: E402
+from vptq_core.quant.blocks import block_linears  # noqa: E402
 from vptq_core.quant.config import LRQConfig  # noqa: E402
-from vptq_core.quant.forward import capture_block_inputs, run_batched, run_block  # noqa: E402
+from vptq_core.quant.forward import run_block  # noqa: E402
 from vptq_core.quant.lrq import PRESETS, lrq_quantize_block  # noqa: E402
 
 GRID_KEYS = ("bits", "group_size", "act_bits", "act_granularity")
@@ -53,13 +54,7 @@ def main() -> None:
     torch.set_num_threads(max(args.threads))
     model, tok = load_model(args.model, dtype=torch.float32)
     calib = calibration_windows(tok, "wiki", args.samples, args.seqlen)
-    with torch.no_grad():
-        inps, kwargs = capture_block_inputs(model, calib)
-        blocks = decoder_blocks(model)
-        for b in range(args.block):
-            inps = run_batched(blocks[b], inps, kwargs)
-        block = blocks[args.block]
-        targets = run_batched(block, inps, kwargs)
+    block, inps, targets, kwargs = block_io(model, calib, args.block)
     names = list(block_linears(block))
     grid = {key: PRESETS["w4a8"][key] for key in GRID_KEYS}
 
