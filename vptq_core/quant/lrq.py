@@ -445,7 +445,7 @@ def _train(forward, work, wrappers, inputs, targets, config: LRQConfig, batch_si
 def _quantize_block(ctx: BlockContext) -> None:
     """The pipeline's block step: train the whole block, then publish each linear's folded state."""
     # The run's torch threads: a training step is a whole block on a 512-token window, big enough to share. On the
-    # reference machine (2 cores, idle) 2 threads train a SmolLM2 block 1.6-1.8x faster than one
+    # reference machine (2 cores, idle) 2 threads train a SmolLM2 block in 0.55x the seconds of one
     # (bench/lrq_threads.py); on a machine busy with other jobs one thread can be faster, which --threads sets.
     with torch.enable_grad():
         res = lrq_quantize_block(ctx.block, list(ctx.linears), ctx.inputs, ctx.targets, ctx.forward, ctx.config,
