@@ -123,6 +123,10 @@ SMOKES: dict[str, Smoke] = {
         ("--model", TINY, "--block", "1", "--samples", "2", "--seqlen", "32", "--iters", "2", "--threads", "1", "2",
          "--rounds", "1"),
         ("| steps | threads | seconds per block | × first thread count |", "| 2 | 2 |")),
+    "bench/lrq_steps.py": Smoke(
+        ("--model", TINY, "--blocks", "1", "--samples", "2", "--held", "1", "--seqlen", "32", "--grid", "2:0.01",
+         "2:0.005"),
+        ("| block | steps | lr | calib error | wiki dev error | pydocs dev error | seconds |", "| 1 | 2 | 0.005 |")),
     "bench/lrq_recipe.py": Smoke(
         ("--model", TINY, "--base", "w4a8", "--variants", "base:group_size=32,iters=1,distill_iters=1",
          "--calib-samples", "2", "--calib-seqlen", "32", "--seqlen", "32", "--windows", "1", "--threads", "1",
