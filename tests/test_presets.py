@@ -30,8 +30,8 @@ def test_the_w4a8_preset_is_the_recipe():
     config = methods.get("lrq").make_config(methods.get("lrq").preset("w4a8"))
     assert isinstance(config, LRQConfig)
     recipe = {"bits": 4, "group_size": 128, "act_bits": 8, "act_granularity": "token_asym", "target_chain": "fp",
-              "iters": 32, "lr": 1e-2, "rank": 0, "clip_search": True, "distill_iters": 48,
-              "distill_data": "calibration", "distill_lr": 5e-3, "distill_eval_every": 8, "calib_sampled_share": 0.5,
+              "iters": 64, "lr": 5e-3, "rank": 0, "clip_search": True, "distill_iters": 48,
+              "distill_data": "calibration", "distill_lr": 2e-3, "distill_eval_every": 8, "calib_sampled_share": 0.5,
               "time_budget": PRESET_TIME_BUDGET}
     assert {k: getattr(config, k) for k in recipe} == recipe
     assert PRESET_TIME_BUDGET < 600  # the preset promises a run within 10 minutes
@@ -84,7 +84,7 @@ def test_the_w4a8_preset_through_the_cli_writes_a_checkpoint_that_loads_back(tmp
     config = summary["config"]
     assert (config["bits"], config["group_size"], config["act_bits"], config["act_granularity"]) == (4, 32, 8,
                                                                                                      "token_asym")
-    assert config["distill_lr"] == 5e-3 and config["time_budget"] == PRESET_TIME_BUDGET
+    assert config["distill_lr"] == 2e-3 and config["lr"] == 5e-3 and config["time_budget"] == PRESET_TIME_BUDGET
     assert summary["model_metrics"]["distill"]["steps"] == 2
     model, tok = load_quantized(out, dtype=torch.float32, head_bits=0)
     layers = json.loads((out / "config.json").read_text())["quantization_config"]["config_for_layers"]

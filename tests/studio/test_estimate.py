@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from vptq_core.models import TINY, tiny_random_llama
-from vptq_core.quant.config import VPTQConfig
+from vptq_core.quant.config import PRESET_TIME_BUDGET, VPTQConfig
 from vptq_core.studio.estimate import estimate, model_info
 
 
@@ -122,9 +122,9 @@ def test_time_estimate_of_the_presets_matches_their_runs(monkeypatch):
 
 
 def test_time_estimate_of_lrq_matches_its_runs():
-    """LRQ's W4A8 preset (32 training steps per block, 48 distillation steps) as a user runs it on 2 idle threads
-    (bench/results/presets_cli_dev_spr.txt): with the calibration all text, w4a8t32 and w4a8s50 took 464 s and 446 s
-    with the speed probe at 0.92 (427 s and 410 s on the reference machine); as the preset is, half of it written
+    """LRQ's W4A8 preset with 32 training steps per block (it has 64 now) and 48 distillation steps as a user ran it
+    on 2 idle threads (bench/results/presets_cli_dev_spr.txt): with the calibration all text, w4a8t32 and w4a8s50
+    took 464 s and 446 s with the speed probe at 0.92 (427 s and 410 s on the reference machine); half of it written
     by the model, w4a8s50s1 took 501 s with the probe at 1.00. Every run ended within the preset's budget, so the
     estimate without it is what they ran."""
     from vptq_core.quant.config import LRQConfig
@@ -132,12 +132,13 @@ def test_time_estimate_of_lrq_matches_its_runs():
     from vptq_core.studio.estimate import time_estimate
 
     info = model_info("smollm2-135m-instruct")
-    w4a8 = LRQConfig(**{**PRESETS["w4a8"], "time_budget": 0.0})
+    w4a8 = LRQConfig(**{**PRESETS["w4a8"], "iters": 32, "time_budget": 0.0})
     assert time_estimate(info, w4a8, 32, 512) == pytest.approx(501, rel=0.1)
     text = dataclasses.replace(w4a8, calib_sampled_share=0.0)
     assert time_estimate(info, text, 32, 512) == pytest.approx((427 + 410) / 2, rel=0.1)
-    # each training step costs: half the steps, less time
+    # each training step costs: half the steps, less time; the preset's 64 steps fit its budget at the reference pace
     assert time_estimate(info, dataclasses.replace(text, iters=16), 32, 512) < time_estimate(info, text, 32, 512)
+    assert time_estimate(info, dataclasses.replace(w4a8, iters=PRESETS["w4a8"]["iters"]), 32, 512) < PRESET_TIME_BUDGET
 
 
 def test_reading_a_models_shapes_leaves_torchs_default_dtype_alone(tmp_path):
