@@ -406,7 +406,8 @@ class LRQConfig(DistillSettings):
                         help="rank of LRQ's low-rank weight scaling (auto picks it from the layer size)")
     iters: int = setting(32, lo=0, hi=100000, label="LRQ iterations per block", group=LRQ_GROUP,
                          help="LRQ training iterations per block")
-    lr: float = setting(1e-2, lo=0.0, hi=1.0, lo_open=True, group=LRQ_GROUP, form=False, help="LRQ learning rate")
+    lr: float = setting(1e-2, lo=0.0, hi=1.0, lo_open=True, label="LRQ learning rate", group=LRQ_GROUP,
+                        help="LRQ learning rate (Adam, cosine to 0 over the steps)")
     batch_size: int = setting(1, lo=1, hi=1024, help="windows per LRQ step")
     clip_search: bool = setting(True, **_CLIP_SEARCH)
     full_scale: bool = setting(False, switch=True, group=LRQ_GROUP, form=False,
