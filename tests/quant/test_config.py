@@ -194,7 +194,7 @@ def test_builtin_form_layout_comes_from_the_declarations():
             [["bits", "group size (0 = per channel)", "activations (W·A8 = 8-bit inputs to the linears)"]],
             ("gptq", "rtn", "lrq")),
         "column order (GPTQ)": ([["act order (GPTQ)"]], ("gptq", "rtn")),
-        "LRQ": ([["LRQ rank (0 = auto)", "LRQ iterations per block"]], ("lrq",)),
+        "LRQ": ([["LRQ rank (0 = auto)", "LRQ iterations per block", "LRQ learning rate"]], ("lrq",)),
         "distillation (every method)": (
             [["distillation steps", "distillation data (sampled = text the original writes)",
               "sampled windows (sampled / mixed data)", "held-out check every (steps; 0 = quarter)",
