@@ -48,6 +48,9 @@ def test_a_best_preset_is_its_tier_without_a_time_budget(method, best, base):
     if method == "vptq":
         assert (slow.bits_budget, slow.allocation, slow.vector_len) == (fast.bits_budget, fast.allocation,
                                                                         fast.vector_len)
+    else:  # the block training and the distillation step chosen for the tier: the best preset only runs longer
+        recipe = ("iters", "lr", "distill_lr", "calib_sampled_share", "act_granularity")
+        assert [getattr(slow, k) for k in recipe] == [getattr(fast, k) for k in recipe]
 
 
 def test_the_cli_and_the_app_list_every_preset():
