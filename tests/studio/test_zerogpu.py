@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import pickle
 import sys
+import time
 import types
 from pathlib import Path
 
 import pytest
 
+from vptq_core import api
 from vptq_core.models import TINY
 from vptq_core.quant.config import CalibConfig, ScalarConfig
 from vptq_core.studio import zerogpu
@@ -79,6 +81,28 @@ def fake_spaces(monkeypatch):
     zerogpu._decorated.clear()
 
 
+def worker_waits_for_the_cancel(monkeypatch, after: int) -> None:
+    """The worker quantizes in a thread of its own and may finish the run before the job's cancel, sent when the
+    job has seen ``after`` linears, reaches it (on a loaded machine it did: no ``.partial`` left, the checkpoint
+    written). Here, after its ``after``-th linear the worker waits (up to 60 s) until its ``should_stop`` is true,
+    so the cancel lands where the test sends it."""
+    real = api.quantize_to_dir
+
+    def quantize_to_dir(*args, on_layer, should_stop, **kwargs):
+        seen = []
+
+        def layer(report) -> None:
+            on_layer(report)
+            seen.append(report)
+            deadline = time.monotonic() + 60
+            while len(seen) == after and not should_stop() and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+        return real(*args, on_layer=layer, should_stop=should_stop, **kwargs)
+
+    monkeypatch.setattr(api, "quantize_to_dir", quantize_to_dir)
+
+
 @pytest.mark.slow
 def test_the_job_runs_in_one_gpu_call_with_progress(fake_spaces, tmp_path: Path):
     ctx = Ctx(tmp_path)
@@ -93,7 +117,8 @@ def test_the_job_runs_in_one_gpu_call_with_progress(fake_spaces, tmp_path: Path)
 
 
 @pytest.mark.slow
-def test_cancelling_reaches_the_gpu_worker(fake_spaces, tmp_path: Path):
+def test_cancelling_reaches_the_gpu_worker(fake_spaces, tmp_path: Path, monkeypatch):
+    worker_waits_for_the_cancel(monkeypatch, after=2)
     with pytest.raises(JobCancelled):
         quantization_task(TINY, "rtn", ScalarConfig(bits=4), CALIB)(Ctx(tmp_path, stop_after=2))
     assert (tmp_path / zerogpu.CANCEL_FILE).exists()
@@ -103,12 +128,13 @@ def test_cancelling_reaches_the_gpu_worker(fake_spaces, tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_a_resume_continues_in_the_gpu_call(fake_spaces, tmp_path: Path):
+def test_a_resume_continues_in_the_gpu_call(fake_spaces, tmp_path: Path, monkeypatch):
     """Cancelled after 2 of 14 linears (its finished block kept), then resumed through the GPU worker: the same
     checkpoint, byte for byte, as an uninterrupted ZeroGPU run, and the resumed run says where it started."""
     whole = quantization_task(TINY, "rtn", ScalarConfig(bits=4), CALIB)(Ctx(tmp_path / "whole"))
     stopped = tmp_path / "stopped"
-    with pytest.raises(JobCancelled):
+    with monkeypatch.context() as patch, pytest.raises(JobCancelled):
+        worker_waits_for_the_cancel(patch, after=8)
         quantization_task(TINY, "rtn", ScalarConfig(bits=4), CALIB)(Ctx(stopped, stop_after=8))
     assert (stopped / "checkpoint" / ".partial").is_dir()
     resumed = quantization_task(TINY, "rtn", ScalarConfig(bits=4), CALIB, resume=True)(Ctx(stopped))
