@@ -94,9 +94,10 @@ def worker_waits_for_the_cancel(monkeypatch, after: int) -> None:
         def layer(report) -> None:
             on_layer(report)
             seen.append(report)
-            deadline = time.monotonic() + 60
-            while len(seen) == after and not should_stop() and time.monotonic() < deadline:
-                time.sleep(0.01)
+            if len(seen) == after:
+                deadline = time.monotonic() + 60
+                while not should_stop() and time.monotonic() < deadline:
+                    time.sleep(0.01)
 
         return real(*args, on_layer=layer, should_stop=should_stop, **kwargs)
 

@@ -475,8 +475,8 @@ _WEIGHT_ONLY = {"act_bits": 16, "act_granularity": "token", "iters": 32, "lr": 1
 # affords since the block training uses every thread (dev split, seeds 0 and 1: KL summed over both texts -6% / -10%
 # against the calibration all text, pydocs' -16% / -15%; bench/results/presets_cli_dev_spr.txt w4a8s50b, w4a8s50s1
 # against w4a8t32, w4a8t32s1b).
-# "w4a8-best" is the recipe for a GPU or an hour of CPU: more distillation steps on more windows, no time budget
-# (dev split, seed 0: best64_s0 against w4a8best, its block training of 32 steps at lr 1e-2 and distillation at 5e-3).
+# "w4a8-best" is the same recipe for a GPU or more CPU time: more distillation steps on more windows, no time budget
+# (dev split, seed 0: best64_s0 against w4a8best, the preset when it trained 32 steps at 1e-2 and distilled at 5e-3).
 _W4A8 = {"bits": 4, "group_size": 128, "act_bits": 8, "act_granularity": "token_asym", "iters": 64, "lr": 5e-3,
          "distill_lr": 2e-3, "calib_sampled_share": 0.5}
 PRESETS = {"2.5 bits": {"bits": 2, "group_size": 64, **_WEIGHT_ONLY},
