@@ -115,3 +115,62 @@ def test_a_bf16_run_quantizes_like_a_float32_run(monkeypatch, tiny_model, calib_
     for ra, rb in zip(a.reports, b.reports, strict=True):
         assert rb.rel_proxy_loss == pytest.approx(ra.rel_proxy_loss, rel=0.1)
         assert rb.rel_output_error == pytest.approx(ra.rel_output_error, rel=0.1)
+
+
+def test_fp_target_weight_is_the_least_squares_weight_and_leaves_equal_chains_alone():
+    from vptq_core.quant.hessian import fp_target_weight, prepare_hessian
+
+    gen = torch.Generator().manual_seed(3)
+    n, d, out = 400, 24, 10
+    X_fp = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    X_q = X_fp + 0.2 * torch.randn(n, d, generator=gen, dtype=torch.float64)  # the quantized chain's inputs
+    W = torch.randn(out, d, generator=gen, dtype=torch.float64)
+    acc_h, acc_c = HessianAccumulator(d), HessianAccumulator(d)
+    acc_h.add_batch(X_q.float())
+    acc_c.add_batch(X_fp.float(), X_q.float())
+    H, C = acc_h.hessian, acc_c.hessian
+    torch.testing.assert_close(C.double(), 2 * X_fp.T @ X_q / n, rtol=1e-5, atol=1e-5)
+    # undamped (a tiny damping): the weight whose outputs on the quantized chain come closest to the original's
+    W_ls = torch.linalg.lstsq(X_q, X_fp @ W.T).solution.T
+    torch.testing.assert_close(fp_target_weight(W.float(), H, C, 1e-9).double(), W_ls, rtol=1e-3, atol=1e-3)
+    err = lambda V: float(((X_q @ V.double().T - X_fp @ W.T) ** 2).sum())  # noqa: E731
+    # damped as the sweep damps: most of the way from W to the least-squares weight
+    assert err(fp_target_weight(W.float(), H, C, 0.1)) - err(W_ls) < 0.5 * (err(W) - err(W_ls))
+    # identical chains: C = H and the weight comes back as it was (its dead columns zeroed, as the sweep does)
+    torch.testing.assert_close(fp_target_weight(W.float(), H, H, 0.1), prepare_hessian(W.float(), H, 0.1)[0])
+    with pytest.raises(ValueError, match="do not match the Hessian"):
+        fp_target_weight(W.float(), H, C[:-1], 0.1)
+    with pytest.raises(ValueError, match="one shape"):
+        acc_c.add_batch(X_fp.float(), X_q[:-1].float())
+
+
+def _linear_inputs(block, linears, hidden, kwargs):
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n in linears}
+    hooks = [m.register_forward_hook(lambda _m, a, _o, n=n: seen[n].append(a[0].clone())) for n, m in linears.items()]
+    outs = run_batched(block, hidden, kwargs)
+    for h in hooks:
+        h.remove()
+    return {n: torch.cat(x).reshape(-1, linears[n].in_features) for n, x in seen.items()}, outs
+
+
+def test_cross_products_pair_each_linears_inputs_on_both_chains(tiny_model, calib_ids):
+    model, _ = tiny_model
+    with torch.no_grad():
+        hidden, kwargs = capture_block_inputs(model, calib_ids)
+        block = decoder_blocks(model)[0]
+        linears = block_linears(block)
+        fp_hidden = hidden + 0.05 * torch.randn(hidden.shape, generator=torch.Generator().manual_seed(0))
+        hessians, targets = hessians_and_targets(block, linears, hidden, kwargs)
+        h2, t2, crosses, fp_outs = hessians_and_targets(block, linears, hidden, kwargs, fp_inps=fp_hidden)
+        x_q, _ = _linear_inputs(block, linears, hidden, kwargs)
+        x_fp, ref_outs = _linear_inputs(block, linears, fp_hidden, kwargs)
+        same = hessians_and_targets(block, linears, hidden, kwargs, fp_inps=hidden)
+    torch.testing.assert_close(t2, targets, rtol=0, atol=0)  # the quantized chain's pass is the one it was
+    torch.testing.assert_close(fp_outs, ref_outs, rtol=1e-5, atol=1e-5)
+    for name in linears:
+        torch.testing.assert_close(h2[name], hessians[name], rtol=0, atol=0)
+        ref = 2 * x_fp[name].T @ x_q[name] / x_q[name].shape[0]
+        torch.testing.assert_close(crosses[name], ref, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(same[2][name], same[0][name], rtol=1e-5, atol=1e-6)  # one chain: C = H
+    assert crosses["self_attn.q_proj"] is crosses["self_attn.v_proj"]
+    assert crosses["mlp.gate_proj"] is crosses["mlp.up_proj"]
