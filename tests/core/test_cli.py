@@ -80,7 +80,7 @@ FLAGS = {
     # flags of the settings the app's form shows too
     "--refit-iters": ("refit_iters", "int"), "--distill-samples": ("distill_samples", "int"),
     "--distill-eval-every": ("distill_eval_every", "int"),
-    "--sensitivity-windows": ("sensitivity_windows", "int"), "--fp-sweep": ("fp_sweep", "true"),
+    "--sensitivity-windows": ("sensitivity_windows", "int"),
 }
 
 

@@ -29,7 +29,6 @@ from .forward import (
     run_batched,
     run_block,
 )
-from .hessian import fp_target_weight
 from .methods import BlockContext, Cancelled, QuantResult
 from .results import BlockDone, LayerReport, OnLayer, QuantizeResult, ResumePoint
 from .run import Run
@@ -98,18 +97,9 @@ def quantize_block(run: Run, b: int, block: nn.Module, prefix: str, inps: torch.
     linears = {n: m for n, m in block_linears(block).items() if not (run.skip and run.skip(f"{name}.{n}"))}
     dtype = block_dtype(run.device)  # float32, or bf16 forwards and Hessian products when asked
     with result.timed("hessians_targets"):
-        if fp_inps is not None and getattr(run.config, "fp_sweep", False):
-            # the asymmetric sweep: every linear quantizes the weight that best reproduces the original chain
-            hessians, targets, crosses, fp_inps = hessians_and_targets(block, linears, inps, block_kwargs, dtype,
-                                                                       fp_inps=fp_inps)
-            for n, linear in linears.items():
-                linear.weight.data = fp_target_weight(linear.weight.data, hessians[n], crosses[n],
-                                                      run.config.damp_percent)
-            crosses.clear()
-        else:
-            hessians, targets = hessians_and_targets(block, linears, inps, block_kwargs, dtype)
-            if fp_inps is not None:
-                fp_inps = run_batched(block, fp_inps, block_kwargs, dtype)  # the original model's block outputs
+        hessians, targets = hessians_and_targets(block, linears, inps, block_kwargs, dtype)
+        if fp_inps is not None:
+            fp_inps = run_batched(block, fp_inps, block_kwargs, dtype)  # the original model's block outputs
     ctx = BlockContext(
         index=b, prefix=prefix, block=block, linears=linears, hessians=hessians, inputs=inps,
         targets=fp_inps if fp_inps is not None else targets,

@@ -247,13 +247,6 @@ class VPTQConfig(DistillSettings):
     # coming from the already quantized blocks; "fp" = the original model's own block outputs (its inputs come
     # from the original blocks), so each block also corrects what the blocks before it got wrong.
     target_chain: str = setting("quantized", choices=_TARGET_CHAIN, help="the block outputs training fits")
-    # The sweep's own target: off = reproduce W·x on the quantized chain's inputs x (GPTQ's objective); on = what
-    # the original model computes, W·x̃ on its own inputs x̃, so each linear also corrects the error of the layers
-    # before it (asymmetric calibration): the sweep quantizes W + W·(C - H)·(H + λI)⁻¹, C the cross products of
-    # x̃ and x (hessian.fp_target_weight). It runs the original chain beside the quantized one, as target_chain "fp".
-    fp_sweep: bool = setting(False, switch=True, flag="--fp-sweep", group=VPTQ_GROUP, form=False,
-                             help="the sweep fits the original model's own activations (asymmetric calibration; "
-                             "runs the original chain beside the quantized one)")
     # Total bits per weight of the whole model (every block linear, codebooks, outliers and permutation
     # included). Before a run it becomes the loosest layer_bits_cap whose model total stays within it
     # (``for_model`` -> allocate.cap_for_budget over the model's layer shapes): the layers whose codebooks are

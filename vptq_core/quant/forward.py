@@ -222,59 +222,30 @@ def kwargs_to(kwargs: dict, device: torch.device, dtype: torch.dtype) -> dict:
 
 
 def hessians_and_targets(block: nn.Module, linears: dict, inps: torch.Tensor, kwargs: dict,
-                         dtype: torch.dtype = torch.float32, fp_inps: torch.Tensor | None = None):
+                         dtype: torch.dtype = torch.float32):
     """Run the original block once: Hessians per distinct linear input, and the outputs (targets). ``dtype``:
-    float32, or bfloat16 for the forward under bf16 autocast and the Hessian products in bf16 (float32 sums).
-
-    With ``fp_inps`` (the original chain's inputs of this block, for the asymmetric sweep) every batch of windows
-    also runs through the block from there: per distinct linear input the cross products ``C = 2/n Σ x̃ᵀx``
-    (``x̃`` the original chain's input, ``x`` the quantized chain's at the same positions) and the original
-    chain's block outputs come back too -> (hessians, targets, crosses, fp_outs); else (hessians, targets)."""
+    float32, or bfloat16 for the forward under bf16 autocast and the Hessian products in bf16 (float32 sums)."""
     accumulators: dict[str, HessianAccumulator] = {}
-    cross: dict[str, HessianAccumulator] = {}
     groups = SharedInputs()  # linears fed the very same tensor share one Hessian (the block's inputs held)
-    held: dict[str, torch.Tensor] = {}  # this batch's quantized-chain input per distinct input, for ``cross``
-    original_chain = [False]  # which of a batch's two forwards runs
 
     def make_hook(name: str):
         def hook(_m, args, _out):
             x = args[0]
-            if original_chain[0]:
-                if groups.owner[name] == name:
-                    if name not in cross:
-                        cross[name] = HessianAccumulator(x.shape[-1], device=x.device, dtype=dtype)
-                    cross[name].add_batch(x[:, HESSIAN_SKIP_TOKENS:], held.pop(name))
-            elif groups.owner_of(name, x) == name:
+            if groups.owner_of(name, x) == name:
                 if name not in accumulators:
                     accumulators[name] = HessianAccumulator(x.shape[-1], device=x.device, dtype=dtype)
                 accumulators[name].add_batch(x[:, HESSIAN_SKIP_TOKENS:])
-                if fp_inps is not None:
-                    held[name] = x[:, HESSIAN_SKIP_TOKENS:]
 
         return hook
 
     handles = [m.register_forward_hook(make_hook(n)) for n, m in linears.items()]
     try:
-        if fp_inps is None:
-            targets = run_batched(block, inps, kwargs, dtype)
-        else:
-            targets, fp_outs = torch.empty_like(inps), torch.empty_like(fp_inps)
-            with autocast_to(dtype, inps.device):
-                for i in range(0, inps.shape[0], BATCH):
-                    original_chain[0] = False
-                    targets[i : i + BATCH] = run_block(block, inps[i : i + BATCH], kwargs)
-                    original_chain[0] = True
-                    fp_outs[i : i + BATCH] = run_block(block, fp_inps[i : i + BATCH], kwargs)
+        targets = run_batched(block, inps, kwargs, dtype)
     finally:
         for h in handles:
             h.remove()
         groups.release()
-        held.clear()
     shared = {n: acc.hessian for n, acc in accumulators.items()}  # one tensor per distinct input
     hessians = {n: shared[groups.owner[n]] for n in linears}
-    if fp_inps is None:
-        return hessians, targets
-    shared_cross = {n: acc.hessian for n, acc in cross.items()}
-    crosses = {n: shared_cross[groups.owner[n]] for n in linears}
-    return hessians, targets, crosses, fp_outs
+    return hessians, targets
 

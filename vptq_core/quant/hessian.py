@@ -70,19 +70,15 @@ class HessianAccumulator:
         self.sum = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
         self.tokens = 0
 
-    def add_batch(self, x: torch.Tensor, y: torch.Tensor | None = None) -> None:
-        """Add ``xᵀx``, or the cross products ``xᵀy`` of two inputs at the same positions (``y`` given)."""
+    def add_batch(self, x: torch.Tensor) -> None:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input has {x.shape[-1]} features, Hessian expects {self.in_features}")
-        if y is not None and y.shape != x.shape:
-            raise ValueError(f"cross products need inputs of one shape, got {tuple(x.shape)} and {tuple(y.shape)}")
         x = x.reshape(-1, self.in_features).to(self.sum.device, self.dtype)
-        y = x if y is None else y.reshape(-1, self.in_features).to(self.sum.device, self.dtype)
         if self.dtype == torch.float32:
             with exact_float32():
-                self.sum.addmm_(x.T, y)
+                self.sum.addmm_(x.T, x)
         else:
-            self.sum.add_(x.T @ y)  # bf16 product (float32 accumulation inside the matmul), summed in float32
+            self.sum.add_(x.T @ x)  # bf16 product (float32 accumulation inside the matmul), summed in float32
         self.tokens += x.shape[0]
 
     @property
@@ -106,23 +102,6 @@ def prepare_hessian(W: torch.Tensor, H: torch.Tensor, damp_percent: float) -> tu
     damp = damp_percent * torch.mean(torch.diag(H))  # a contiguous copy: the same sum order as always
     diag.add_(damp)
     return W, H
-
-
-def fp_target_weight(W: torch.Tensor, H: torch.Tensor, C: torch.Tensor, damp_percent: float) -> torch.Tensor:
-    """The weight the asymmetric sweep quantizes: ``W + W·(C - H)·(H + λI)⁻¹`` (float32, ``W``'s shape).
-
-    ``H = 2/n Σ xᵀx`` over the quantized chain's inputs ``x`` of the linear, ``C = 2/n Σ x̃ᵀx`` with ``x̃`` the
-    original chain's inputs at the same positions. Undamped it is the least-squares weight ``W·C·H⁻¹`` that
-    makes ``x·Ŵᵀ`` closest to what the original computes, ``x̃·Wᵀ``; the correction is damped as the sweep
-    damps ``H`` (``prepare_hessian``: λ = damp_percent · mean(diag H), dead columns kept at zero), and with
-    identical chains (``C = H``) ``W`` comes back unchanged."""
-    if C.shape != H.shape:
-        raise ValueError(f"cross products {tuple(C.shape)} do not match the Hessian {tuple(H.shape)}")
-    Wp, Hd = prepare_hessian(W, H, damp_percent)
-    with exact_float32():
-        L = torch.linalg.cholesky(Hd)
-        delta = torch.cholesky_solve((Wp @ (C.float() - H.float())).T.contiguous(), L).T
-    return Wp + delta
 
 
 def inverse_hessian_cholesky(H: torch.Tensor, cache: dict | None = None) -> torch.Tensor:

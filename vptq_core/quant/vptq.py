@@ -319,7 +319,7 @@ def _plan_hook(model, calib_ids, config, device, should_stop, progress=None):
 
 
 def _needs(config: VPTQConfig) -> RunNeeds:
-    return settings_needs(config, target_chain="fp" if config.fp_sweep else config.target_chain)
+    return settings_needs(config, target_chain=config.target_chain)
 
 
 # Presets are named by total bits per weight (codebooks, outliers, permutation included) and hold on any model. Why
