@@ -58,6 +58,9 @@ def main() -> None:
     parser.add_argument("--json", help="append the raw row to this JSON-lines file")
     parser.add_argument("--plan-only", action="store_true", help="print the full-depth plan's lines and stop")
     parser.add_argument("--speed", type=float, help="the device speed the plan assumes (default: the probe's)")
+    parser.add_argument("--writing-speed", type=float,
+                        help="with --plan-only: the self-written calibration's own speed (a run measures it on the "
+                             "model, run_plan.measure_writing_speed; default: priced by --speed)")
     args = parser.parse_args()
 
     import torch
@@ -75,7 +78,8 @@ def main() -> None:
     preset = method.make_config(method.preset(args.preset))
     if args.plan_only:
         speed = args.speed or measure_speed("cpu")
-        for line in plan_run(method, full_size(args.shape, args.samples, args.seqlen), preset, speed).lines():
+        size = full_size(args.shape, args.samples, args.seqlen)
+        for line in plan_run(method, size, preset, speed, args.writing_speed).lines():
             print(f"plan: {line}")
         return
     steps = min(args.distill_steps, preset.distill_iters) if preset.distill_iters else 0

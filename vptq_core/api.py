@@ -30,7 +30,7 @@ from .quant.embedding import TIED, EmbeddingParts, head_and_embedding_names, nor
 from .quant.pipeline import quantize_model
 from .quant.progress import OnProgress, Progress
 from .quant.results import BlockDone
-from .quant.run_plan import RunPlan, measure_speed, plan_run
+from .quant.run_plan import RunPlan, measure_speed, measure_writing_speed, plan_run
 from .quant.source import SafetensorsWeights
 from .resume import PartialRun, tensor_digest
 from .storage.checkpoint import pack_layer, quant_method_of, save_packed
@@ -254,14 +254,19 @@ def load_stage(job: _DirRun, stream: bool | str) -> None:
 
 
 def plan_stage(job: _DirRun) -> None:
-    """The run's plan for this model on this device (``run_plan.plan_run``; the device's speed measured by rank 0
-    for every rank): the config and the calibration windows the run goes on with."""
+    """The run's plan for this model on this device (``run_plan.plan_run``; the device's speed, and under a time
+    budget the model's own pace of writing, measured by rank 0 for every rank): the config and the calibration
+    windows the run goes on with."""
     shapes = tuple(total_linear_shapes(job.model))
     linear = sum(o * i for o, i in shapes)
     size = RunSize(shapes, sum(p.numel() for p in job.model.parameters()) - linear, job.calib.samples,
                    job.calib.seqlen, lookup_params=lookup_params(job.model))
     speed = once("speed", lambda: measure_speed(job.device), lambda: False, job.device)
-    job.plan = plan_run(job.method, size, job.config, speed)
+    writing = None
+    if job.needs.time_budget > 0:  # only a budget's choices depend on the writing's price
+        writing = once("writing speed", lambda: measure_writing_speed(job.model, size, job.config), lambda: False,
+                       job.device)
+    job.plan = plan_run(job.method, size, job.config, speed, writing)
     job.config = job.plan.config
     job.calib = dataclasses.replace(job.calib, samples=job.plan.samples)
 

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from vptq_core.quant import cost, methods, run_plan
+from vptq_core.quant.calib_windows import sampled_count
 from vptq_core.quant.config import BUDGET_REF_PARAMS, BUDGET_SCALE_MAX, ScalarConfig
 from vptq_core.quant.cost import RunSize, run_seconds, sampling_seconds, stage_seconds
 from vptq_core.quant.run_plan import DISTILL_SHARE, MIN_SAMPLES, plan_run
@@ -53,22 +54,37 @@ def test_a_budget_the_run_fits_changes_nothing():
 
 
 def test_a_tight_budget_gives_up_the_cheapest_quality_first_and_says_why(monkeypatch):
+    """Slower and slower devices: the plan gives up the sensitivity measurement's windows first; then calibration
+    windows down to half of them where that keeps the self-written ones, else the self-written ones and calibration
+    windows down to the floor; each only when what came before does not make the run fit, each with its reason."""
+    kept, given_up = ["sensitivity_windows", "calib_samples"], ["sensitivity_windows", "calib_sampled_share",
+                                                                "calib_samples"]
+    seen = set()
+    for speed in (1.2, 0.8, 0.7, 0.5, 0.4, 0.3):
+        # the writing at twice the reference's pace: never over its 20% of the budget, so never cut for that alone
+        plan = plan_run(VPTQ, SMOLLM2, FIXED, speed=speed, writing_speed=2.0)
+        applied = [d for d in plan.decisions if d.applied]
+        settings = tuple(d.setting for d in applied)
+        seen.add(settings)
+        assert settings in {tuple(kept[:n]) for n in range(3)} | {tuple(given_up[:n]) for n in (2, 3)}, speed
+        if "calib_sampled_share" in settings:
+            assert plan.config.calib_sampled_share == 0.0 and "calibrate" not in plan.stages
+            writing = sampling_seconds(SMOLLM2.pass_params, 24, 512) / 2.0
+            assert applied[1].reason.startswith(f"writing them ~{writing:.0f} s; the run before distillation")
+            # keeping them with half the calibration windows would not have fit
+            half = SMOLLM2._replace(samples=16, plan_windows=1, writing_scale=speed / 2.0)
+            assert not run_plan._fits(VPTQ, half, dataclasses.replace(FIXED, time_budget=0.0), speed, 570.0)
+            if len(settings) == 3:
+                assert applied[2].before == 32 and MIN_SAMPLES <= plan.samples < 32
+        else:
+            assert plan.config.calib_sampled_share == 0.75
+            written = sampled_count(plan.samples, plan.config)
+            assert plan.stages["calibrate"] == pytest.approx(sampling_seconds(SMOLLM2.pass_params, written, 512) / 2.0)
+            if "calib_samples" in settings:
+                assert 16 <= plan.samples < 32 and plan.plan_windows == 1
+    assert {(), tuple(kept[:1]), tuple(kept), tuple(given_up)} <= seen, seen
     rest = {name: s for name, s in stage_seconds(VPTQ, SMOLLM2, dataclasses.replace(PRESET, time_budget=0.0)).items()
             if name != "distill"}
-    # a budget the self-written calibration would take over 20% of, and the other stages fit without it, not with
-    # even the windows that fit in 20%: they go first
-    fits_without = (sum(rest.values()) - rest["calibrate"]) / (1 - DISTILL_SHARE)
-    assert fits_without < rest["calibrate"] / 0.2
-    budget = (fits_without + rest["calibrate"] / 0.2) / 2
-    plan = plan_run(VPTQ, SMOLLM2, dataclasses.replace(PRESET, time_budget=budget))
-    assert rest["calibrate"] > 0.2 * budget
-    assert [d.setting for d in plan.decisions if d.applied] == ["calib_sampled_share"]
-    assert plan.config.calib_sampled_share == 0.0 and plan.samples == 32 and plan.plan_windows == 0
-    assert plan.decisions[0].reason.startswith(f"writing them ~{rest['calibrate']:.0f} s; the run before distillation")
-    assert "calibrate" not in plan.stages
-    # on a device twice as fast the same budget leaves them in: the budget is this device's seconds
-    fast = plan_run(VPTQ, SMOLLM2, dataclasses.replace(PRESET, time_budget=budget), speed=2.0)
-    assert fast.config.calib_sampled_share == 0.75 and fast.stages["calibrate"] == pytest.approx(rest["calibrate"] / 2)
     # a budget of which the writing needs a little over 20%, the run fitting with fewer windows: as many as fit, as
     # the run itself decides (sampling.windows_that_fit)
     roomy = 800.0
@@ -87,7 +103,7 @@ def test_a_tight_budget_gives_up_the_cheapest_quality_first_and_says_why(monkeyp
 def test_a_large_model_on_a_slow_device_is_cut_down_in_order_to_the_floors():
     plan = plan_run(VPTQ, QWEN05B, FIXED, speed=0.5)
     applied = [d for d in plan.decisions if d.applied]
-    assert [d.setting for d in applied] == ["calib_sampled_share", "sensitivity_windows", "calib_samples"]
+    assert [d.setting for d in applied] == ["sensitivity_windows", "calib_sampled_share", "calib_samples"]
     assert plan.plan_windows == 1 and plan.samples == MIN_SAMPLES and plan.config.calib_sampled_share == 0.0
     assert applied[2].before == 32 and applied[2].after == MIN_SAMPLES
     # nothing is left for distillation: the plan says so instead of promising its steps
@@ -171,6 +187,48 @@ def test_the_speed_probe_stays_in_range_and_leaves_the_random_streams_alone():
     assert torch.equal(torch.rand(3), expected)
     lo, hi = run_plan.SPEED_RANGE
     assert lo <= speed <= hi
+
+
+def test_the_writing_is_priced_from_its_own_pace_and_kept_where_it_is_cheap():
+    """The speed probe multiplies matrices; the writing reads weights a token at a time. Where the model's own pace
+    of writing was measured, the plan prices the writing by it alone: on a 2-vCPU AVX2 machine whose probe read
+    0.59x while the model wrote at 1.67x, the "3.5 bits" preset's plan keeps the written windows that the probe's
+    price gave up."""
+    preset = VPTQ.make_config(VPTQ.preset("3.5 bits"))
+    text_first = plan_run(VPTQ, SMOLLM2, preset, speed=0.59)
+    assert text_first.config.calib_sampled_share == 0.0 and "calibrate" not in text_first.stages
+    plan = plan_run(VPTQ, SMOLLM2, preset, speed=0.59, writing_speed=1.67)
+    assert plan.writing_speed == 1.67 and plan.to_dict()["writing_speed"] == 1.67
+    assert "(speed 0.59x the reference machine, writing 1.67x)" in plan.lines()[0]
+    assert plan.config.calib_sampled_share == 0.75 and "calib_sampled_share" not in [d.setting for d in plan.decisions]
+    written = sampled_count(plan.samples, plan.config)
+    assert plan.stages["calibrate"] == pytest.approx(sampling_seconds(SMOLLM2.pass_params, written, 512) / 1.67)
+    # the other stages keep the probe's price
+    alone = plan_run(VPTQ, SMOLLM2._replace(samples=plan.samples, plan_windows=plan.plan_windows),
+                     dataclasses.replace(plan.config, time_budget=0.0), speed=0.59)
+    assert plan.stages["blocks"] == pytest.approx(alone.stages["blocks"])
+    assert plan.stages["plan"] == pytest.approx(alone.stages["plan"])
+    # a writing slower than its price is priced by its pace too: over 20% of the budget, fewer windows fit
+    slow = plan_run(VPTQ, SMOLLM2, dataclasses.replace(PRESET, time_budget=2000.0), speed=1.0, writing_speed=0.2)
+    assert 0 < slow.config.calib_sampled_share < 0.75 and slow.stages["calibrate"] <= 0.2 * 2000.0
+    # without one, the probe prices it as before
+    assert plan_run(VPTQ, SMOLLM2, preset, speed=0.59, writing_speed=None) == text_first
+
+
+def test_the_writing_pace_is_measured_as_the_run_writes_and_leaves_the_random_streams_alone(tiny_model):
+    import torch
+
+    model = tiny_model[0]
+    size = RunSize(((64, 64),) * 4, 100_000, 8, 64)
+    config = dataclasses.replace(PRESET, calib_sampled_share=0.5)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    speed = run_plan.measure_writing_speed(model, size, config)
+    assert torch.equal(torch.rand(3), expected)
+    lo, hi = run_plan.SPEED_RANGE
+    assert speed is not None and lo <= speed <= hi
+    assert run_plan.measure_writing_speed(model, size, dataclasses.replace(config, calib_sampled_share=0.0)) is None
 
 
 def test_the_plans_sensitivity_windows_reach_the_measurement(tiny_model, calib_ids):

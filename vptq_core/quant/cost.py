@@ -51,7 +51,10 @@ class RunSize(NamedTuple):
     write itself are kept (False once they are priced out, as over their share of a time budget).
     ``plan_windows``: the windows a plan hook measures on (0: its own setting, e.g. ``sensitivity_windows``).
     ``lookup_params``: parameters a pass only looks rows up in, never multiplies by (an input embedding that is not
-    also the LM head: ``blocks.lookup_params``); 0 for a tied head, whose weights the head multiplies by."""
+    also the LM head: ``blocks.lookup_params``); 0 for a tied head, whose weights the head multiplies by.
+    ``writing_scale``: the writing's reference seconds (``sampling_seconds``) times this, where the model's own pace
+    of writing on the device was measured (``run_plan.measure_writing_speed``: the device's speed over its writing
+    speed), so that dividing by the device's speed gives the writing's measured seconds."""
 
     linear_shapes: tuple[tuple[int, int], ...]
     other_params: int
@@ -60,6 +63,7 @@ class RunSize(NamedTuple):
     self_written: bool = True
     plan_windows: int = 0
     lookup_params: int = 0
+    writing_scale: float = 1.0
 
     @property
     def linear_weights(self) -> int:
@@ -154,7 +158,8 @@ def writing_seconds(size: RunSize, config) -> float:
     """The calibration windows of the block stage the original writes itself (``calib_windows.sampled_count``)."""
     from .calib_windows import sampled_count
 
-    return sampling_seconds(size.pass_params, sampled_count(max(int(size.samples), 1), config), size.seqlen)
+    windows = sampled_count(max(int(size.samples), 1), config)
+    return sampling_seconds(size.pass_params, windows, size.seqlen) * size.writing_scale
 
 
 def share_that_fits(size: RunSize, config, seconds: float, speed: float = 1.0) -> float:
@@ -167,7 +172,8 @@ def share_that_fits(size: RunSize, config, seconds: float, speed: float = 1.0) -
 
     samples = max(int(size.samples), 1)
     planned = sampled_count(samples, config)
-    fit = windows_that_fit(planned, lambda n: sampling_seconds(size.pass_params, n, size.seqlen) / speed, seconds)
+    fit = windows_that_fit(planned, lambda n: sampling_seconds(size.pass_params, n, size.seqlen) * size.writing_scale
+                           / speed, seconds)
     return distill_settings(config).calib_sampled_share if fit == planned else fit / samples
 
 

@@ -4,13 +4,17 @@
 machine, divided by the device's ``speed``) and, when the config carries a ``time_budget``, chooses what fits it.
 Distillation buys the most quality per second, so the plan keeps for it the seconds of its ``distill_iters`` steps,
 at most ``DISTILL_SHARE`` of the budget, and makes room for them by giving up, in this order, only as much as it
-must: the self-written calibration windows, windows of the plan's sensitivity measurement (down to 1), and
-calibration windows (down to ``MIN_SAMPLES``). What still does not fit shortens distillation, which the run itself
+must: windows of the plan's sensitivity measurement (down to 1), calibration windows down to half of them when
+that keeps the self-written ones, else the self-written ones, and then calibration windows down to ``MIN_SAMPLES``. What still does not fit shortens distillation, which the run itself
 fits to what is left (``distill.plan_steps``). Each choice comes with its reason (``Decision``), which the command
 line prints, the app's job view shows and the report keeps (``plan``).
 
-``measure_speed`` is the one impure part: a short matrix-multiply probe on the run's device against the same probe
-on the reference machine.
+``measure_speed`` and ``measure_writing_speed`` are the impure parts: a short matrix-multiply probe on the run's device
+against the same probe on the reference machine, and, for the self-written calibration, a few tokens written by the
+model itself against their price (``cost.sampling_seconds``). The writing is priced from its own pace because it
+is the stage the probe tells least about: one token at a time for a few rows, it is bound by reading the weights,
+not by multiplying them, and on a 2-vCPU AVX2 machine it ran at 1.8x the reference while the probe read 0.41x
+(docs/methods.md#time-budget).
 """
 
 from __future__ import annotations
@@ -23,11 +27,11 @@ from typing import Any
 
 import torch
 
-from .calib_windows import sampled_count
+from .calib_windows import distill_settings, sampled_count
 from .config import BUDGET_REF_PARAMS, BUDGET_SCALE_MAX
-from .cost import RunSize, share_that_fits, stage_seconds
+from .cost import RunSize, sampling_seconds, share_that_fits, stage_seconds
 from .methods import Method
-from .sampling import MIN_WRITTEN_SHARE, SAMPLING_BUDGET_SHARE
+from .sampling import MIN_WRITTEN_SHARE, SAMPLE_BATCH, SAMPLING_BUDGET_SHARE, sample_windows
 
 # What the plan keeps for distillation: the seconds of all its steps, but at most this share of the budget.
 DISTILL_SHARE = 0.4
@@ -46,6 +50,14 @@ PLAN_WINDOWS = (4, 2, 1)
 PROBE_ROWS, PROBE_DIM, PROBE_ITERS, PROBE_REPEATS = 256, 1024, 2, 25
 PROBE_REF_S = 0.0046
 SPEED_RANGE = (0.05, 100.0)
+# The writing's pace: PACE_TOKENS tokens written by the model for as many rows as its first pass writes, the first
+# PACE_WARMUP of them (the packing of the weights, the first forward) left out, the median of the rest. They are the
+# first tokens of a window, and a token costs more the further along its window it is (attention reads every
+# earlier position): over a whole window of 511 a token cost 1.18-1.29x the first 64 on average, in four writings of
+# Gemma-3-270M (bench/results/sampling_projection_spr.txt, "seconds per token by chunks": the mean over the first
+# chunk that has no warm-up in it).
+PACE_TOKENS, PACE_WARMUP = 12, 2
+PACE_GROWTH = 1.25
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,7 @@ class RunPlan:
     speed: float
     requested_seconds: float  # the run as asked for, on this device, distillation's steps all counted
     decisions: tuple[Decision, ...] = field(default_factory=tuple)
+    writing_speed: float | None = None  # the self-written calibration's own measured speed (None: priced by ``speed``)
 
     @property
     def seconds(self) -> float:
@@ -90,32 +103,39 @@ class RunPlan:
 
     def lines(self) -> list[str]:
         """What the command line prints before the run: the estimate, then one line per decision."""
-        head = f"estimated {self.seconds:.0f} s on this device (speed {self.speed:.2f}x the reference machine)"
+        head = f"estimated {self.seconds:.0f} s on this device (speed {self.speed:.2f}x the reference machine"
+        head += f", writing {self.writing_speed:.2f}x)" if self.writing_speed else ")"
         if self.budget > 0:
             head += f", time budget {self.budget:.0f} s"
         return [head, *(d.line() for d in self.decisions)]
 
     def to_dict(self) -> dict:
         """The report's ``plan`` section."""
-        return {"budget_seconds": self.budget, "speed": round(self.speed, 3),
+        writing = round(self.writing_speed, 3) if self.writing_speed else None
+        return {"budget_seconds": self.budget, "speed": round(self.speed, 3), "writing_speed": writing,
                 "requested_seconds": round(self.requested_seconds, 1), "estimated_seconds": round(self.seconds, 1),
                 "stages": {name: round(s, 1) for name, s in self.stages.items()}, "samples": self.samples,
                 "plan_windows": self.plan_windows, "decisions": [d.to_dict() for d in self.decisions]}
 
 
-def plan_run(method: Method, size: RunSize, config, speed: float = 1.0) -> RunPlan:
+def plan_run(method: Method, size: RunSize, config, speed: float = 1.0, writing_speed: float | None = None) -> RunPlan:
     """The plan for a run of ``method`` / ``config`` on a model and calibration described by ``size`` on a device
-    ``speed`` times as fast as the reference machine (see the module's docstring). Pure: no clock, no model."""
+    ``speed`` times as fast as the reference machine (see the module's docstring); ``writing_speed``: the
+    self-written calibration's own (``measure_writing_speed``; None: ``speed`` prices it too). Pure: no clock, no
+    model."""
     speed = float(speed) if speed and speed > 0 else 1.0
+    writing_speed = float(writing_speed) if writing_speed and writing_speed > 0 else None
+    if writing_speed is not None:
+        size = size._replace(writing_scale=speed / writing_speed)
     config, scaled = scaled_budget(config, size.params)
     budget = float(method.needs(config).time_budget)
     free = _without_budget(config)
     requested = _seconds(method, size, free, speed)
     if budget <= 0:
         return RunPlan(config, size.samples, size.plan_windows, _device_stages(method, size, config, speed), budget,
-                       speed, sum(requested.values()))
+                       speed, sum(requested.values()), writing_speed=writing_speed)
     decisions: list[Decision] = [scaled] if scaled is not None else []
-    for cut in (_cut_self_written, _cut_plan_windows, _cut_samples):
+    for cut in (_cut_plan_windows, _cut_samples_for_writing, _cut_self_written, _cut_samples):
         if _fits(method, size, free, speed, budget) and not (cut is _cut_self_written and _writing_over(
                 method, size, free, speed, budget)):
             continue
@@ -127,7 +147,7 @@ def plan_run(method: Method, size: RunSize, config, speed: float = 1.0) -> RunPl
     stages = _device_stages(method, size, config, speed)
     decisions += _distill_forecast(method, size, free, speed, budget)
     return RunPlan(config, size.samples, size.plan_windows, stages, budget, speed, sum(requested.values()),
-                   tuple(decisions))
+                   tuple(decisions), writing_speed)
 
 
 def scaled_budget(config, params: int) -> tuple[Any, Decision | None]:
@@ -230,13 +250,26 @@ def _cut_plan_windows(method, size, config, speed, budget):
                                     f"measuring ~{plan:.0f} s -> ~{after:.0f} s; {why}")
 
 
-def _cut_samples(method, size, config, speed, budget):
+def _cut_samples_for_writing(method, size, config, speed, budget):
+    """Fewer calibration windows, down to half of them, when the run then fits with its self-written windows (priced
+    at what they then cost); else nothing: the written windows go first (``_cut_self_written``)."""
+    if not getattr(config, "calib_sampled_share", 0.0):
+        return size, config, None
+    cut_size, cut_config, decision = _cut_samples(method, size, config, speed, budget,
+                                                  floor=max(MIN_SAMPLES, math.ceil(size.samples / 2)))
+    if decision is None or not _fits(method, cut_size, cut_config, speed, budget) or _writing_over(
+            method, cut_size, cut_config, speed, budget):
+        return size, config, None
+    return cut_size, cut_config, decision
+
+
+def _cut_samples(method, size, config, speed, budget, floor: int = MIN_SAMPLES):
     before = int(size.samples)
-    if before <= MIN_SAMPLES:
+    if before <= floor:
         return size, config, None
     why = _over_text(method, size, config, speed, budget)
     chosen = size
-    for samples in range(before - 1, MIN_SAMPLES - 1, -1):
+    for samples in range(before - 1, floor - 1, -1):
         chosen = size._replace(samples=samples)
         if _fits(method, chosen, config, speed, budget):
             break
@@ -281,6 +314,34 @@ def measure_speed(device: torch.device | str = "cpu") -> float:
     typical = sorted(times)[len(times) // 2]
     lo, hi = SPEED_RANGE
     return min(max(PROBE_REF_S / max(typical, 1e-9), lo), hi)
+
+
+def measure_writing_speed(model: torch.nn.Module, size: RunSize, config) -> float | None:
+    """How many times faster than its price (``cost.sampling_seconds``) ``model`` writes the self-written calibration
+    of a run of ``size`` / ``config`` on the CPU now, as the run writes it (``sampling.sample_windows``: the config's
+    sample dtype, the rows of its first pass at once), within ``SPEED_RANGE``; None when the run writes none. From
+    the pace of ``PACE_TOKENS`` tokens (see there); the run's own random streams stay untouched (each row draws from
+    its own generator)."""
+    windows = sampled_count(max(int(size.samples), 1), config)
+    if not windows:
+        return None
+    rows = min(windows, SAMPLE_BATCH)
+    start = getattr(getattr(model, "config", None), "bos_token_id", None)
+    starts = torch.full((rows, 1), start if isinstance(start, int) else 0, dtype=torch.long)
+    polls: list[float] = []
+
+    def poll() -> bool:  # before every token
+        polls.append(time.perf_counter())
+        return False
+
+    sample_windows(model, starts, PACE_TOKENS + 1, batch=SAMPLE_BATCH, should_stop=poll, device=torch.device("cpu"),
+                   dtype=distill_settings(config).sample_dtype)
+    polls.append(time.perf_counter())
+    gaps = sorted(b - a for a, b in zip(polls[PACE_WARMUP:], polls[PACE_WARMUP + 1:]))
+    per_token = gaps[len(gaps) // 2] * PACE_GROWTH
+    price = sampling_seconds(size.pass_params, rows, size.seqlen) / max(int(size.seqlen) - 1, 1)
+    lo, hi = SPEED_RANGE
+    return min(max(price / max(per_token, 1e-9), lo), hi)
 
 
 def _sync(device: torch.device) -> None:
