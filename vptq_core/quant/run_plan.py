@@ -5,7 +5,9 @@ machine, divided by the device's ``speed``) and, when the config carries a ``tim
 Distillation buys the most quality per second, so the plan keeps for it the seconds of its ``distill_iters`` steps,
 at most ``DISTILL_SHARE`` of the budget, and makes room for them by giving up, in this order, only as much as it
 must: windows of the plan's sensitivity measurement (down to 1), calibration windows down to half of them when
-that keeps the self-written ones, else the self-written ones, and then calibration windows down to ``MIN_SAMPLES``. What still does not fit shortens distillation, which the run itself
+that keeps the self-written ones, else the self-written ones, and then calibration windows down to ``MIN_SAMPLES``.
+Self-written windows whose writing is over its share of the budget (``sampling.SAMPLING_BUDGET_SHARE``) are cut to
+that share first, as the run itself would. What still does not fit shortens distillation, which the run itself
 fits to what is left (``distill.plan_steps``). Each choice comes with its reason (``Decision``), which the command
 line prints, the app's job view shows and the report keeps (``plan``).
 
@@ -135,9 +137,11 @@ def plan_run(method: Method, size: RunSize, config, speed: float = 1.0, writing_
         return RunPlan(config, size.samples, size.plan_windows, _device_stages(method, size, config, speed), budget,
                        speed, sum(requested.values()), writing_speed=writing_speed)
     decisions: list[Decision] = [scaled] if scaled is not None else []
-    for cut in (_cut_plan_windows, _cut_samples_for_writing, _cut_self_written, _cut_samples):
-        if _fits(method, size, free, speed, budget) and not (cut is _cut_self_written and _writing_over(
-                method, size, free, speed, budget)):
+    # a writing over its share of the budget is cut to that share whatever else fits (the run would cut it anyway)
+    cuts = [_cut_plan_windows, _cut_samples_for_writing, _cut_self_written, _cut_samples]
+    forced = _writing_over(method, size, free, speed, budget)
+    for i, cut in enumerate([_cut_self_written, *cuts] if forced else cuts):
+        if not (forced and i == 0) and _fits(method, size, free, speed, budget):
             continue
         size, free, decision = cut(method, size, free, speed, budget)
         if decision is not None:
