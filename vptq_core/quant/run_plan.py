@@ -15,7 +15,7 @@ line prints, the app's job view shows and the report keeps (``plan``).
 against the same probe on the reference machine, and, for the self-written calibration, a few tokens written by the
 model itself against their price (``cost.sampling_seconds``). The writing is priced from its own pace because it
 is the stage the probe tells least about: one token at a time for a few rows, it is bound by reading the weights,
-not by multiplying them, and on a 2-vCPU AVX2 machine it ran at 1.8x the reference while the probe read 0.41x
+not by multiplying them, and on a 2-vCPU AVX2 machine it ran at 1.8x the reference while the probe read 0.47x
 (docs/methods.md#time-budget).
 """
 
