@@ -217,7 +217,7 @@ def test_the_writing_is_priced_from_its_own_pace_and_kept_where_it_is_cheap():
     assert plan_run(VPTQ, SMOLLM2, preset, speed=0.59, writing_speed=None) == text_first
 
 
-def test_the_writing_pace_is_measured_as_the_run_writes_and_leaves_the_random_streams_alone(tiny_model):
+def test_the_writing_pace_is_measured_as_the_run_writes_and_leaves_the_random_streams_alone(tiny_model, monkeypatch):
     import torch
 
     model = tiny_model[0]
@@ -231,6 +231,18 @@ def test_the_writing_pace_is_measured_as_the_run_writes_and_leaves_the_random_st
     lo, hi = run_plan.SPEED_RANGE
     assert speed is not None and lo <= speed <= hi
     assert run_plan.measure_writing_speed(model, size, dataclasses.replace(config, calib_sampled_share=0.0)) is None
+    # on a clock that moves 10 ms between reads, every token takes 10 ms: the speed is the price of a token of a
+    # batch of the 4 written rows (a model priced at 200 M parameters) over 10 ms times the later tokens' growth
+    import itertools
+    from types import SimpleNamespace
+
+    ticks = itertools.count()
+    monkeypatch.setattr(run_plan, "time", SimpleNamespace(perf_counter=lambda: 0.01 * next(ticks)))
+    priced = size._replace(other_params=200_000_000)
+    price = sampling_seconds(priced.pass_params, 4, 64) / 63
+    expected = price / (0.01 * run_plan.PACE_GROWTH)
+    assert lo < expected < hi
+    assert run_plan.measure_writing_speed(model, priced, config) == pytest.approx(expected)
 
 
 def test_the_plans_sensitivity_windows_reach_the_measurement(tiny_model, calib_ids):

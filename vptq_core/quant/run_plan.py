@@ -137,11 +137,11 @@ def plan_run(method: Method, size: RunSize, config, speed: float = 1.0, writing_
         return RunPlan(config, size.samples, size.plan_windows, _device_stages(method, size, config, speed), budget,
                        speed, sum(requested.values()), writing_speed=writing_speed)
     decisions: list[Decision] = [scaled] if scaled is not None else []
-    # a writing over its share of the budget is cut to that share whatever else fits (the run would cut it anyway)
-    cuts = [_cut_plan_windows, _cut_samples_for_writing, _cut_self_written, _cut_samples]
-    forced = _writing_over(method, size, free, speed, budget)
-    for i, cut in enumerate([_cut_self_written, *cuts] if forced else cuts):
-        if not (forced and i == 0) and _fits(method, size, free, speed, budget):
+    if _writing_over(method, size, free, speed, budget):  # cut to its share whatever else fits, as the run would
+        size, free, decision = _cut_self_written(method, size, free, speed, budget)
+        decisions.append(decision)
+    for cut in (_cut_plan_windows, _cut_samples_for_writing, _cut_self_written, _cut_samples):
+        if _fits(method, size, free, speed, budget):
             continue
         size, free, decision = cut(method, size, free, speed, budget)
         if decision is not None:
@@ -256,15 +256,15 @@ def _cut_plan_windows(method, size, config, speed, budget):
 
 def _cut_samples_for_writing(method, size, config, speed, budget):
     """Fewer calibration windows, down to half of them, when the run then fits with its self-written windows (priced
-    at what they then cost); else nothing: the written windows go first (``_cut_self_written``)."""
+    at what they then cost: fewer windows, never more than their share of the budget, which ``plan_run`` saw to
+    first); else nothing: the written windows go first (``_cut_self_written``)."""
     if not getattr(config, "calib_sampled_share", 0.0):
         return size, config, None
-    cut_size, cut_config, decision = _cut_samples(method, size, config, speed, budget,
-                                                  floor=max(MIN_SAMPLES, math.ceil(size.samples / 2)))
-    if decision is None or not _fits(method, cut_size, cut_config, speed, budget) or _writing_over(
-            method, cut_size, cut_config, speed, budget):
+    cut_size, _, decision = _cut_samples(method, size, config, speed, budget,
+                                         floor=max(MIN_SAMPLES, math.ceil(size.samples / 2)))
+    if decision is None or not _fits(method, cut_size, config, speed, budget):
         return size, config, None
-    return cut_size, cut_config, decision
+    return cut_size, config, decision
 
 
 def _cut_samples(method, size, config, speed, budget, floor: int = MIN_SAMPLES):
