@@ -20,6 +20,7 @@ from .data import DEFAULT_EVAL_SPLIT, EVAL_SPLITS, PYDOCS, WIKI, calibration_win
 from .eval import EvalResult, evaluate
 from .models import BUNDLED, NotStreamable, load_model, model_directory, open_streaming
 from .quant import distributed, methods
+from .quant.block_pace import measure_block_speed
 from .quant.blocks import blocks_prefix, decoder_blocks, lookup_params, total_linear_shapes
 from .quant.calib_windows import with_heldout
 from .quant.config import CalibConfig
@@ -262,11 +263,14 @@ def plan_stage(job: _DirRun) -> None:
     size = RunSize(shapes, sum(p.numel() for p in job.model.parameters()) - linear, job.calib.samples,
                    job.calib.seqlen, lookup_params=lookup_params(job.model))
     speed = once("speed", lambda: measure_speed(job.device), lambda: False, job.device)
-    writing = None
-    if job.needs.time_budget > 0:  # only a budget's choices depend on the writing's price
+    writing = block = None
+    if job.needs.time_budget > 0:  # only a budget's choices depend on these paces
         writing = once("writing speed", lambda: measure_writing_speed(job.model, size, job.config), lambda: False,
                        job.device)
-    job.plan = plan_run(job.method, size, job.config, speed, writing)
+        weights = job.source.weights if job.source is not None else None
+        block = once("block speed", lambda: measure_block_speed(job.model, job.method, size, job.config, job.device,
+                                                                weights), lambda: False, job.device)
+    job.plan = plan_run(job.method, size, job.config, speed, writing, block)
     job.config = job.plan.config
     job.calib = dataclasses.replace(job.calib, samples=job.plan.samples)
 

@@ -124,28 +124,26 @@ def test_whole_model_passes_are_priced_by_what_they_multiply_by_not_an_untied_in
         cost.stage_seconds(methods.get("vptq"), full, preset)["load"])  # loading reads every parameter
 
 
-def test_a_bit_plans_block_stage_prices_its_k_means_at_the_measured_share_of_the_capped_layout():
-    """The sensitivity plan gives many layers smaller codebooks than the capped layout priced per shape; its k-means
-    is priced at PLANNED_KMEANS_SHARE of that for its codebook width, the sweep and the rest as they are. A layer
-    plan already made, and the cap allocation, keep the whole price."""
+def test_a_bit_plans_block_stage_is_priced_at_the_measured_share_of_the_capped_layout():
+    """The sensitivity plan gives many layers smaller codebooks than the capped layout priced per shape; a planned
+    run is priced at PLANNED_SHARE of the capped layout for its codebook width, and the whole of it at the measured
+    pace of that work (``RunSize.block_scale``). A layer plan already made, and the cap allocation, keep the whole
+    price."""
     import dataclasses
 
     from vptq_core.quant.cost import RunSize
-    from vptq_core.quant.vptq_cost import PLANNED_KMEANS_SHARE, vptq_layer_phases, vptq_seconds
+    from vptq_core.quant.vptq_cost import PLANNED_SHARE, vptq_layer_phases, vptq_seconds
 
     size = RunSize(((576, 576), (192, 576), (1536, 576), (576, 1536)), 0.0, 32, 512)
     planned = methods.get("vptq").make_config(methods.get("vptq").preset("2.5 bits"))
     assert planned.allocation == "sensitivity" and planned.codebook_bits == 8
-    # 8-bit codebooks cost half, so the plan buys larger ones: their k-means is priced at a larger share
-    assert 0.0 < PLANNED_KMEANS_SHARE[16] < PLANNED_KMEANS_SHARE[8] < 1.0
-    share = PLANNED_KMEANS_SHARE[8]
-    phases = [vptq_layer_phases(o, i, planned) for o, i in size.linear_shapes]
-    kmeans = sum(p["kmeans"] for p in phases)
-    whole = sum(p["whole"] for p in phases)
-    assert kmeans > 0.0
-    assert vptq_seconds(size, planned) == pytest.approx(whole - (1.0 - share) * kmeans)
+    assert 0.0 < PLANNED_SHARE[8] < PLANNED_SHARE[16] < 1.0
+    whole = sum(vptq_layer_phases(o, i, planned)["whole"] for o, i in size.linear_shapes)
+    assert vptq_seconds(size, planned) == pytest.approx(PLANNED_SHARE[8] * whole)
     wide = dataclasses.replace(planned, codebook_bits=16)  # the same layouts priced, at the 16-bit plans' share
-    assert vptq_seconds(size, wide) == pytest.approx(whole - (1.0 - PLANNED_KMEANS_SHARE[16]) * kmeans)
+    assert vptq_seconds(size, wide) == pytest.approx(PLANNED_SHARE[16] * whole)
+    # a device that runs this work at half its price takes twice the seconds
+    assert vptq_seconds(size._replace(block_scale=2.0), planned) == pytest.approx(2.0 * PLANNED_SHARE[8] * whole)
     capped = dataclasses.replace(planned, allocation="cap", bits_budget=0.0, layer_bits_cap=2.5)
     assert vptq_seconds(size, capped) == pytest.approx(sum(vptq_layer_phases(o, i, capped)["whole"]
                                                            for o, i in size.linear_shapes))
@@ -154,5 +152,7 @@ def test_a_bit_plans_block_stage_prices_its_k_means_at_the_measured_share_of_the
                                                          for o, i in size.linear_shapes))
     # more k-means iterations cost more, by the priced share of their k-means
     more = dataclasses.replace(planned, kmeans_iters=planned.kmeans_iters + 10)
-    extra = sum(vptq_layer_phases(o, i, more)["kmeans"] for o, i in size.linear_shapes) - kmeans
-    assert vptq_seconds(size, more) - vptq_seconds(size, planned) == pytest.approx(share * extra)
+    extra = sum(vptq_layer_phases(o, i, more)["kmeans"] for o, i in size.linear_shapes) - sum(
+        vptq_layer_phases(o, i, planned)["kmeans"] for o, i in size.linear_shapes)
+    assert extra > 0.0
+    assert vptq_seconds(size, more) - vptq_seconds(size, planned) == pytest.approx(PLANNED_SHARE[8] * extra)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from vptq_core.quant.config import CalibConfig, ScalarConfig, VPTQConfig
@@ -114,6 +116,29 @@ def test_a_budget_the_tiny_run_cannot_keep_is_planned_and_reported(tmp_path, mon
     assert "blocks" in plans[0].stages and "sample_calibration" not in report["summary"]["timings"]
     assert report["plan"]["decisions"][0]["setting"] == "calib_sampled_share"
     assert summary["plan"]["decisions"] == [decision.line()]
+
+
+def test_a_budgeted_run_prices_its_block_work_by_its_pace_on_block_0(tmp_path, monkeypatch):
+    """Under a time budget the run times its method's block work on block 0 before the plan
+    (``block_pace.measure_block_speed``): the plan's first line and the report give that pace."""
+    import json
+
+    from vptq_core import api
+
+    monkeypatch.setattr(api, "measure_speed", lambda device: 1.0)
+    config = VPTQConfig(vector_len=4, num_centroids=16, outlier_percent=0.0, kmeans_iters=1, time_budget=600.0)
+    plans = []
+    out, _ = api.quantize_to_dir("tiny-random-llama", "vptq", config, CalibConfig(samples=4, seqlen=32),
+                                 tmp_path / "ckpt", device="cpu", on_plan=plans.append)
+    speed = plans[0].block_speed
+    assert speed is not None and speed > 0
+    assert f"block work {speed:.2f}x" in plans[0].lines()[0]
+    assert json.loads((out / "quant_report.json").read_text())["plan"]["block_speed"] == round(speed, 3)
+    # without a budget nothing is timed
+    plans.clear()
+    api.quantize_to_dir("tiny-random-llama", "vptq", dataclasses.replace(config, time_budget=0.0),
+                        CalibConfig(samples=4, seqlen=32), tmp_path / "free", device="cpu", on_plan=plans.append)
+    assert plans[0].block_speed is None
 
 
 def test_the_sensitivity_plan_counts_its_blocks(tmp_path):

@@ -60,7 +60,7 @@ def test_a_tight_budget_gives_up_the_cheapest_quality_first_and_says_why(monkeyp
     kept, given_up = ["sensitivity_windows", "calib_samples"], ["sensitivity_windows", "calib_sampled_share",
                                                                 "calib_samples"]
     seen = set()
-    for speed in (1.2, 0.8, 0.7, 0.5, 0.4, 0.3):
+    for speed in (1.2, 0.8, 0.6, 0.5, 0.4, 0.3):
         # the writing at twice the reference's pace: never over its 20% of the budget, so never cut for that alone
         plan = plan_run(VPTQ, SMOLLM2, FIXED, speed=speed, writing_speed=2.0)
         applied = [d for d in plan.decisions if d.applied]
@@ -257,3 +257,53 @@ def test_the_plans_sensitivity_windows_reach_the_measurement(tiny_model, calib_i
     plan = RunPlan(config, calib_ids.shape[0], 1, {}, 0.0, 1.0, 0.0)
     _, planned = quantize_model(tiny_model[0], calib_ids, "vptq", config, plan=plan)
     assert planned.model_metrics["allocation"]["windows"] == 1
+
+
+LRQ = methods.get("lrq")
+W4A8 = dataclasses.replace(LRQ.make_config(LRQ.preset("w4a8")), time_budget_scale="fixed")
+
+
+def test_the_block_work_is_priced_from_its_own_pace():
+    """The speed probe multiplies matrices; VPTQ's k-means and sweeps and LRQ's training steps run at their own
+    pace, which the plan prices them by where it was measured (``block_pace``): the whole of VPTQ's layer work,
+    LRQ's training steps alone (its passes over the calibration are block forwards, which the probe prices)."""
+    free = dataclasses.replace(PRESET, time_budget=0.0)
+    probe_only = plan_run(VPTQ, SMOLLM2, free, speed=0.6)
+    paced = plan_run(VPTQ, SMOLLM2, free, speed=0.6, block_speed=1.2)
+    own = VPTQ.cost(SMOLLM2, VPTQ.for_model(free, SMOLLM2.linear_shapes))
+    assert probe_only.stages["blocks"] - paced.stages["blocks"] == pytest.approx(own / 0.6 - own / 1.2)
+    assert {k: v for k, v in paced.stages.items() if k != "blocks"} == pytest.approx(
+        {k: v for k, v in probe_only.stages.items() if k != "blocks"})
+    assert "(speed 0.60x the reference machine, block work 1.20x)" in paced.lines()[0]
+    assert paced.block_speed == 1.2 and paced.to_dict()["block_speed"] == 1.2
+    assert plan_run(VPTQ, SMOLLM2, free, speed=0.6, block_speed=None) == probe_only
+
+    lrq_free = dataclasses.replace(W4A8, time_budget=0.0)
+    probe_only = plan_run(LRQ, SMOLLM2, lrq_free, speed=0.6)
+    paced = plan_run(LRQ, SMOLLM2, lrq_free, speed=0.6, block_speed=0.3)
+    steps = cost.FORWARD_S * SMOLLM2.linear_weights * cost.LRQ_STEP * W4A8.iters * W4A8.batch_size * 512
+    assert paced.stages["blocks"] - probe_only.stages["blocks"] == pytest.approx(steps / 0.3 - steps / 0.6)
+
+
+def test_a_slow_block_training_gives_up_training_steps_before_calibration_windows():
+    """LRQ's training steps can run at half the probe's pace (a 2-vCPU AVX2 machine): the w4a8 plan then lowers its
+    block training steps first, down to half of them, and cuts calibration windows only when that is not enough;
+    where the training runs at the probe's pace it keeps every step."""
+    plan = plan_run(LRQ, SMOLLM2, W4A8, speed=1.0, writing_speed=1.6, block_speed=1.0)
+    assert plan.config.iters == W4A8.iters == 64 and not [d for d in plan.decisions if d.applied]
+    slower = [plan_run(LRQ, SMOLLM2, W4A8, speed=1.0, writing_speed=1.6, block_speed=b) for b in (0.45, 0.3, 0.15)]
+    for plan in slower:
+        applied = [d for d in plan.decisions if d.applied]
+        assert applied[0].setting == "iters" and applied[0].before == 64
+        assert plan.config.iters == applied[0].after and 32 <= plan.config.iters < 64
+        assert applied[0].reason.startswith("the block stage ~")
+        if len(applied) > 1:  # windows go only once the steps are down to half
+            assert plan.config.iters == 32
+    assert [d.setting for d in slower[0].decisions if d.applied] == ["iters"] and slower[0].samples == 32
+    assert slower[-1].config.iters == 32 and slower[-1].samples < 32
+    # the block stage is priced with the chosen steps at the measured pace
+    chosen = slower[1]
+    size = SMOLLM2._replace(samples=chosen.samples)
+    again = plan_run(LRQ, size, dataclasses.replace(chosen.config, time_budget=0.0), speed=1.0, writing_speed=1.6,
+                     block_speed=0.3)
+    assert again.stages["blocks"] == pytest.approx(chosen.stages["blocks"])

@@ -54,7 +54,9 @@ class RunSize(NamedTuple):
     also the LM head: ``blocks.lookup_params``); 0 for a tied head, whose weights the head multiplies by.
     ``writing_scale``: the writing's reference seconds (``sampling_seconds``) times this, where the model's own pace
     of writing on the device was measured (``run_plan.measure_writing_speed``: the device's speed over its writing
-    speed), so that dividing by the device's speed gives the writing's measured seconds."""
+    speed), so that dividing by the device's speed gives the writing's measured seconds. ``block_scale``: the part
+    of the method's own block work that its ``Method.pace`` times (``block_pace.measure_block_speed``) priced times
+    this, the same way (``Method.cost`` applies it)."""
 
     linear_shapes: tuple[tuple[int, int], ...]
     other_params: int
@@ -64,6 +66,7 @@ class RunSize(NamedTuple):
     plan_windows: int = 0
     lookup_params: int = 0
     writing_scale: float = 1.0
+    block_scale: float = 1.0
 
     @property
     def linear_weights(self) -> int:
@@ -149,9 +152,10 @@ def sweep_seconds(size: RunSize, _config: Any) -> float:
 
 def lrq_seconds(size: RunSize, config) -> float:
     """LRQ's block work: ``iters`` training steps of ``batch_size`` windows per block, ``LRQ_STEP`` block
-    forwards per training token, plus ``LRQ_FIXED`` passes over the calibration."""
+    forwards per training token (times ``size.block_scale``: the steps are what ``lrq`` times before a run), plus
+    ``LRQ_FIXED`` passes over the calibration (no-grad block forwards, which the device's speed prices)."""
     steps = config.iters * config.batch_size * max(int(size.seqlen), 1)
-    return FORWARD_S * size.linear_weights * (LRQ_STEP * steps + LRQ_FIXED * size.tokens)
+    return FORWARD_S * size.linear_weights * (LRQ_STEP * steps * size.block_scale + LRQ_FIXED * size.tokens)
 
 
 def writing_seconds(size: RunSize, config) -> float:

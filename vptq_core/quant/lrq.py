@@ -17,6 +17,7 @@ codes: a ``ScalarLayerState`` with codes, ``s1`` and ``z`` reproduces the traine
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from torch import nn
 
 from .act_quant import ACTIVATION_HOOK, calibrate_static_scales, quantize_activations
 from .config import PRESET_BUDGET, SCALAR_PRESET_OFF, LRQConfig
-from .cost import lrq_seconds
+from .cost import FORWARD_S, LRQ_STEP, lrq_seconds
 from .distill_hook import DISTILL_HOOK, settings_needs
 from .hessian import proxy_loss
 from .methods import BlockContext, Cancelled, Method, QuantResult, register
@@ -462,6 +463,29 @@ def _quantize_block(ctx: BlockContext) -> None:
         ctx.publish(name, QuantResult(res.states[name], W_hat, loss, rel, rel_w), per_layer, extra=dict(extra))
 
 
+# The block training's pace before a run (``block_pace``): the median of PACE_STEPS steps after PACE_WARMUP.
+PACE_STEPS, PACE_WARMUP = 5, 2
+
+
+def _pace(probe, config: LRQConfig) -> tuple[float, float]:
+    """(seconds, price on the reference machine) of one training step of ``probe``'s block (``Method.pace``): the
+    steps are timed between the polls ``train_holdout`` makes before each, as the run trains."""
+    polls: list[float] = []
+
+    def poll() -> bool:
+        polls.append(time.perf_counter())
+        return False
+
+    steps = dataclasses.replace(config, iters=PACE_WARMUP + PACE_STEPS + 1)
+    with torch.enable_grad():
+        lrq_quantize_block(probe.block, list(probe.linears), probe.inputs, probe.targets, probe.forward, steps,
+                           should_stop=poll)
+    gaps = sorted(b - a for a, b in zip(polls[PACE_WARMUP:], polls[PACE_WARMUP + 1:]))
+    weights = sum(linear.weight.numel() for linear in probe.linears.values())
+    tokens = min(config.batch_size, probe.inputs.shape[0]) * probe.inputs.shape[1]
+    return gaps[len(gaps) // 2], FORWARD_S * weights * LRQ_STEP * tokens
+
+
 # LRQ's weight-only presets keep one scale per output channel from 3 bits up: its learned scaling is what makes
 # per-channel grids work where RTN's fail (docs/methods.md#lrq).
 # Named by total bits per weight, an upper bound: per-channel grids add 32 bits per output row.
@@ -491,6 +515,6 @@ METHOD = register(Method(
     name="lrq", label="LRQ", config_class=LRQConfig, bits=scalar_config_bits, describe=describe_scalar,
     presets=PRESETS, description="scalar grids with a learned low-rank weight scaling, trained per block",
     quantize_block=_quantize_block, block_phase="lrq_train", after_block=(ACTIVATION_HOOK,),
-    after_model=(DISTILL_HOOK,), cost=lrq_seconds,
+    after_model=(DISTILL_HOOK,), cost=lrq_seconds, pace=_pace, block_steps="iters",
     config_needs=lambda config: settings_needs(config, target_chain=config.target_chain),
 ))

@@ -195,7 +195,13 @@ class Method:
         depend on the whole model, e.g. a total-bits budget, resolved); None: ``config.for_model(shapes)``;
     cost(RunSize, config) -> seconds of the method's own block work on the reference machine, on top of the
         block forwards every method runs (``quant.cost``); None: rounding every weight once;
-    estimate_seconds(RunSize, config) -> seconds of the whole run, replacing the stage-by-stage sum.
+    estimate_seconds(RunSize, config) -> seconds of the whole run, replacing the stage-by-stage sum;
+    pace(probe, config) -> (seconds measured, seconds ``cost``'s constants give them on the reference machine) of
+        some of the method's own block work run on the model's first block (``quant.block_pace.ProbeBlock``), so a
+        time budget's plan prices that work by its pace on the device (``block_pace.measure_block_speed``); None:
+        priced by the device's matrix-multiply speed alone;
+    block_steps: the setting that counts the training steps of the method's block work, which a time budget's plan
+        may lower (``run_plan``); None: the plan leaves that work as it is.
     """
 
     name: str
@@ -215,6 +221,8 @@ class Method:
     resolve: Callable[[Any, list[tuple[int, int]]], Any] | None = None
     cost: Cost | None = None
     estimate_seconds: Cost | None = None
+    pace: Callable[[Any, Any], tuple[float, float]] | None = None
+    block_steps: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier() or self.name != self.name.lower():

@@ -39,6 +39,8 @@ from .sampling import MIN_WRITTEN_SHARE, SAMPLE_BATCH, SAMPLING_BUDGET_SHARE, sa
 DISTILL_SHARE = 0.4
 # Calibration windows the plan never goes below: fewer leave the Hessians of wide layers badly conditioned.
 MIN_SAMPLES = 8
+# The share of the method's block training steps (``Method.block_steps``) the plan may step down to.
+MIN_BLOCK_STEPS = 0.5
 # The sensitivity measurement's windows the plan may step down to (the measurement's own default first).
 PLAN_WINDOWS = (4, 2, 1)
 # The probe: the median of PROBE_REPEATS timings (a machine shared with other work is slow on average, not at its
@@ -98,6 +100,7 @@ class RunPlan:
     requested_seconds: float  # the run as asked for, on this device, distillation's steps all counted
     decisions: tuple[Decision, ...] = field(default_factory=tuple)
     writing_speed: float | None = None  # the self-written calibration's own measured speed (None: priced by ``speed``)
+    block_speed: float | None = None  # the method's own block work's measured speed (None: priced by ``speed``)
 
     @property
     def seconds(self) -> float:
@@ -106,7 +109,11 @@ class RunPlan:
     def lines(self) -> list[str]:
         """What the command line prints before the run: the estimate, then one line per decision."""
         head = f"estimated {self.seconds:.0f} s on this device (speed {self.speed:.2f}x the reference machine"
-        head += f", writing {self.writing_speed:.2f}x)" if self.writing_speed else ")"
+        if self.writing_speed:
+            head += f", writing {self.writing_speed:.2f}x"
+        if self.block_speed:
+            head += f", block work {self.block_speed:.2f}x"
+        head += ")"
         if self.budget > 0:
             head += f", time budget {self.budget:.0f} s"
         return [head, *(d.line() for d in self.decisions)]
@@ -114,44 +121,53 @@ class RunPlan:
     def to_dict(self) -> dict:
         """The report's ``plan`` section."""
         writing = round(self.writing_speed, 3) if self.writing_speed else None
+        block = round(self.block_speed, 3) if self.block_speed else None
         return {"budget_seconds": self.budget, "speed": round(self.speed, 3), "writing_speed": writing,
+                "block_speed": block,
                 "requested_seconds": round(self.requested_seconds, 1), "estimated_seconds": round(self.seconds, 1),
                 "stages": {name: round(s, 1) for name, s in self.stages.items()}, "samples": self.samples,
                 "plan_windows": self.plan_windows, "decisions": [d.to_dict() for d in self.decisions]}
 
 
-def plan_run(method: Method, size: RunSize, config, speed: float = 1.0, writing_speed: float | None = None) -> RunPlan:
+def plan_run(method: Method, size: RunSize, config, speed: float = 1.0, writing_speed: float | None = None,
+             block_speed: float | None = None) -> RunPlan:
     """The plan for a run of ``method`` / ``config`` on a model and calibration described by ``size`` on a device
     ``speed`` times as fast as the reference machine (see the module's docstring); ``writing_speed``: the
-    self-written calibration's own (``measure_writing_speed``; None: ``speed`` prices it too). Pure: no clock, no
-    model."""
+    self-written calibration's own (``measure_writing_speed``; None: ``speed`` prices it too); ``block_speed``:
+    the method's own block work's (``block_pace.measure_block_speed``; None: ``speed`` prices it too). Pure: no
+    clock, no model."""
     speed = float(speed) if speed and speed > 0 else 1.0
     writing_speed = float(writing_speed) if writing_speed and writing_speed > 0 else None
+    block_speed = float(block_speed) if block_speed and block_speed > 0 else None
     if writing_speed is not None:
         size = size._replace(writing_scale=speed / writing_speed)
+    if block_speed is not None:
+        size = size._replace(block_scale=speed / block_speed)
+    paces = {"writing_speed": writing_speed, "block_speed": block_speed}
     config, scaled = scaled_budget(config, size.params)
     budget = float(method.needs(config).time_budget)
     free = _without_budget(config)
     requested = _seconds(method, size, free, speed)
     if budget <= 0:
         return RunPlan(config, size.samples, size.plan_windows, _device_stages(method, size, config, speed), budget,
-                       speed, sum(requested.values()), writing_speed=writing_speed)
+                       speed, sum(requested.values()), **paces)
     decisions: list[Decision] = [scaled] if scaled is not None else []
     if _writing_over(method, size, free, speed, budget):  # cut to its share whatever else fits, as the run would
         size, free, decision = _cut_self_written(method, size, free, speed, budget)
         decisions.append(decision)
-    for cut in (_cut_plan_windows, _cut_samples_for_writing, _cut_self_written, _cut_samples):
+    for cut in (_cut_plan_windows, _cut_block_steps, _cut_samples_for_writing, _cut_self_written, _cut_samples):
         if _fits(method, size, free, speed, budget):
             continue
         size, free, decision = cut(method, size, free, speed, budget)
         if decision is not None:
             decisions.append(decision)
-    if hasattr(config, "calib_sampled_share"):
-        config = dataclasses.replace(config, calib_sampled_share=free.calib_sampled_share)
+    for name in ("calib_sampled_share", method.block_steps):  # the settings a cut may have changed
+        if name and hasattr(config, name):
+            config = dataclasses.replace(config, **{name: getattr(free, name)})
     stages = _device_stages(method, size, config, speed)
     decisions += _distill_forecast(method, size, free, speed, budget)
     return RunPlan(config, size.samples, size.plan_windows, stages, budget, speed, sum(requested.values()),
-                   tuple(decisions), writing_speed)
+                   tuple(decisions), **paces)
 
 
 def scaled_budget(config, params: int) -> tuple[Any, Decision | None]:
@@ -252,6 +268,26 @@ def _cut_plan_windows(method, size, config, speed, budget):
     after = _seconds(method, chosen, config, speed).get("plan", 0.0)
     return chosen, config, Decision("sensitivity_windows", before, chosen.plan_windows,
                                     f"measuring ~{plan:.0f} s -> ~{after:.0f} s; {why}")
+
+
+def _cut_block_steps(method, size, config, speed, budget):
+    """Fewer training steps in the method's block work (``Method.block_steps``), down to ``MIN_BLOCK_STEPS`` of
+    them: as many as fit."""
+    name = method.block_steps
+    before = int(getattr(config, name, 0) or 0) if name else 0
+    floor = max(1, math.ceil(MIN_BLOCK_STEPS * before))
+    if before <= floor:
+        return size, config, None
+    why = _over_text(method, size, config, speed, budget)
+    chosen = config
+    for steps in range(before - 1, floor - 1, -1):
+        chosen = dataclasses.replace(config, **{name: steps})
+        if _fits(method, size, chosen, speed, budget):
+            break
+    blocks = _seconds(method, size, config, speed)["blocks"]
+    after = _seconds(method, size, chosen, speed)["blocks"]
+    return size, chosen, Decision(name, before, getattr(chosen, name),
+                                  f"the block stage ~{blocks:.0f} s -> ~{after:.0f} s; {why}")
 
 
 def _cut_samples_for_writing(method, size, config, speed, budget):

@@ -102,27 +102,25 @@ def vptq_layer_phases(out_features: int, in_features: int, config: VPTQConfig, t
 
 
 # A bit plan by sensitivity gives many layers smaller codebooks than the capped v{vector_len} k{num_centroids} that
-# ``vptq_seconds`` prices (fewer vectors fitted, cheaper searches). With 16-bit codebooks the k-means of whole
-# ``--preset 2.5`` runs took 0.40 (SmolLM2-135M), 0.53 (Gemma-3-270M) and 0.44 (0.5B qwen2 shape) of that price at
-# the run's measured speed; with 8-bit ones, which cost half, the plan buys larger codebooks (v3 k4096 on 36-39
-# SmolLM2 layers instead of 22-24) and k-means took 0.83 and 0.89 (SmolLM2-135M, a morning and an afternoon run;
-# the afternoon run's log was not kept) and about 0.86 (Gemma-3-270M, against its 16-bit run's stage times)
-# (bench/results/presets_cli_spr.txt s25d_budget, g25c). A planned run's k-means is priced at the mean share of its
-# codebook width.
-PLANNED_KMEANS_SHARE = {16: 0.45, 8: 0.86}
+# ``vptq_seconds`` prices (fewer vectors fitted, cheaper searches). The plan is not known before the run, so a
+# planned run is priced at PLANNED_SHARE of the capped layout's price for its codebook width: the price of the
+# layers as planned over that of the same layers capped, in 15 SmolLM2-135M runs' reports (8-bit codebooks at 2.5
+# bits: 0.518-0.534 over 7 runs; 16-bit at 3.5 bits: 0.551-0.561 over 8; bench/results/presets_cli_amd.txt). A pure
+# ratio of prices, the same on every machine: what the device makes of the work is its measured pace
+# (``_pace``, ``block_pace``). It replaced a share of the k-means alone fitted to whole runs' seconds at the speed
+# probe's pace (0.86 of it with 8-bit codebooks), which held the two apart on one machine only.
+PLANNED_SHARE = {16: 0.56, 8: 0.53}
 
 
 def vptq_seconds(size: RunSize, config: VPTQConfig) -> float:
-    """VPTQ's block work (``Method.cost``): every block linear's phases, each distinct shape priced once (a
-    per-layer plan as the cap allocation of the same budget: it is not known before the run; its k-means at
-    ``PLANNED_KMEANS_SHARE`` of that for its codebook width)."""
+    """VPTQ's block work (``Method.cost``): every block linear's phases, each distinct shape priced once, times
+    ``size.block_scale`` (the measured pace of that work, ``vptq._pace``); a per-layer plan still to be made at
+    ``PLANNED_SHARE`` of the capped layout's price for its codebook width."""
     planned = config.allocation == "sensitivity" and not config.layer_plan
-    kmeans_share = PLANNED_KMEANS_SHARE[config.codebook_bits] if planned else 1.0
-    total = 0.0
-    for shape, count in collections.Counter(size.linear_shapes).items():
-        phases = vptq_layer_phases(*shape, config)
-        total += count * (phases["whole"] - (1.0 - kmeans_share) * phases["kmeans"])
-    return total
+    share = PLANNED_SHARE[config.codebook_bits] if planned else 1.0
+    total = sum(count * vptq_layer_phases(*shape, config)["whole"]
+                for shape, count in collections.Counter(size.linear_shapes).items())
+    return share * total * size.block_scale
 
 
 def allocation_seconds(size: RunSize, config: VPTQConfig) -> float:
