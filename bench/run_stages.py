@@ -61,6 +61,9 @@ def main() -> None:
     parser.add_argument("--writing-speed", type=float,
                         help="with --plan-only: the self-written calibration's own speed (a run measures it on the "
                              "model, run_plan.measure_writing_speed; default: priced by --speed)")
+    parser.add_argument("--block-speed", type=float,
+                        help="with --plan-only: the method's own block work's speed (block 0 timed before a run, "
+                             "block_pace.measure_block_speed; default: priced by --speed)")
     args = parser.parse_args()
 
     import torch
@@ -79,7 +82,7 @@ def main() -> None:
     if args.plan_only:
         speed = args.speed or measure_speed("cpu")
         size = full_size(args.shape, args.samples, args.seqlen)
-        for line in plan_run(method, size, preset, speed, args.writing_speed).lines():
+        for line in plan_run(method, size, preset, speed, args.writing_speed, args.block_speed).lines():
             print(f"plan: {line}")
         return
     steps = min(args.distill_steps, preset.distill_iters) if preset.distill_iters else 0
