@@ -3,9 +3,9 @@ its price (``Method.cost``), so that a time budget's plan prices the block stage
 work rather than by how fast it multiplies matrices (``run_plan.measure_speed``).
 
 The speed probe tells little about that work. On a 2-vCPU AVX2 machine whose probe read 0.55-0.70x the reference,
-LRQ's block training ran at about 0.39x its price (the plan forecast 33-42 distillation steps and the run had time
-for 2-6) and VPTQ's k-means and sweeps at 1.0-1.3x (the plan cut calibration windows it had time for)
-(bench/results/presets_cli_amd.txt, docs/methods.md#time-budget).
+LRQ's training steps ran at about 0.3x their price (the plan forecast 33-42 distillation steps and the run had
+time for 2-6), and VPTQ's layers at about 0.72x the price of the layouts the bit plan chose, for every layout
+alike (bench/results/presets_cli_amd.txt, docs/methods.md#time-budget).
 
 ``measure_block_speed`` builds block 0 as the run will quantize it: float32 on the run's device, its weights read
 from disk when the model is streamed, its inputs and kwargs captured from token ids of a private generator (the
@@ -31,7 +31,7 @@ from .forward import capture_block_inputs, hessians_and_targets, kwargs_to, run_
 from .methods import Method
 from .source import BlockWeights
 
-# What the probe's block is fed: PROBE_WINDOWS windows of the run's length (the method may ask for more).
+# What the probe's block is fed: PROBE_WINDOWS windows of the run's length.
 PROBE_WINDOWS = 2
 SPEED_RANGE = (0.05, 100.0)
 

@@ -4,8 +4,9 @@
 machine, divided by the device's ``speed``) and, when the config carries a ``time_budget``, chooses what fits it.
 Distillation buys the most quality per second, so the plan keeps for it the seconds of its ``distill_iters`` steps,
 at most ``DISTILL_SHARE`` of the budget, and makes room for them by giving up, in this order, only as much as it
-must: windows of the plan's sensitivity measurement (down to 1), calibration windows down to half of them when
-that keeps the self-written ones, else the self-written ones, and then calibration windows down to ``MIN_SAMPLES``.
+must: windows of the plan's sensitivity measurement (down to 1), the training steps of the method's block work
+(``Method.block_steps``, down to ``MIN_BLOCK_STEPS`` of them), calibration windows down to half of them when that
+keeps the self-written ones, else the self-written ones, and then calibration windows down to ``MIN_SAMPLES``.
 Self-written windows whose writing is over its share of the budget (``sampling.SAMPLING_BUDGET_SHARE``) are cut to
 that share first, as the run itself would. What still does not fit shortens distillation, which the run itself
 fits to what is left (``distill.plan_steps``). Each choice comes with its reason (``Decision``), which the command
@@ -13,7 +14,8 @@ line prints, the app's job view shows and the report keeps (``plan``).
 
 ``measure_speed`` and ``measure_writing_speed`` are the impure parts: a short matrix-multiply probe on the run's device
 against the same probe on the reference machine, and, for the self-written calibration, a few tokens written by the
-model itself against their price (``cost.sampling_seconds``). The writing is priced from its own pace because it
+model itself against their price (``cost.sampling_seconds``); the method's own block work is timed the same way on
+block 0 (``block_pace.measure_block_speed``). The writing is priced from its own pace because it
 is the stage the probe tells least about: one token at a time for a few rows, it is bound by reading the weights,
 not by multiplying them, and on a 2-vCPU AVX2 machine it ran at 1.8x the reference while the probe read 0.47x
 (docs/methods.md#time-budget).
