@@ -115,5 +115,6 @@ def test_the_pace_prices_the_run_config_as_the_run_resolves_it(tiny_model, monke
     seen = []
     method = dataclasses.replace(methods.get("vptq"), pace=lambda probe, config: (seen.append(config), (1.0, 2.0))[1])
     budgeted = dataclasses.replace(TINY_VQ, bits_budget=2.5, allocation="cap")
+    assert method.for_model(budgeted, _size(model).linear_shapes) != budgeted  # resolving changes it
     assert block_pace.measure_block_speed(model, method, _size(model), budgeted) == pytest.approx(2.0)
     assert seen == [method.for_model(budgeted, _size(model).linear_shapes)]
