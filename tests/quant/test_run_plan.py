@@ -10,7 +10,7 @@ from vptq_core.quant import cost, methods, run_plan
 from vptq_core.quant.calib_windows import sampled_count
 from vptq_core.quant.config import BUDGET_REF_PARAMS, BUDGET_SCALE_MAX, ScalarConfig
 from vptq_core.quant.cost import RunSize, run_seconds, sampling_seconds, stage_seconds
-from vptq_core.quant.run_plan import DISTILL_SHARE, MIN_SAMPLES, plan_run
+from vptq_core.quant.run_plan import DISTILL_SHARE, MIN_SAMPLES, WRITING_DISTILL_SHARE, plan_run
 
 VPTQ = methods.get("vptq")
 
@@ -71,9 +71,11 @@ def test_a_tight_budget_gives_up_the_cheapest_quality_first_and_says_why(monkeyp
             assert plan.config.calib_sampled_share == 0.0 and "calibrate" not in plan.stages
             writing = sampling_seconds(SMOLLM2.pass_params, 24, 512) / 2.0
             assert applied[1].reason.startswith(f"writing them ~{writing:.0f} s; the run before distillation")
-            # keeping them with half the calibration windows would not have fit
+            # keeping them with half the calibration windows would not have fit, not even with distillation's
+            # share lowered
             half = SMOLLM2._replace(samples=16, plan_windows=1, writing_scale=speed / 2.0)
-            assert not run_plan._fits(VPTQ, half, dataclasses.replace(FIXED, time_budget=0.0), speed, 570.0)
+            assert not run_plan._fits(VPTQ, half, dataclasses.replace(FIXED, time_budget=0.0), speed, 570.0,
+                                      WRITING_DISTILL_SHARE)
             if len(settings) == 3:
                 assert applied[2].before == 32 and MIN_SAMPLES <= plan.samples < 32
         else:
@@ -307,3 +309,35 @@ def test_a_slow_block_training_gives_up_training_steps_before_calibration_window
     again = plan_run(LRQ, size, dataclasses.replace(chosen.config, time_budget=0.0), speed=1.0, writing_speed=1.6,
                      block_speed=0.3)
     assert again.stages["blocks"] == pytest.approx(chosen.stages["blocks"])
+
+
+def test_distillation_gives_up_part_of_its_share_before_the_self_written_windows():
+    """Where half the calibration windows with the self-written ones do not fit beside distillation's 40%, the plan
+    lowers that share to ``WRITING_DISTILL_SHARE`` and keeps as many windows as then fit, the written ones among them;
+    only where even that does not fit are the written windows given up."""
+    free = dataclasses.replace(W4A8, time_budget=0.0)
+    kept = plan_run(LRQ, SMOLLM2, W4A8, speed=0.58, writing_speed=1.54, block_speed=0.31)
+    applied = [d for d in kept.decisions if d.applied]
+    assert [d.setting for d in applied] == ["iters", "calib_samples"]
+    assert kept.config.calib_sampled_share == W4A8.calib_sampled_share and kept.config.iters == 32
+    assert applied[1].reason.endswith("the self-written windows kept, distillation's share of the budget 40% -> 30%")
+    size = SMOLLM2._replace(writing_scale=0.58 / 1.54, block_scale=0.58 / 0.31)
+    config = dataclasses.replace(free, iters=32)
+    half = size._replace(samples=16)
+    assert not run_plan._fits(LRQ, half, config, 0.58, 570.0)  # at distillation's full share: no room for them
+    # as many windows as fit with the lowered share, at least half of them
+    assert 16 <= kept.samples < 32
+    assert run_plan._fits(LRQ, size._replace(samples=kept.samples), config, 0.58, 570.0, WRITING_DISTILL_SHARE)
+    assert not run_plan._fits(LRQ, size._replace(samples=kept.samples + 1), config, 0.58, 570.0,
+                              WRITING_DISTILL_SHARE)
+    # the forecast leaves distillation what the other stages leave: about the lowered share
+    forecast = kept.decisions[-1]
+    assert forecast.setting == "distill_iters" and 0 < forecast.after < W4A8.distill_iters
+    assert kept.budget - sum(s for name, s in kept.stages.items() if name != "distill") >= WRITING_DISTILL_SHARE * 570
+
+    # slower still: not even half the windows fit beside the lowered share, and the written windows go
+    dropped = plan_run(LRQ, SMOLLM2, W4A8, speed=0.47, writing_speed=1.34, block_speed=0.31)
+    assert [d.setting for d in dropped.decisions if d.applied] == ["iters", "calib_sampled_share", "calib_samples"]
+    assert dropped.config.calib_sampled_share == 0.0
+    slow = SMOLLM2._replace(samples=16, writing_scale=0.47 / 1.34, block_scale=0.47 / 0.31)
+    assert not run_plan._fits(LRQ, slow, config, 0.47, 570.0, WRITING_DISTILL_SHARE)
