@@ -42,7 +42,7 @@ from .sampling import MIN_WRITTEN_SHARE, SAMPLE_BATCH, SAMPLING_BUDGET_SHARE, sa
 DISTILL_SHARE = 0.4
 # ... and the share it goes down to before it gives up the self-written calibration: with half the calibration
 # windows written by the model, 20 distillation steps gave the W4A8 preset a lower KL (summed over both dev texts:
-# -4%, 2 seeds) and the same perplexity as all 18 windows from the text with 26 steps, in 7% less time
+# -4%, 2 seeds) and the same perplexity as all 18 windows from the text with 26 steps, in 7-9% less time
 # (bench/results/presets_cli_amd.txt "wh").
 WRITING_DISTILL_SHARE = 0.3
 # Calibration windows the plan never goes below: fewer leave the Hessians of wide layers badly conditioned.
