@@ -341,3 +341,11 @@ def test_distillation_gives_up_part_of_its_share_before_the_self_written_windows
     assert dropped.config.calib_sampled_share == 0.0
     slow = SMOLLM2._replace(samples=16, writing_scale=0.47 / 1.34, block_scale=0.47 / 0.31)
     assert not run_plan._fits(LRQ, slow, config, 0.47, 570.0, WRITING_DISTILL_SHARE)
+
+    # no window to give up (the floor already): the lowered share alone is the decision
+    few = plan_run(LRQ, SMOLLM2._replace(samples=MIN_SAMPLES), W4A8, speed=0.46, writing_speed=1.5, block_speed=0.23)
+    applied = [d for d in few.decisions if d.applied]
+    assert [(d.setting, d.before, d.after) for d in applied[1:]] == [("distill_share", DISTILL_SHARE,
+                                                                       WRITING_DISTILL_SHARE)]
+    assert few.samples == MIN_SAMPLES and few.config.calib_sampled_share == W4A8.calib_sampled_share
+    assert applied[1].line().startswith("distill_share: 0.4 -> 0.3 (the self-written windows kept")

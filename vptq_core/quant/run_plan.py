@@ -316,9 +316,9 @@ def _cut_samples_for_writing(method, size, config, speed, budget):
 
 
 def _keep_writing(method, size, config, speed, budget):
-    """Calibration windows down to half of them, the self-written ones kept, when the run then fits with
-    distillation's share of the budget lowered to ``WRITING_DISTILL_SHARE``; else nothing (``_cut_self_written``
-    goes on)."""
+    """Distillation's share of the budget lowered to ``WRITING_DISTILL_SHARE`` and as many calibration windows as
+    then fit, at least half of them, the self-written ones kept, when the run fits so; else nothing
+    (``_cut_self_written`` goes on). The caller plans with the lowered share from then on."""
     if not getattr(config, "calib_sampled_share", 0.0):
         return size, config, None
     half = size._replace(samples=max(MIN_SAMPLES, math.ceil(size.samples / 2)))
