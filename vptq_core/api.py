@@ -256,8 +256,9 @@ def load_stage(job: _DirRun, stream: bool | str) -> None:
 
 def plan_stage(job: _DirRun) -> None:
     """The run's plan for this model on this device (``run_plan.plan_run``; the device's speed, and under a time
-    budget the model's own pace of writing, measured by rank 0 for every rank): the config and the calibration
-    windows the run goes on with."""
+    budget the model's own pace of writing and the method's of its block work, measured by rank 0 for every rank):
+    the config and the calibration windows the run goes on with. Under a budget the speed is read again after the
+    paces, seconds later, and the faster reading prices the run (``run_plan.measure_speed``)."""
     shapes = tuple(total_linear_shapes(job.model))
     linear = sum(o * i for o, i in shapes)
     size = RunSize(shapes, sum(p.numel() for p in job.model.parameters()) - linear, job.calib.samples,
@@ -270,6 +271,8 @@ def plan_stage(job: _DirRun) -> None:
         weights = job.source.weights if job.source is not None else None
         block = once("block speed", lambda: measure_block_speed(job.model, job.method, size, job.config, job.device,
                                                                 weights), lambda: False, job.device)
+        again = once("speed again", lambda: measure_speed(job.device), lambda: False, job.device)
+        speed = max(speed, again)
     job.plan = plan_run(job.method, size, job.config, speed, writing, block)
     job.config = job.plan.config
     job.calib = dataclasses.replace(job.calib, samples=job.plan.samples)

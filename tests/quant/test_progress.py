@@ -120,12 +120,15 @@ def test_a_budget_the_tiny_run_cannot_keep_is_planned_and_reported(tmp_path, mon
 
 def test_a_budgeted_run_prices_its_block_work_by_its_pace_on_block_0(tmp_path, monkeypatch):
     """Under a time budget the run times its method's block work on block 0 before the plan
-    (``block_pace.measure_block_speed``): the plan's first line and the report give that pace."""
+    (``block_pace.measure_block_speed``): the plan's first line and the report give that pace. It reads the speed
+    probe again after the paces and keeps the faster reading; without a budget it reads it once."""
     import json
 
     from vptq_core import api
 
-    monkeypatch.setattr(api, "measure_speed", lambda device: 1.0)
+    readings = [0.4, 0.8, 0.3]  # a slow moment first, then the machine as it is, then one more slow moment
+    calls = []
+    monkeypatch.setattr(api, "measure_speed", lambda device: calls.append(device) or readings[len(calls) - 1])
     config = VPTQConfig(vector_len=4, num_centroids=16, outlier_percent=0.0, kmeans_iters=1, time_budget=600.0)
     plans = []
     out, _ = api.quantize_to_dir("tiny-random-llama", "vptq", config, CalibConfig(samples=4, seqlen=32),
@@ -134,11 +137,13 @@ def test_a_budgeted_run_prices_its_block_work_by_its_pace_on_block_0(tmp_path, m
     assert speed is not None and speed > 0
     assert f"block work {speed:.2f}x" in plans[0].lines()[0]
     assert json.loads((out / "quant_report.json").read_text())["plan"]["block_speed"] == round(speed, 3)
-    # without a budget nothing is timed
+    assert len(calls) == 2 and plans[0].speed == 0.8 and "speed 0.80x" in plans[0].lines()[0]
+    # without a budget nothing is timed, and the probe is read once
     plans.clear()
     api.quantize_to_dir("tiny-random-llama", "vptq", dataclasses.replace(config, time_budget=0.0),
                         CalibConfig(samples=4, seqlen=32), tmp_path / "free", device="cpu", on_plan=plans.append)
     assert plans[0].block_speed is None
+    assert len(calls) == 3 and plans[0].speed == 0.3
 
 
 def test_the_sensitivity_plan_counts_its_blocks(tmp_path):

@@ -58,7 +58,11 @@ PLAN_WINDOWS = (4, 2, 1)
 # (bench/results/run_plan_fit_spr.txt). A wide-vector CPU multiplies float32 matrices much faster than it runs the
 # stages (sampling, k-means, sweeps, training steps), so the probe's time there is below this reference's.
 # 25 timings (about 0.1 s idle), not 5: a Gemma-3-270M run on an idle machine read 0.30x with 5, where probes of the
-# same machine just after read 0.72-1.06x; a slow tenth of a second no longer decides the median.
+# same machine just after read 0.72-1.06x; a slow tenth of a second no longer decides the median. A slow second
+# still can: on an idle 2-vCPU AMD EPYC (Zen 4) whose readings had a median of 0.78x one read 0.41x at a run's start,
+# and its plan cut the calibration to 17 windows where the run then had time to spare (bench/results/
+# presets_cli_zen4.txt cw_s1). So a budgeted run reads the probe again after the writing and block paces (seconds
+# later) and keeps the faster reading (``api.plan_stage``; bench/probe_steadiness.py: the faster of two readings).
 PROBE_ROWS, PROBE_DIM, PROBE_ITERS, PROBE_REPEATS = 256, 1024, 2, 25
 PROBE_REF_S = 0.0046
 SPEED_RANGE = (0.05, 100.0)
