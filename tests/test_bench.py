@@ -72,6 +72,10 @@ SMOKES: dict[str, Smoke] = {
         ("--model", TINY, "--threads", "1", "--seqlen", "32", "--steps", "1", "--warmup", "1", "--rounds", "1",
          "--variants", "float32"),
         ("| variant | median s per step | × first row | steps timed |", "| float32 |")),
+    "bench/probe_steadiness.py": Smoke(
+        ("--model", TINY, "--seconds", "0", "--seqlen", "32", "--threads", "1"),
+        ("| timing | readings | median pace | min | max | cv |", "| matmul probe | 2 |", "| block 0 forward | 2 |",
+         "| matmul probe, the faster of two | 1 |")),
     "bench/pass_cost.py": Smoke(
         ("--models", TINY, "--threads", "1", "--seqlen", "32", "--windows", "1", "--steps", "1", "--write-windows", "2",
          "--write-tokens", "8"),
