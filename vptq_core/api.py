@@ -18,7 +18,7 @@ import transformers
 from . import __version__
 from .data import DEFAULT_EVAL_SPLIT, EVAL_SPLITS, PYDOCS, WIKI, calibration_windows
 from .eval import EvalResult, evaluate
-from .models import BUNDLED, NotStreamable, load_model, model_directory, open_streaming
+from .models import BUNDLED, NotStreamable, cache_dir, load_model, model_directory, open_streaming
 from .quant import distributed, methods
 from .quant.block_pace import measure_block_speed
 from .quant.blocks import blocks_prefix, decoder_blocks, lookup_params, total_linear_shapes
@@ -31,6 +31,7 @@ from .quant.embedding import TIED, EmbeddingParts, head_and_embedding_names, nor
 from .quant.pipeline import quantize_model
 from .quant.progress import OnProgress, Progress
 from .quant.results import BlockDone
+from .quant.rotate import rotate_model_, rotated_dir, rotates
 from .quant.run_plan import RunPlan, measure_speed, measure_writing_speed, plan_run
 from .quant.source import SafetensorsWeights
 from .resume import PartialRun, tensor_digest
@@ -178,6 +179,8 @@ class _DirRun:
     partial: PartialRun | None = None
     point: object = None  # the ``ResumePoint`` of an unfinished run, or None
     plan: RunPlan | None = None  # what the run chose before it started (``plan_stage``)
+    load_name: str = ""  # what the run loads: ``model_name``, or its rotated copy (``rotate``); set by ``load_stage``
+    rotated: bool = False  # whether the model the run quantizes is rotated (``rotate``; quant/rotate.py)
 
     def check(self, stream: bool | str) -> None:
         """Refuse, before loading anything, what this method and config cannot do."""
@@ -216,6 +219,7 @@ class _DirRun:
         summary = result.summary()
         summary["resumed_from_block"] = self.point.blocks_done if self.point is not None else 0
         summary["streaming"] = self.stream_note
+        summary["rotated"] = self.rotated
         if self.plan is not None:
             summary["plan"] = {"estimated_seconds": round(self.plan.seconds, 1),
                                "decisions": [d.line() for d in self.plan.decisions]}
@@ -226,6 +230,7 @@ class _DirRun:
     def report(self, result) -> dict:
         report = build_report(self.model_name, result, self.calib, self.device)
         report["streaming"] = self.stream_note
+        report["rotated"] = self.rotated
         report["resumed_from_block"] = self.point.blocks_done if self.point is not None else 0
         if self.plan is not None:
             report["plan"] = self.plan.to_dict()
@@ -238,11 +243,12 @@ def load_stage(job: _DirRun, stream: bool | str) -> None:
     (``models.open_streaming``), so the run holds about one block plus the calibration activations and the
     non-block tensors; other sources (tiny models built in code, .bin checkpoints) are loaded whole in their own
     dtype."""
+    job.load_name = rotation_source(job)
     if job.needs.whole_model:
         stream, job.stream_note = False, f"off: {job.whole_model_reason(short=True)}"
     if stream is not False:
         try:
-            job.source = open_streaming(job.model_name)
+            job.source = open_streaming(job.load_name)
             job.stream_note = "on"
         except NotStreamable as exc:
             if stream is True:
@@ -251,7 +257,30 @@ def load_stage(job: _DirRun, stream: bool | str) -> None:
     if job.source is not None:
         job.model, job.tok = job.source.model, job.source.tokenizer
     else:
-        job.model, job.tok = load_model(job.model_name, dtype="auto")
+        job.model, job.tok = load_model(job.load_name, dtype="auto")
+        if job.load_name == job.model_name and rotates(_rotate_mode(job), job.model.config.model_type):
+            rotate_model_(job.model, job.config.seed)
+            job.rotated = True
+
+
+def _rotate_mode(job: _DirRun) -> bool | str:
+    return getattr(job.config, "rotate", False)
+
+
+def rotation_source(job: _DirRun) -> str:
+    """What the run loads. With ``rotate`` (quant/rotate.py), a model stored as a dense directory is rewritten
+    once into a rotated copy under the cache, which the run streams or loads like any model; a model built in code
+    is rotated after loading (``load_stage``). The checkpoint still names ``model_name`` its source, so evaluation
+    compares it with the model the user chose."""
+    mode = _rotate_mode(job)
+    directory = model_directory(job.model_name) if mode is not False else None
+    if directory is None:
+        return job.model_name
+    family = json.loads((directory / "config.json").read_text()).get("model_type")
+    if not rotates(mode, family):
+        return job.model_name
+    job.rotated = True
+    return str(rotated_dir(directory, job.config.seed, cache_dir() / "rotated"))
 
 
 def plan_stage(job: _DirRun) -> None:
@@ -363,7 +392,9 @@ def original_for(job: _DirRun):
     stage before distillation changes, so they are in memory once."""
     from .quant.student import share_outer_weights  # the training's modules load when a run distils
 
-    reference = load_model(job.model_name, dtype="auto")[0]
+    reference = load_model(job.load_name or job.model_name, dtype="auto")[0]
+    if job.rotated and job.load_name == job.model_name:  # rotated in memory
+        rotate_model_(reference, job.config.seed)
     if torch.device(job.device).type == "cpu":
         share_outer_weights(reference, job.model)
     return reference

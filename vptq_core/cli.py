@@ -73,12 +73,25 @@ def _add_setting_flag(group, name: str, setting: Setting) -> None:
                            help=text)
     elif setting.kind == "choice" and all(isinstance(c, str) for c in setting.choices):
         group.add_argument(setting.flag, dest=name, choices=list(setting.choices), help=text)
+    elif setting.kind == "choice" and any(isinstance(c, bool) for c in setting.choices):
+        words = {json.dumps(c) if isinstance(c, bool) else str(c): c for c in setting.choices}
+        group.add_argument(setting.flag, dest=name, type=_choice_word(words), metavar="{" + ",".join(words) + "}",
+                           help=text)
     else:  # numbers, and choices of numbers (the config names the allowed ones)
         kind = type(setting.choices[0]) if setting.kind == "choice" else _FLAG_TYPES[setting.kind]
         group.add_argument(setting.flag, dest=name, type=kind, help=text)
 
 
 _FLAG_TYPES = {"int": int, "pow2": int, "float": float, "text": str}
+
+
+def _choice_word(words: dict):
+    """The flag type of a choice that mixes bools and words (``true``, ``false``, ``auto``): the word's value."""
+    def parse(text: str):
+        if text not in words:
+            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(words)}")
+        return words[text]
+    return parse
 
 
 HEAD_BITS_CHOICES = ["auto", "0", "4", "8"]

@@ -70,7 +70,7 @@ FLAGS = {
     "--layer-bits-cap": ("layer_bits_cap", "float"), "--bits-budget": ("bits_budget", "float"),
     "--allocation": ("allocation", "choice:cap,sensitivity"), "--no-second-order": ("second_order", "false"),
     "--distill-iters": ("distill_iters", "int"), "--distill-data": ("distill_data", "choice:calibration,sampled,mixed"),
-    "--calib-sampled-share": ("calib_sampled_share", "float"), "--time-budget": ("time_budget", "float"),
+    "--calib-sampled-share": ("calib_sampled_share", "float"), "--rotate": ("rotate", "words:false,true,auto"), "--time-budget": ("time_budget", "float"),
     "--time-budget-scale": ("time_budget_scale", "choice:fixed,model"),
     "--distill-lr": ("distill_lr", "float"), "--bits": ("bits", "int"), "--group-size": ("group_size", "int"),
     "--no-act-order": ("act_order", "false"), "--rank": ("rank", "int"), "--lr": ("lr", "float"),
@@ -104,6 +104,12 @@ def test_setting_flags_keep_their_names_destinations_and_meanings():
             assert getattr(quantize_args(flag), dest) is True and getattr(quantize_args(no_flag), dest) is False
         elif kind in ("true", "false"):
             assert getattr(quantize_args(flag), dest) is (kind == "true")
+        elif kind.startswith("words:"):  # a choice of bools and words, written as JSON writes the bools
+            for word in kind.removeprefix("words:").split(","):
+                assert getattr(quantize_args(flag, word), dest) == {"true": True, "false": False}.get(word, word)
+            for bad in ("bogus", "True", "1"):
+                with pytest.raises(SystemExit):
+                    quantize_args(flag, bad)
         else:
             for choice in kind.removeprefix("choice:").split(","):
                 assert getattr(quantize_args(flag, choice), dest) == choice

@@ -201,7 +201,8 @@ def test_builtin_form_layout_comes_from_the_declarations():
               "distillation lr (VPTQ: × the codebooks' RMS)",
               "time budget (s for the whole run, distillation fits in; 0 = none)", "time budget scale"]],
              ("vptq", "gptq", "rtn", "lrq")),
-        "calibration": ([["self-written calibration share (0..1, written by the model)", "seed (0..2^64 - 1)"]],
+        "calibration": ([["self-written calibration share (0..1, written by the model)",
+                             "rotate the residual stream (auto = where the family allows)", "seed (0..2^64 - 1)"]],
                         ("vptq", "gptq", "rtn", "lrq")),
     }
     fields = {f.key: f for g in form.form_groups() for f in g.fields}

@@ -184,6 +184,16 @@ class DistillSettings(ConfigBase):
                                      help="fixed = time_budget seconds whatever the model; model = time_budget for "
                                      "a 135M-parameter model, times sqrt(parameters / 135M), at most 2x, for a "
                                      "larger one (the presets)")
+    # The residual stream turned by a random orthogonal matrix (seeded by ``seed``) before anything else, every norm
+    # folded into the linears it feeds (quant/rotate.py): the same function, a plain checkpoint with its own head.
+    # "auto" rotates the families it can and leaves the others as they are (the presets' choice: a preset holds on
+    # any model); True refuses a family it cannot rotate.
+    rotate: bool | str = setting(False, choices=(False, True, "auto"), label="rotate the residual stream",
+                                 hint="auto = where the family allows", group=CALIB_GROUP,
+                                 help="turn the residual stream by a random orthogonal matrix before quantizing "
+                                 "(norms folded into the linears; the model computes the same, its channels no "
+                                 "longer carry outliers; the LM head is then stored apart from the embedding): "
+                                 "true (llama, mistral, qwen2, qwen3), false, or auto = where the family allows")
     # The CLI's --seed seeds the calibration windows too: it is a flag of its own, not this setting's.
     seed: int = setting(0, lo=0, label="seed", hint="0..2^64 - 1", group=CALIB_GROUP, cli=False,
                         help="random seed of the method")

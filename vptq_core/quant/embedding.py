@@ -147,16 +147,23 @@ def quantize_embeddings(model: nn.Module, head_inputs: torch.Tensor | None, meth
     return out
 
 
+def untie_head(model: nn.Module, weight: torch.Tensor) -> None:
+    """Give a tied model's LM head a weight of its own (``weight``), and tell the config and transformers (which
+    would tie it again, and checkpoint writers, which would leave it out) that it is no longer tied."""
+    head = model.get_output_embeddings()
+    head.weight = nn.Parameter(weight, requires_grad=False)
+    model.config.tie_word_embeddings = False
+    if hasattr(model, "all_tied_weights_keys"):
+        model.all_tied_weights_keys = {}
+
+
 def apply_fake(model: nn.Module, result: EmbeddingResult) -> None:
     """Put the dequantized head / embedding weights into ``model`` (a fake-quantized model). A tied model
     whose head alone was quantized is untied first: its embedding keeps the original rows."""
     head_name, embed_name, tied = head_and_embedding_names(model)
     head, embed = model.get_submodule(head_name), model.get_submodule(embed_name)
     if tied and head_name in result.results and embed_name not in result.results:
-        head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
-        model.config.tie_word_embeddings = False
-        if hasattr(model, "all_tied_weights_keys"):
-            model.all_tied_weights_keys = {}
+        untie_head(model, head.weight.detach().clone())
     for name, module in ((head_name, head), (embed_name, embed)):
         r = result.results.get(name)
         if isinstance(r, QuantResult):
