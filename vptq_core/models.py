@@ -68,7 +68,7 @@ _CHATML = (
 
 
 def cache_dir() -> Path:
-    """Where dense copies of GGUF models are cached (``VPTQ_CORE_CACHE`` overrides)."""
+    """Where dense copies of GGUF models and rotated models are cached (``VPTQ_CORE_CACHE`` overrides)."""
     root = os.environ.get("VPTQ_CORE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "vptq_core"
     )

@@ -40,9 +40,9 @@ ROTATABLE = ("llama", "mistral", "qwen2", "qwen3")
 ROTATION_FORMAT = 1  # bumped when the rewrite changes, so that cached directories of an older one are not reused
 
 _BLOCK = re.compile(r"^(?P<prefix>.*\.layers\.\d+\.)(?P<rest>.+)$")
-_READS = {"self_attn.q_proj.weight": "input_layernorm.weight", "self_attn.k_proj.weight": "input_layernorm.weight",
-          "self_attn.v_proj.weight": "input_layernorm.weight", "mlp.gate_proj.weight": "post_attention_layernorm.weight",
-          "mlp.up_proj.weight": "post_attention_layernorm.weight"}
+_READS = {**dict.fromkeys(("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+                          "input_layernorm.weight"),
+          **dict.fromkeys(("mlp.gate_proj.weight", "mlp.up_proj.weight"), "post_attention_layernorm.weight")}
 _WRITES = ("self_attn.o_proj.", "mlp.down_proj.")
 _NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
 EMBED, HEAD, FINAL_NORM = "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"
