@@ -152,3 +152,18 @@ def test_auto_leaves_a_family_it_cannot_rotate_as_it_is(tmp_path, calib, monkeyp
                                        tmp_path / "g")
     assert summary["rotated"] is False
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+def test_qwen3_with_its_head_norms_is_rotated_to_the_same_function():
+    """Qwen3 normalises q and k per head after the projections: untouched by a rotation of their inputs."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(vocab_size=259, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, num_hidden_layers=2, tie_word_embeddings=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = _with_norms(AutoModelForCausalLM.from_config(config).eval())
+    before = _logits(model)
+    rotate.rotate_model_(model, seed=1)
+    assert not torch.equal(model.model.layers[0].self_attn.q_norm.weight, torch.ones(16))  # kept, not folded
+    torch.testing.assert_close(_logits(model), before, atol=2e-4, rtol=1e-4)
