@@ -15,7 +15,7 @@ from .data import DEFAULT_EVAL_SPLIT, EVAL_SPLITS, TEXTS
 from .divergence_cli import add_diff_parser, cmd_diff
 from .quant import methods
 from .quant.config import CALIB_GROUP, GROUPS, CalibConfig
-from .quant.settings import Setting, grouped, parse_assignment
+from .quant.settings import Setting, flag_word, grouped, parse_assignment
 
 DESCRIPTION = "Extreme low-bit quantization of LLMs (VPTQ, LRQ, GPTQ, RTN)."
 
@@ -74,7 +74,7 @@ def _add_setting_flag(group, name: str, setting: Setting) -> None:
     elif setting.kind == "choice" and all(isinstance(c, str) for c in setting.choices):
         group.add_argument(setting.flag, dest=name, choices=list(setting.choices), help=text)
     elif setting.kind == "choice" and any(isinstance(c, bool) for c in setting.choices):
-        words = {json.dumps(c) if isinstance(c, bool) else str(c): c for c in setting.choices}
+        words = {flag_word(c): c for c in setting.choices}
         group.add_argument(setting.flag, dest=name, type=_choice_word(words), metavar="{" + ",".join(words) + "}",
                            help=text)
     else:  # numbers, and choices of numbers (the config names the allowed ones)

@@ -84,24 +84,23 @@ def rotated_tensors(names: Iterable[str], get: Callable[[str], torch.Tensor], ro
         names.append(HEAD)
 
     def f64(name: str) -> torch.Tensor:
-        return get(EMBED if tied and name == HEAD else name).to(torch.float64)
+        return get(name).to(torch.float64)
 
     for name in names:
-        source = get(EMBED if tied and name == HEAD else name)
+        source = get(EMBED if tied and name == HEAD else name)  # each tensor read once, plus the norms it folds
+        x = source.to(torch.float64)
         block = _BLOCK.match(name)
         rest = block["rest"] if block else ""
-        if name == EMBED:
-            out = f64(name) @ q
+        if name == EMBED or (rest.startswith(_WRITES) and rest.endswith(".bias")):
+            out = x @ q
         elif name == HEAD:
-            out = (f64(name) * f64(FINAL_NORM)) @ q
+            out = (x * f64(FINAL_NORM)) @ q
         elif name == FINAL_NORM or rest in _NORMS:
-            out = torch.ones_like(source, dtype=torch.float64)
+            out = torch.ones_like(x)
         elif rest in _READS:
-            out = (f64(name) * f64(block["prefix"] + _READS[rest])) @ q
+            out = (x * f64(block["prefix"] + _READS[rest])) @ q
         elif rest.startswith(_WRITES) and rest.endswith(".weight"):
-            out = q.T @ f64(name)
-        elif rest.startswith(_WRITES) and rest.endswith(".bias"):
-            out = f64(name) @ q
+            out = q.T @ x
         else:
             yield name, source
             continue

@@ -49,9 +49,14 @@ def check_float(name: str, value, lo: float, hi: float, lo_open: bool = False) -
 
 def _word(choice) -> str:
     """A choice as an error message names it: JSON's true/false for bools, the repr otherwise."""
+    return flag_word(choice) if isinstance(choice, bool) else repr(choice)
+
+
+def flag_word(choice) -> str:
+    """A choice as the command line and the form's dropdown write it: JSON's true/false for bools, else str."""
     if isinstance(choice, bool):
         return "true" if choice else "false"
-    return repr(choice)
+    return str(choice)
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,12 @@ choice. The layout (groups, rows) and the labels are the form's; nothing here na
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
 import gradio as gr
 
+from ..quant.settings import flag_word
 from . import form
 
 
@@ -19,7 +19,7 @@ def field_component(field: form.FormField, value: Any) -> gr.components.Componen
     if field.kind == "bool":
         return gr.Checkbox(value, label=field.title)
     if field.kind == "choice" and any(isinstance(c, bool) for c in field.choices):  # shown as the CLI writes them
-        return gr.Dropdown([(json.dumps(c) if isinstance(c, bool) else str(c), c) for c in field.choices],
+        return gr.Dropdown([(flag_word(c), c) for c in field.choices],
                            value=value, label=field.title)
     if field.kind == "choice":
         return gr.Dropdown(list(field.choices), value=value, label=field.title)
